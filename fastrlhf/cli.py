@@ -1,0 +1,48 @@
+"""`fastrlhf sft|rm|ppo|pipeline|bench|estimate`.
+
+Each subcommand lives in its own module, which exposes `main(argv: list[str]) -> int`;
+this file only dispatches, so `fastrlhf --help` stays fast (no model code imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "sft": ("fastrlhf.sft", "supervised fine-tuning on prompt/response pairs"),
+    "rm": ("fastrlhf.reward", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
+    "ppo": ("fastrlhf.ppo", "PPO with a shared actor-critic and a LoRA-disabled reference"),
+    "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO in a row (the embedded default with no arguments)"),
+    "bench": ("fastrlhf.bench", "roofline benchmark of every kernel against PyTorch and the peers"),
+    "estimate": ("fastrlhf.estimate", "memory / FLOPs / time / cost of each RLHF stage and PPO phase"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: fastrlhf COMMAND [options]   (fastrlhf COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from fastrlhf import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"fastrlhf: unknown command {name!r}; expected one of {', '.join(COMMANDS)}\n", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Plain PyTorch ground truth for every fastrlhf op.
+
+Readable, no tricks, no fusion: each function computes in the dtype of its floating-point
+inputs (pass float64 for the ground truth; pass bf16 to measure what plain PyTorch in
+bf16 gets wrong). Conventions are those of the op contract in DESIGN.md (verl's
+`core_algos` by default, OpenRLHF's where an option says so). Imports only torch.
+
+Shapes: B sequences, T tokens, V vocab, H hidden. `mask` is bool or float [B, T].
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+MASK_MODES = ("skip", "zero")
+LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp, as verl
+WHITEN_EPS = 1e-8
+
+
+# ---------------------------------------------------------------- log-probs / entropy
+
+
+def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100):
+    """logp[..] = log softmax(logits / temperature)[label]; entropy = -sum p log p.
+
+    `labels == ignore_index` gives logp 0; a label outside [0, V) gives NaN.
+    The entropy is computed for every position (ignored or not).
+    """
+    z = logits / temperature
+    logsm = torch.log_softmax(z, dim=-1)
+    V = logits.shape[-1]
+    ignored = labels == ignore_index
+    valid = (labels >= 0) & (labels < V)
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    lp = logsm.gather(-1, safe.unsqueeze(-1).long()).squeeze(-1)
+    lp = torch.where(valid, lp, torch.full_like(lp, float("nan")))
+    lp = torch.where(ignored, torch.zeros_like(lp), lp)
+    if not return_entropy:
+        return lp
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    return lp, entropy
+
+
+def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False,
+                    ignore_index=-100):
+    """`logprobs(hidden @ weight.T + bias, labels, ...)` with the logits materialised."""
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    return logprobs(logits, labels, temperature=temperature, return_entropy=return_entropy,
+                    ignore_index=ignore_index)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
+    """Per-token KL estimate with r = logp - ref_logp.
+
+    k1 = r; k2 = r^2 / 2; k3 = exp(-r) - 1 + r with r clamped to +-20 inside exp;
+    abs = |r|. Aliases: kl = k1, mse = k2, low_var_kl = k3. `clamp` clamps the output
+    to [-clamp, clamp] (verl clamps low_var_kl to 10, OpenRLHF every estimator to 10).
+    """
+    name = KL_ESTIMATORS[estimator]
+    r = logp - ref_logp
+    if name == "k1":
+        kl = r
+    elif name == "k2":
+        kl = 0.5 * r * r
+    elif name == "k3":
+        kl = torch.exp(-r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + r
+    else:
+        kl = r.abs()
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl
+
+
+def kl_shaped_rewards(scores, logp, ref_logp, mask, *, kl_coef, estimator="k1", clamp=None):
+    """rewards[b, t] = -kl_coef * KL[b, t] on response tokens, plus scores[b] on the last
+    mask=1 token of row b; 0 where mask = 0. A row with no response token gets nothing."""
+    m = mask.to(logp.dtype)
+    rewards = -kl_coef * token_kl(logp, ref_logp, estimator=estimator, clamp=clamp) * m
+    T = mask.shape[-1]
+    has_token = m.sum(-1) > 0
+    positions = torch.arange(T, device=mask.device).expand_as(m)
+    last = torch.where(m > 0, positions, torch.full_like(positions, -1)).max(-1).values
+    for b in range(mask.shape[0]):
+        if has_token[b]:
+            rewards[b, last[b]] += scores[b].to(rewards.dtype)
+    return rewards
+
+
+# ---------------------------------------------------------------- whitening and GAE
+
+
+def whiten(x, mask, *, unbiased=True, shift_mean=True):
+    """Masked whitening: (x - mean) / sqrt(var + 1e-8) over the mask=1 entries.
+
+    var is the masked variance, times n / (n - 1) when `unbiased` and n > 1.
+    With `shift_mean=False` the mean is added back. 0 where mask = 0; all zeros when the
+    mask is empty.
+    """
+    m = mask.to(x.dtype)
+    n = m.sum()
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = (x * m).sum() / n
+    var = ((x - mean) ** 2 * m).sum() / n
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=True):
+    """Generalised advantage estimation over [B, T]; returns (advantages, returns).
+
+    "skip" (verl): masked tokens are skipped, the recursion carries across them:
+        delta_t = r_t + gamma * V_next - V_t,  A_t = delta_t + gamma * lam * A_next
+        where V_next / A_next are those of the next mask=1 token (0 past the end).
+    "zero" (OpenRLHF): rewards and values are zeroed under the mask and the recursion
+        runs through every position: V_next = V_{t+1}, A_next = A_{t+1}.
+    returns = raw advantages + values; advantages are then whitened (masked, unbiased)
+    if `whiten`. Both outputs are 0 where mask = 0.
+    """
+    m = mask.to(rewards.dtype)
+    B, T = rewards.shape
+    if mask_mode == "zero":
+        rewards = rewards * m
+        values = values * m
+    next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    next_adv = torch.zeros_like(next_value)
+    adv = torch.zeros_like(rewards)
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        if mask_mode == "skip":
+            mt = m[:, t]
+            next_value = values[:, t] * mt + next_value * (1 - mt)
+            next_adv = a * mt + next_adv * (1 - mt)
+        else:
+            next_value = values[:, t]
+            next_adv = a
+        adv[:, t] = a
+    returns = (adv + values) * m
+    adv = adv * m
+    if whiten:
+        adv = globals()["whiten"](adv, m)
+    return adv, returns
+
+
+# ---------------------------------------------------------------- PPO losses
+
+
+def agg_loss(loss_mat, mask, agg="token-mean", global_num_tokens=None):
+    """verl's aggregation of a [B, T] loss matrix into a scalar.
+
+    token-mean: sum(l * m) / (global_num_tokens or sum(m)).
+    seq-mean-token-sum: mean over the B rows of sum_t(l * m).
+    seq-mean-token-mean: mean over the rows with at least one token of sum_t(l * m) / n_b.
+    seq-mean-token-sum-norm: sum(l * m) / T (Dr. GRPO).
+    An empty mask gives 0.
+    """
+    m = mask.to(loss_mat.dtype)
+    if loss_mat.dim() == 1:
+        loss_mat, m = loss_mat.unsqueeze(0), m.unsqueeze(0)
+    masked = loss_mat * m
+    zero = masked.sum() * 0
+    if agg == "token-mean":
+        n = m.sum() if global_num_tokens is None else torch.tensor(float(global_num_tokens), dtype=m.dtype)
+        return masked.sum() / n if n > 0 else zero
+    if agg == "seq-mean-token-sum":
+        return masked.sum(-1).mean() if masked.shape[0] > 0 else zero
+    if agg == "seq-mean-token-mean":
+        n_b = m.sum(-1)
+        nonempty = n_b > 0
+        if not nonempty.any():
+            return zero
+        return (masked.sum(-1)[nonempty] / n_b[nonempty]).mean()
+    if agg == "seq-mean-token-sum-norm":
+        return masked.sum() / loss_mat.shape[-1] if loss_mat.shape[-1] > 0 else zero
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+
+
+def masked_mean(x, mask):
+    m = mask.to(x.dtype)
+    n = m.sum()
+    return (x * m).sum() / n if n > 0 else (x * m).sum() * 0
+
+
+def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None,
+                agg="token-mean", global_num_tokens=None):
+    """verl's vanilla clipped surrogate; returns (loss, stats).
+
+    log_ratio = clamp(logp - old_logp, -20, 20), ratio = exp(log_ratio)
+    l1 = -A * ratio, l2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high), l = max(l1, l2)
+    dual-clip (c > 1), for A < 0 only: l = min(l, -A * c)
+    stats: clipfrac = mean(l2 > l1), clipfrac_lower = mean(l > -A c and A < 0),
+    approx_kl = mean(-log_ratio), all masked means over the local tokens.
+    """
+    clip_high = clip_low if clip_high is None else clip_high
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clipped = torch.maximum(l1, l2)
+    stats = {
+        "clipfrac": masked_mean((l2 > l1).to(logp.dtype), mask),
+        "approx_kl": masked_mean(-log_ratio, mask),
+    }
+    if dual_clip is not None:
+        l3 = -advantages * dual_clip
+        losses = torch.where(advantages < 0, torch.minimum(clipped, l3), clipped)
+        lower = (clipped > l3) & (advantages < 0)
+        stats["clipfrac_lower"] = masked_mean(lower.to(logp.dtype), mask)
+    else:
+        losses = clipped
+        stats["clipfrac_lower"] = masked_mean(torch.zeros_like(logp), mask)
+    return agg_loss(losses, mask, agg, global_num_tokens), stats
+
+
+def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None):
+    """0.5 * agg(max((v - R)^2, (v_clipped - R)^2)), v_clipped = old + clamp(v - old, -clip, clip).
+
+    `clip=None` disables clipping. stats: clipfrac = masked mean of (clipped loss > plain loss).
+    """
+    l1 = (values - returns) ** 2
+    if clip is None:
+        losses, frac = l1, torch.zeros_like(l1)
+    else:
+        v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+        l2 = (v_clipped - returns) ** 2
+        losses, frac = torch.maximum(l1, l2), (l2 > l1).to(values.dtype)
+    loss = 0.5 * agg_loss(losses, mask, agg, global_num_tokens)
+    return loss, {"clipfrac": masked_mean(frac, mask)}
+
+
+def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0,
+                   kl_estimator="k3", entropy_coef=0.0, temperature=1.0, clip_low=0.2, clip_high=None,
+                   dual_clip=None, agg="token-mean", global_num_tokens=None):
+    """The whole actor loss from logits:
+    policy_loss(logp) + kl_coef * agg(KL(logp, ref_logp)) - entropy_coef * agg(entropy).
+
+    Returns (loss, stats): the policy stats plus `pg_loss`, `entropy` (masked mean) and,
+    with a reference, `kl` (masked mean).
+    """
+    logp, entropy = logprobs(logits, labels, temperature=temperature, return_entropy=True)
+    pg, stats = policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                            dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens)
+    loss = pg
+    stats = dict(stats, pg_loss=pg, entropy=masked_mean(entropy, mask))
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * agg_loss(entropy, mask, agg, global_num_tokens)
+    if ref_logp is not None:
+        kl = token_kl(logp, ref_logp, estimator=kl_estimator)
+        stats["kl"] = masked_mean(kl, mask)
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * agg_loss(kl, mask, agg, global_num_tokens)
+    return loss, stats

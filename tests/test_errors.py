@@ -1,0 +1,202 @@
+"""Bad input gets a clear error naming the argument; edge cases give finite, empty or NaN
+results as the op contract says, on both backends."""
+
+import pytest
+import torch
+
+from fastrlhf import ops
+
+B, T, V = 3, 7, 11
+
+
+def _lp():
+    return torch.randn(B, T)
+
+
+def _mask():
+    return torch.rand(B, T) > 0.3
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_logits_rejected(dtype):
+    with pytest.raises(TypeError, match="logits"):
+        ops.logprobs(torch.zeros(B, T, V, dtype=dtype), torch.zeros(B, T, dtype=torch.long))
+
+
+def test_float_labels_rejected():
+    with pytest.raises(TypeError, match="labels"):
+        ops.logprobs(torch.randn(B, T, V), torch.zeros(B, T))
+
+
+def test_label_shape_mismatch():
+    with pytest.raises(ValueError, match="labels must have shape"):
+        ops.logprobs(torch.randn(B, T, V), torch.zeros(B, T + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_non_positive_temperature(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        ops.logprobs(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), temperature=temperature)
+
+
+def test_nan_temperature():
+    with pytest.raises(TypeError, match="temperature"):
+        ops.logprobs(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), temperature=float("nan"))
+
+
+def test_out_of_range_labels_give_nan(backend):
+    logits = torch.randn(B, T, V)
+    labels = torch.randint(0, V, (B, T))
+    labels[0, 0], labels[1, 2], labels[2, 3] = V, -5, 10**9
+    logp = ops.logprobs(logits, labels)
+    bad = torch.zeros(B, T, dtype=torch.bool)
+    bad[0, 0] = bad[1, 2] = bad[2, 3] = True
+    assert torch.isnan(logp[bad]).all(), "a label outside [0, V) must give NaN"
+    assert torch.isfinite(logp[~bad]).all()
+
+
+def test_empty_batch_logprobs(backend):
+    logp, ent = ops.logprobs(torch.randn(0, T, V), torch.zeros(0, T, dtype=torch.long), return_entropy=True)
+    assert logp.shape == (0, T) and ent.shape == (0, T) and logp.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_unknown_estimator():
+    with pytest.raises(ValueError, match="estimator"):
+        ops.token_kl(_lp(), _lp(), estimator="k4")
+
+
+def test_kl_shape_mismatch():
+    with pytest.raises(ValueError, match="ref_logp"):
+        ops.token_kl(_lp(), torch.randn(B, T + 1))
+
+
+def test_kl_integer_input():
+    with pytest.raises(TypeError, match="ref_logp"):
+        ops.token_kl(_lp(), torch.zeros(B, T, dtype=torch.long))
+
+
+def test_kl_negative_clamp():
+    with pytest.raises(ValueError, match="clamp"):
+        ops.token_kl(_lp(), _lp(), clamp=-1.0)
+
+
+def test_kl_shaped_rewards_scores_shape():
+    with pytest.raises(ValueError, match="scores"):
+        ops.kl_shaped_rewards(torch.randn(B + 1), _lp(), _lp(), _mask(), kl_coef=0.1)
+
+
+def test_kl_shaped_rewards_mask_shape():
+    with pytest.raises(ValueError, match="mask"):
+        ops.kl_shaped_rewards(torch.randn(B), _lp(), _lp(), torch.ones(B, T - 1), kl_coef=0.1)
+
+
+# ---------------------------------------------------------------- GAE / whitening
+
+
+def test_unknown_mask_mode():
+    with pytest.raises(ValueError, match="mask_mode"):
+        ops.gae(_lp(), _lp(), _mask(), mask_mode="drop")
+
+
+def test_gae_shape_mismatch():
+    with pytest.raises(ValueError, match="values"):
+        ops.gae(_lp(), torch.randn(B, T + 2), _mask())
+    with pytest.raises(ValueError, match="mask"):
+        ops.gae(_lp(), _lp(), torch.ones(B + 1, T))
+
+
+def test_gae_negative_gamma():
+    with pytest.raises(ValueError, match="gamma"):
+        ops.gae(_lp(), _lp(), _mask(), gamma=-0.1)
+
+
+def test_all_masked_gae_is_finite(backend):
+    adv, ret = ops.gae(_lp(), _lp(), torch.zeros(B, T, dtype=torch.bool))
+    assert torch.equal(adv, torch.zeros(B, T)) and torch.equal(ret, torch.zeros(B, T))
+
+
+def test_empty_gae(backend):
+    adv, ret = ops.gae(torch.randn(0, T), torch.randn(0, T), torch.ones(0, T))
+    assert adv.shape == (0, T) and ret.shape == (0, T)
+
+
+def test_whiten_mask_shape():
+    with pytest.raises(ValueError, match="mask"):
+        ops.whiten(_lp(), torch.ones(T))
+
+
+# ---------------------------------------------------------------- losses
+
+
+def test_unknown_agg():
+    with pytest.raises(ValueError, match="agg"):
+        ops.policy_loss(_lp(), _lp(), _lp(), _mask(), agg="mean")
+    with pytest.raises(ValueError, match="agg"):
+        ops.value_loss(_lp(), _lp(), _lp(), _mask(), agg="sum")
+
+
+@pytest.mark.parametrize("kw", [{"clip_low": -0.1}, {"clip_high": -0.2}])
+def test_negative_clip_ranges(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        ops.policy_loss(_lp(), _lp(), _lp(), _mask(), **kw)
+
+
+def test_negative_value_clip():
+    with pytest.raises(ValueError, match="clip"):
+        ops.value_loss(_lp(), _lp(), _lp(), _mask(), clip=-0.2)
+
+
+def test_dual_clip_must_exceed_one():
+    with pytest.raises(ValueError, match="dual_clip"):
+        ops.policy_loss(_lp(), _lp(), _lp(), _mask(), dual_clip=0.9)
+
+
+def test_loss_shape_mismatch():
+    with pytest.raises(ValueError, match="advantages"):
+        ops.policy_loss(_lp(), _lp(), torch.randn(B, T + 1), _mask())
+    with pytest.raises(ValueError, match="returns"):
+        ops.value_loss(_lp(), _lp(), torch.randn(B + 1, T), _mask())
+    with pytest.raises(ValueError, match="mask"):
+        ops.policy_loss(_lp(), _lp(), _lp(), torch.ones(B, T + 1))
+
+
+def test_global_num_tokens_only_with_token_mean():
+    with pytest.raises(ValueError, match="global_num_tokens"):
+        ops.policy_loss(_lp(), _lp(), _lp(), _mask(), agg="seq-mean-token-sum", global_num_tokens=10)
+
+
+def test_actor_loss_old_logp_shape():
+    with pytest.raises(ValueError, match="old_logp"):
+        ops.ppo_actor_loss(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), torch.randn(B, T - 1),
+                           _lp(), _mask())
+
+
+def test_unknown_backend(monkeypatch):
+    monkeypatch.setenv("FASTRLHF_BACKEND", "cuda-please")
+    with pytest.raises(ValueError, match="FASTRLHF_BACKEND"):
+        ops.token_kl(_lp(), _lp())
+
+
+@pytest.mark.parametrize("agg", ops.AGG_MODES)
+def test_all_masked_losses_are_finite(backend, agg):
+    mask = torch.zeros(B, T)
+    logp = _lp().requires_grad_()
+    values = _lp().requires_grad_()
+    pl, pstats = ops.policy_loss(logp, _lp(), _lp(), mask, agg=agg, dual_clip=3.0)
+    vl, vstats = ops.value_loss(values, _lp(), _lp(), mask, agg=agg)
+    (pl + vl).backward()
+    for x in (pl, vl, *pstats.values(), *vstats.values(), logp.grad, values.grad):
+        assert torch.isfinite(x).all()
+    assert pl.item() == 0.0 and vl.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros(B, T))
+
+
+def test_empty_losses(backend):
+    loss, stats = ops.policy_loss(torch.randn(0, T), torch.randn(0, T), torch.randn(0, T), torch.ones(0, T))
+    assert loss.item() == 0.0 and all(torch.isfinite(v) for v in stats.values())
