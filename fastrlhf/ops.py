@@ -304,7 +304,8 @@ def kl_shaped_rewards(scores, logp, ref_logp, mask, *, kl_coef, estimator="k1", 
 
 def whiten(x, mask, *, unbiased=True, shift_mean=True):
     """Masked whitening (x - mean) / sqrt(var + 1e-8) over the mask=1 entries (unbiased
-    variance by default); `shift_mean=False` adds the mean back. 0 where mask = 0."""
+    variance by default); `shift_mean=False` adds the mean back. 0 where mask = 0; any
+    non-zero mask entry counts as 1."""
     _check_float("x", x)
     _check_mask(mask, x.shape, "x")
     with torch.no_grad():
@@ -314,7 +315,7 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True):
             out = _kernels("gae").whiten_fwd(_as_rows(x), _as_rows(mask), unbiased=bool(unbiased),
                                              shift_mean=bool(shift_mean))
             return out.view(x.shape)
-        return ref.whiten(_f32(x), mask, unbiased=unbiased, shift_mean=shift_mean)
+        return ref.whiten(_f32(x), mask != 0, unbiased=unbiased, shift_mean=shift_mean)
 
 
 def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=True):
@@ -323,7 +324,8 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
     mask_mode "skip" (verl): masked tokens are skipped and the recursion carries across them;
     "zero" (OpenRLHF): rewards and values are zeroed under the mask and discounting runs
     through gaps. returns = raw advantages + values; advantages are whitened (masked,
-    unbiased) when `whiten`. Both are 0 where mask = 0. No gradient.
+    unbiased) when `whiten`. Both are 0 where mask = 0. No gradient. The mask selects
+    tokens: any non-zero entry counts as 1 (it is not a weight).
     """
     _check_float("rewards", rewards)
     _check_float("values", values)
@@ -341,7 +343,7 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
         if _use_triton(rewards):
             return _kernels("gae").gae_fwd(rewards.contiguous(), values.contiguous(), mask.contiguous(),
                                            gamma=gamma, lam=lam, mask_mode=mask_mode, whiten=bool(whiten))
-        return ref.gae(_f32(rewards), _f32(values), mask, gamma=gamma, lam=lam, mask_mode=mask_mode,
+        return ref.gae(_f32(rewards), _f32(values), mask != 0, gamma=gamma, lam=lam, mask_mode=mask_mode,
                        whiten=whiten)
 
 
@@ -468,7 +470,7 @@ class _ValueLoss(torch.autograd.Function):
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None):
     """Clipped value loss 0.5 * agg(max((v - R)^2, (v_clipped - R)^2)),
-    v_clipped = old_values + clamp(v - old_values, -clip, clip) (`clip=None`: no clipping).
+    v_clipped = clamp(v, old_values - clip, old_values + clip) (`clip=None`: no clipping).
     Returns (loss, stats) with stats `clipfrac`."""
     for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
         _check_float(name, x)
@@ -490,7 +492,7 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
     if clip is None:
         losses, clipped = l1, torch.zeros_like(l1, dtype=torch.bool)
     else:
-        l2 = (ov + (v - ov).clamp(-clip, clip) - ret) ** 2
+        l2 = (torch.clamp(v, ov - clip, ov + clip) - ret) ** 2
         losses, clipped = torch.maximum(l1, l2), l2 > l1
     mf = m.to(losses.dtype)
     loss = 0.5 * (scale.to(losses.dtype).unsqueeze(1) * mf * losses).sum()

@@ -225,7 +225,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None):
-    """0.5 * agg(max((v - R)^2, (v_clipped - R)^2)), v_clipped = old + clamp(v - old, -clip, clip).
+    """0.5 * agg(max((v - R)^2, (v_clipped - R)^2)), v_clipped = clamp(v, old - clip, old + clip)
+    (verl's form: v comes back bit-exact inside the range, so rounding never counts as clipping).
 
     `clip=None` disables clipping. stats: clipfrac = masked mean of (clipped loss > plain loss).
     """
@@ -233,7 +234,7 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
     if clip is None:
         losses, frac = l1, torch.zeros_like(l1)
     else:
-        v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+        v_clipped = torch.clamp(values, old_values - clip, old_values + clip)
         l2 = (v_clipped - returns) ** 2
         losses, frac = torch.maximum(l1, l2), (l2 > l1).to(values.dtype)
     loss = 0.5 * agg_loss(losses, mask, agg, global_num_tokens)

@@ -1,0 +1,232 @@
+"""Token-level KL estimators and KL-shaped rewards.
+
+With r = logp - ref_logp (fp32 math whatever the input dtype):
+    k1 = r;  k2 = r^2 / 2;  k3 = exp(-clamp(r, -20, 20)) - 1 + r;  abs = |r|
+and, when `clamp` is given, kl = clamp(kl, -clamp, clamp). Gradients follow torch's autograd
+conventions of `fastrlhf.reference` (clamp passes the gradient at its bounds, d|r|/dr = 0 at 0).
+
+Where fast: elementwise, memory-bound; one program per BLOCK elements (flat grid, up to 2^31-1
+programs), so any shape that fits in memory. `kl_shaped_rewards` runs one program per row and
+reads the mask twice (once to find the last response token): fast when B is at least a few
+hundred rows; with only a handful of very long rows the GPU is under-occupied.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ESTIMATOR_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
+LOG_RATIO_CLAMP = 20.0  # |r| bound inside exp for k3, as reference.py
+_BLOCK = 1024
+_ROW_BLOCK = 1024
+
+
+@triton.jit
+def _kl_value(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
+    # k1 = r, k2 = r^2 / 2, k3 = exp(-clamp(r, +-20)) - 1 + r, abs = |r|; then clamp to +-clamp
+    if ESTIMATOR == 0:
+        kl = r
+    elif ESTIMATOR == 1:
+        kl = 0.5 * r * r
+    elif ESTIMATOR == 2:
+        rc = tl.minimum(tl.maximum(r, -20.0), 20.0)
+        kl = tl.exp(-rc) - 1.0 + r
+    else:
+        kl = tl.abs(r)
+    if HAS_CLAMP:
+        kl = tl.minimum(tl.maximum(kl, -clamp), clamp)
+    return kl
+
+
+@triton.jit
+def _token_kl_fwd_kernel(
+    # pointers
+    logp_ptr,  # [N] fp32/bf16/fp16
+    ref_ptr,  # [N] fp32/bf16/fp16
+    kl_ptr,  # [N] fp32 out
+    # shapes
+    N,
+    # meta
+    clamp,  # fp32, used only when HAS_CLAMP
+    ESTIMATOR: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    r = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    r -= tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    kl = _kl_value(r, ESTIMATOR, HAS_CLAMP, clamp)
+    tl.store(kl_ptr + offs, kl, mask=valid)
+
+
+@triton.jit
+def _token_kl_bwd_kernel(
+    # pointers
+    logp_ptr,  # [N] fp32/bf16/fp16
+    ref_ptr,  # [N] fp32/bf16/fp16
+    grad_ptr,  # [N] upstream d(kl), any float dtype
+    dlogp_ptr,  # [N] fp32 out; d(ref_logp) = -d(logp)
+    # shapes
+    N,
+    # meta
+    clamp,  # fp32, used only when HAS_CLAMP
+    ESTIMATOR: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # dk1/dr = 1, dk2/dr = r, dk3/dr = 1 - exp(-r) * [|r| <= 20], dabs/dr = sign(r);
+    # times [|kl| <= clamp] when clamped (torch passes the gradient at the bounds)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    r = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    r -= tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if ESTIMATOR == 0:
+        d = tl.full(r.shape, 1.0, tl.float32)
+    elif ESTIMATOR == 1:
+        d = r
+    elif ESTIMATOR == 2:
+        inside = (r >= -20.0) & (r <= 20.0)
+        rc = tl.minimum(tl.maximum(r, -20.0), 20.0)
+        d = 1.0 - tl.where(inside, tl.exp(-rc), 0.0)
+    else:
+        d = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))
+    if HAS_CLAMP:
+        c = clamp
+        kl = _kl_value(r, ESTIMATOR, False, c)
+        d = tl.where((kl >= -c) & (kl <= c), d, 0.0)
+    tl.store(dlogp_ptr + offs, g * d, mask=valid)
+
+
+@triton.jit
+def _kl_shaped_rewards_fwd_kernel(
+    # pointers
+    scores_ptr,  # [B] any float dtype
+    logp_ptr,  # [B, T] fp32/bf16/fp16, contiguous
+    ref_ptr,  # [B, T] fp32/bf16/fp16, contiguous
+    mask_ptr,  # [B, T] bool (as int8) or float, contiguous
+    out_ptr,  # [B, T] fp32 out
+    # shapes
+    T,
+    # meta
+    kl_coef,  # fp32
+    clamp,  # fp32, used only when HAS_CLAMP
+    ESTIMATOR: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # rewards[b, t] = -kl_coef * KL[b, t] * m[b, t] + scores[b] * [t == last mask=1 token of row b]
+    row = tl.program_id(0).to(tl.int64)
+    base = row * T
+    cols = tl.arange(0, BLOCK_T)
+    # pass 1: the last response token of the row (-1 when the row has none)
+    last = tl.full((BLOCK_T,), -1, tl.int32)
+    for start in range(0, T, BLOCK_T):
+        t = start + cols
+        m = tl.load(mask_ptr + base + t, mask=t < T, other=0).to(tl.float32)
+        last = tl.maximum(last, tl.where(m != 0.0, t, -1))
+    last_t = tl.max(last, axis=0)
+    score = tl.load(scores_ptr + row).to(tl.float32)
+    coef = kl_coef
+    c = clamp
+    # pass 2: the shaped rewards
+    for start in range(0, T, BLOCK_T):
+        t = start + cols
+        inb = t < T
+        m = tl.load(mask_ptr + base + t, mask=inb, other=0).to(tl.float32)
+        r = tl.load(logp_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
+        r -= tl.load(ref_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
+        kl = _kl_value(r, ESTIMATOR, HAS_CLAMP, c)
+        rew = -coef * kl * m + tl.where(t == last_t, score, 0.0)
+        tl.store(out_ptr + base + t, rew, mask=inb)
+
+
+def _canonical(estimator: str) -> int:
+    if estimator not in ESTIMATOR_IDS:
+        raise ValueError(f"estimator must be one of {sorted(ESTIMATOR_IDS)}, got {estimator!r}")
+    return ESTIMATOR_IDS[estimator]
+
+
+def _as_loadable(mask: torch.Tensor) -> torch.Tensor:
+    """Triton cannot load torch.bool through every version's pointer types; view it as int8."""
+    return mask.view(torch.int8) if mask.dtype == torch.bool else mask
+
+
+def token_kl_fwd(logp: torch.Tensor, ref_logp: torch.Tensor, *, estimator: str, clamp: float | None):
+    """Per-token KL estimate, fp32, same shape as `logp`."""
+    est = _canonical(estimator)
+    lp, rf = logp.reshape(-1), ref_logp.reshape(-1)
+    n = lp.numel()
+    out = torch.empty(n, dtype=torch.float32, device=logp.device)
+    if n:
+        grid = (triton.cdiv(n, _BLOCK),)
+        _token_kl_fwd_kernel[grid](
+            lp,
+            rf,
+            out,
+            n,
+            float(clamp or 0.0),
+            ESTIMATOR=est,
+            HAS_CLAMP=clamp is not None,
+            BLOCK=_BLOCK,
+        )
+    return out.view(logp.shape)
+
+
+def token_kl_bwd(
+    logp: torch.Tensor, ref_logp: torch.Tensor, grad: torch.Tensor, *, estimator: str, clamp: float | None
+):
+    """d(loss)/d(logp) given d(loss)/d(kl) = `grad`; fp32. d(ref_logp) is its negation."""
+    est = _canonical(estimator)
+    lp, rf, g = logp.reshape(-1), ref_logp.reshape(-1), grad.reshape(-1)
+    n = lp.numel()
+    out = torch.empty(n, dtype=torch.float32, device=logp.device)
+    if n:
+        grid = (triton.cdiv(n, _BLOCK),)
+        _token_kl_bwd_kernel[grid](
+            lp,
+            rf,
+            g,
+            out,
+            n,
+            float(clamp or 0.0),
+            ESTIMATOR=est,
+            HAS_CLAMP=clamp is not None,
+            BLOCK=_BLOCK,
+        )
+    return out.view(logp.shape)
+
+
+def kl_shaped_rewards_fwd(
+    scores: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl_coef: float,
+    estimator: str,
+    clamp: float | None,
+):
+    """rewards [B, T] fp32: -kl_coef * KL on mask=1 tokens plus scores[b] on the row's last one."""
+    est = _canonical(estimator)
+    B, T = logp.shape
+    out = torch.empty((B, T), dtype=torch.float32, device=logp.device)
+    if B and T:
+        block_t = min(triton.next_power_of_2(T), _ROW_BLOCK)
+        _kl_shaped_rewards_fwd_kernel[(B,)](
+            scores,
+            logp,
+            ref_logp,
+            _as_loadable(mask),
+            out,
+            T,
+            float(kl_coef),
+            float(clamp or 0.0),
+            ESTIMATOR=est,
+            HAS_CLAMP=clamp is not None,
+            BLOCK_T=block_t,
+        )
+    return out

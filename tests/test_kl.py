@@ -1,0 +1,133 @@
+"""token_kl and kl_shaped_rewards against reference.py in float64, on both backends."""
+
+import math
+
+import pytest
+import torch
+from fastrlhf.kernels import kl as kl_kernels
+from helpers import assert_close_to_ref
+
+from fastrlhf import ops
+from fastrlhf import reference as ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ATOL = 1e-5
+ESTIMATORS = ["k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl"]
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Make the launchers' torch.empty return NaN-filled memory: every output element must be written."""
+
+    class _NaNEmpty:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            out = torch.empty(*args, **kwargs)
+            return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(kl_kernels, "torch", _NaNEmpty())
+
+
+def make_mask(B, T):
+    """Row 0 right padding, row 1 left padding, row 2 all masked, row 3 gaps, the rest random."""
+    m = torch.rand(B, T) > 0.25
+    m[0] = torch.arange(T) < T - 5
+    if B > 1:
+        m[1] = torch.arange(T) >= 7
+    if B > 2:
+        m[2] = False
+    if B > 3:
+        m[3] = torch.arange(T) % 3 != 1
+    return m
+
+
+def make_logps(shape, dtype, spread=1.0):
+    """Log-probs of a policy and a reference that differ by ~N(0, spread); a few |r| > 20."""
+    logp = -torch.rand(shape) * 6
+    ref_logp = logp + torch.randn(shape) * spread
+    ref_logp.view(-1)[::11] = logp.view(-1)[::11] + 25.0 * torch.sign(torch.randn(1))
+    return logp.to(dtype), ref_logp.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("clamp", [None, 1.5])
+def test_token_kl_forward_backward(backend, poison, dtype, estimator, clamp):
+    logp, ref_logp = make_logps((3, 37), dtype)
+    lp, rp = logp.clone().requires_grad_(), ref_logp.clone().requires_grad_()
+    out = ops.token_kl(lp, rp, estimator=estimator, clamp=clamp)
+    assert out.dtype == torch.float32 and out.shape == logp.shape
+
+    lp64, rp64 = logp.double().requires_grad_(), ref_logp.double().requires_grad_()
+    want = ref.token_kl(lp64, rp64, estimator=estimator, clamp=clamp)
+    lps, rps = logp.clone().requires_grad_(), ref_logp.clone().requires_grad_()
+    same = ref.token_kl(lps, rps, estimator=estimator, clamp=clamp)
+    assert_close_to_ref(out, want, same, atol=ATOL, name="kl")
+
+    grad = torch.randn(logp.shape)
+    out.backward(grad)
+    want.backward(grad.double())
+    same.backward(grad.to(dtype))
+    assert_close_to_ref(lp.grad, lp64.grad, lps.grad, atol=ATOL, name="d_logp")
+    assert_close_to_ref(rp.grad, rp64.grad, rps.grad, atol=ATOL, name="d_ref_logp")
+
+
+def test_token_kl_hand_worked(backend):
+    # r = 1: k1 = 1, k2 = 0.5, k3 = e^-1 - 1 + 1 = 0.3679, abs = 1; r = -30: k3 = e^20 - 31 (clamped in exp)
+    logp = torch.tensor([0.0, -30.0])
+    ref_logp = torch.tensor([-1.0, 0.0])
+    assert ops.token_kl(logp, ref_logp, estimator="k1").tolist() == [1.0, -30.0]
+    assert ops.token_kl(logp, ref_logp, estimator="k2").tolist() == [0.5, 450.0]
+    k3 = ops.token_kl(logp, ref_logp, estimator="k3")
+    torch.testing.assert_close(k3, torch.tensor([math.exp(-1), math.exp(20) - 31]), rtol=1e-6, atol=0)
+    assert ops.token_kl(logp, ref_logp, estimator="k3", clamp=10).tolist() == pytest.approx(
+        [math.exp(-1), 10.0]
+    )
+    # d|r|/dr at r = 0 is 0, as torch's abs
+    x = torch.zeros(2, requires_grad=True)
+    ops.token_kl(x, torch.zeros(2), estimator="abs").sum().backward()
+    assert x.grad.tolist() == [0.0, 0.0]
+
+
+def test_token_kl_nd_and_empty(backend):
+    logp, ref_logp = make_logps((2, 3, 5), torch.float32)
+    out = ops.token_kl(logp, ref_logp, estimator="k3")
+    assert_close_to_ref(
+        out,
+        ref.token_kl(logp.double(), ref_logp.double(), estimator="k3"),
+        ref.token_kl(logp, ref_logp, estimator="k3"),
+        atol=ATOL,
+    )
+    empty = ops.token_kl(torch.zeros(0, 4), torch.zeros(0, 4), estimator="k2")
+    assert empty.shape == (0, 4) and empty.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("estimator,clamp", [("k1", None), ("k3", 10.0), ("k2", 0.5), ("abs", None)])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_kl_shaped_rewards(backend, poison, dtype, estimator, clamp, mask_dtype):
+    B, T = 5, 37
+    logp, ref_logp = make_logps((B, T), dtype)
+    mask = make_mask(B, T).to(mask_dtype)
+    scores = torch.randn(B).to(dtype)
+    kw = dict(kl_coef=0.05, estimator=estimator, clamp=clamp)
+    out = ops.kl_shaped_rewards(scores, logp, ref_logp, mask, **kw)
+    assert out.dtype == torch.float32
+    want = ref.kl_shaped_rewards(scores.double(), logp.double(), ref_logp.double(), mask, **kw)
+    same = ref.kl_shaped_rewards(scores, logp, ref_logp, mask, **kw)
+    assert_close_to_ref(out, want, same, atol=ATOL, name="rewards")
+    assert (out[~mask.bool()] == 0).all()
+
+
+def test_kl_shaped_rewards_hand_worked(backend):
+    # row 0: tokens 0..2 count, score on token 2; row 1: left-padded, score on token 3; row 2: nothing
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    logp = torch.full((3, 4), -1.0)
+    ref_logp = torch.full((3, 4), -1.5)  # k1 = 0.5 everywhere
+    scores = torch.tensor([2.0, -1.0, 7.0])
+    out = ops.kl_shaped_rewards(scores, logp, ref_logp, mask, kl_coef=0.1)
+    want = torch.tensor([[-0.05, -0.05, 1.95, 0.0], [0.0, 0.0, -0.05, -1.05], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-7)
