@@ -1,0 +1,115 @@
+"""CPU peak memory of chunked `linear_logprobs` vs materialised logits (issue 3's memory figure).
+
+Each path runs forward + backward in a fresh subprocess (so no allocator cache is shared).
+The figure is the peak resident set size above what the process held once its inputs
+existed: ru_maxrss after the run minus the RSS measured just before it.
+
+    python bench/linear_memory.py                      # N=8192 H=256 V=32000 fp32, both ops
+    python bench/linear_memory.py --json out.json
+
+The acceptance bar (issue 3): chunked / materialised <= 0.12 for logprobs forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+
+PATHS = ("materialised", "chunked")
+OPS = ("logprobs", "actor_loss")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _child(path: str, op: str, n: int, h: int, v: int, chunk_size) -> dict:
+    """Run one path once in this process; return its peak RSS above the inputs."""
+    import torch
+
+    from fastrlhf import ops
+
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = (torch.randn(v, h) / h**0.5).requires_grad_()
+    labels = torch.randint(0, v, (n,))
+    g_logp, g_ent = torch.randn(n), torch.randn(n)
+    old_logp, adv = -torch.rand(n) * 5, torch.randn(n)
+    mask = torch.rand(n) > 0.2
+    # warm up the allocator and kernels on a tiny problem so one-off costs are not counted
+    ops.linear_logprobs(hidden[:8].detach(), weight[:64].detach(), labels[:8] % 64)
+
+    base = _rss_bytes()
+    if op == "logprobs":
+        if path == "chunked":
+            logp, ent = ops.linear_logprobs(hidden, weight, labels, return_entropy=True,
+                                            chunk_size=chunk_size)
+        else:
+            logp, ent = ops.logprobs(hidden @ weight.T, labels, return_entropy=True)
+        (logp * g_logp + ent * g_ent).sum().backward()
+    else:
+        kw = dict(entropy_coef=0.01, ref_logp=old_logp + 0.1, kl_coef=0.05)
+        if path == "chunked":
+            loss, _ = ops.linear_ppo_actor_loss(hidden, weight, labels, old_logp, adv, mask,
+                                                chunk_size=chunk_size, **kw)
+        else:
+            loss, _ = ops.ppo_actor_loss(hidden @ weight.T, labels, old_logp, adv, mask, **kw)
+        loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    assert hidden.grad is not None and weight.grad is not None
+    return {"path": path, "op": op, "extra_peak_bytes": peak - base, "inputs_rss_bytes": base}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--chunk-size", type=int, default=None, help="default: picked from the memory budget")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--child", nargs=2, metavar=("PATH", "OP"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child:
+        result = _child(*args.child, args.n, args.hidden, args.vocab, args.chunk_size)
+        print(json.dumps(result))
+        return 0
+
+    env = dict(os.environ, FASTRLHF_BACKEND="torch")
+    rows = []
+    for op in args.ops:
+        res = {}
+        for path in PATHS:
+            cmd = [sys.executable, __file__, "--n", str(args.n), "--hidden", str(args.hidden),
+                   "--vocab", str(args.vocab), "--child", path, op]
+            if args.chunk_size:
+                cmd += ["--chunk-size", str(args.chunk_size)]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+            res[path] = json.loads(out.strip().splitlines()[-1])
+        ratio = res["chunked"]["extra_peak_bytes"] / res["materialised"]["extra_peak_bytes"]
+        rows.append({"op": op, "materialised_MiB": res["materialised"]["extra_peak_bytes"] / 2**20,
+                     "chunked_MiB": res["chunked"]["extra_peak_bytes"] / 2**20, "ratio": ratio})
+
+    print(f"N={args.n} H={args.hidden} V={args.vocab} fp32 CPU, forward+backward, peak RSS above inputs")
+    print(f"{'op':<12}{'materialised MiB':>18}{'chunked MiB':>14}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['op']:<12}{r['materialised_MiB']:>18.1f}{r['chunked_MiB']:>14.1f}{r['ratio']:>8.3f}")
+    if args.json:
+        import torch
+
+        with open(args.json, "w") as f:
+            json.dump({"device": "cpu", "machine": platform.platform(), "torch": torch.__version__,
+                       "n": args.n, "hidden": args.hidden, "vocab": args.vocab, "chunk_size": args.chunk_size,
+                       "command": " ".join([sys.executable, *sys.argv]), "results": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""ops.ppo_actor_loss (the whole actor loss from logits) against reference.ppo_actor_loss in
+float64, forward (loss and stats) and backward (d(logits)), on both backends."""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close_to_ref
+
+from fastrlhf import ops
+from fastrlhf import reference as ref
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)]  # (dtype, atol)
+STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy", "kl")
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setenv("FASTRLHF_POISON", "1")
+
+
+def _padded_mask(B, T):
+    """Row 0 right-padded, row 1 left-padded, row 2 with gaps, row 3 all masked."""
+    assert B >= 4
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, T - T // 3:] = False
+    mask[1, : T // 4] = False
+    mask[2, 3::4] = False
+    mask[3] = False
+    return mask
+
+
+def _batch(B, T, V, dtype):
+    logits = (torch.randn(B, T, V) * 2).to(dtype)
+    labels = torch.randint(0, V, (B, T))
+    logp64 = ref.logprobs(logits.double(), labels)
+    old_logp = (logp64 + 0.3 * torch.randn(B, T, dtype=torch.float64)).float()  # ratios on both sides of the clip
+    ref_logp = (logp64 + 0.5 * torch.randn(B, T, dtype=torch.float64)).float()
+    advantages = torch.randn(B, T)
+    return logits, labels, old_logp, ref_logp, advantages, _padded_mask(B, T)
+
+
+def _loss_and_grad(fn, logits, labels, old_logp, advantages, mask, upstream, **kw):
+    x = logits.detach().clone().requires_grad_()
+    loss, stats = fn(x, labels, old_logp, advantages, mask, **kw)
+    (dx,) = torch.autograd.grad(loss * upstream, x)
+    return loss, stats, dx
+
+
+def _compare(logits, labels, old_logp, ref_logp, advantages, mask, atol, **kw):
+    upstream = torch.randn(()).item()  # a random upstream gradient, not 1
+    args = (labels, old_logp, advantages, mask, upstream)
+    kw = dict(kw, ref_logp=ref_logp)
+    out = _loss_and_grad(ops.ppo_actor_loss, logits, *args, **kw)
+    r64 = _loss_and_grad(ref.ppo_actor_loss, logits.double(), labels, old_logp.double(), advantages.double(), mask,
+                         upstream, **dict(kw, ref_logp=ref_logp.double()))
+    same = _loss_and_grad(ref.ppo_actor_loss, logits, *args, **kw)
+    assert out[0].dtype == torch.float32 and out[0].dim() == 0
+    assert_close_to_ref(out[0], r64[0], same[0], atol=atol, name="loss")
+    for k in STATS:
+        assert out[1][k].dim() == 0 and not out[1][k].requires_grad, k
+        assert_close_to_ref(out[1][k], r64[1][k], same[1][k], atol=atol, name=f"stats[{k}]")
+    assert out[2].dtype == logits.dtype
+    assert_close_to_ref(out[2], r64[2], same[2], atol=atol, name="d_logits")
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("agg", ref.AGG_MODES)
+def test_actor_loss_matches_reference(backend, dtype, atol, agg):
+    B, T, V = 4, 37, 1271
+    batch = _batch(B, T, V, dtype)
+    _compare(*batch, atol, agg=agg, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, temperature=0.9,
+             clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "abs"])
+def test_actor_loss_kl_estimators_and_no_entropy_term(backend, estimator):
+    batch = _batch(4, 13, 257, torch.float32)
+    _compare(*batch, 1e-5, kl_coef=0.2, kl_estimator=estimator, entropy_coef=0.0)
+
+
+def test_actor_loss_non_contiguous_logits(backend):
+    """logits[:, :-1] of a causal LM's [B, T+1, V] output."""
+    B, T, V = 4, 21, 509
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(B, T + 1, V, torch.bfloat16)
+    view = logits[:, :-1]
+    assert not view.is_contiguous()
+    _compare(view, labels[:, :-1], old_logp[:, :-1], ref_logp[:, :-1], advantages[:, :-1], mask[:, :-1], 1e-3,
+             entropy_coef=0.02, kl_coef=0.05)
+
+
+def test_actor_loss_hand_worked():
+    """p = softmax([log 3, 0]) = [0.75, 0.25], label 0, old p = 0.5: ratio 1.5 clipped to 1.2 with A = 1,
+    so the policy term is -1.2 and has no gradient; entropy H = -(0.75 ln 0.75 + 0.25 ln 0.25)."""
+    logits = torch.tensor([[[math.log(3.0), 0.0]]], requires_grad=True)
+    labels = torch.tensor([[0]])
+    old_logp = torch.tensor([[math.log(0.5)]])
+    adv, mask = torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool)
+    loss, stats = ops.ppo_actor_loss(logits, labels, old_logp, adv, mask, entropy_coef=0.1)
+    H = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert loss.item() == pytest.approx(-1.2 - 0.1 * H, abs=1e-6)
+    assert stats["clipfrac"].item() == 1.0 and stats["clipfrac_lower"].item() == 0.0
+    assert stats["approx_kl"].item() == pytest.approx(-math.log(1.5), abs=1e-6)
+    assert stats["entropy"].item() == pytest.approx(H, abs=1e-6)
+    loss.backward()
+    # only -0.1 * H: dH/dz_j = -p_j (log p_j + H)
+    p = torch.tensor([0.75, 0.25])
+    expected = 0.1 * p * (p.log() + H)
+    torch.testing.assert_close(logits.grad.view(-1), expected, atol=1e-6, rtol=0)
+
+
+def test_backward_writes_d_logits_once(monkeypatch):
+    """Policy, KL and entropy gradients reach the logits through ONE log-prob backward."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    from fastrlhf.kernels import logprobs as k
+
+    calls = []
+    real = k.logprobs_bwd
+
+    def spy(*args, **kw):
+        calls.append((args[4] is not None, args[5] is not None))  # (grad_logp, grad_entropy) present
+        return real(*args, **kw)
+
+    monkeypatch.setattr(k, "logprobs_bwd", spy)
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(4, 9, 129, torch.float32)
+    x = logits.requires_grad_()
+    loss, _ = ops.ppo_actor_loss(x, labels, old_logp, advantages, mask, ref_logp=ref_logp, kl_coef=0.1,
+                                 entropy_coef=0.01)
+    loss.backward()
+    assert calls == [(True, True)]
+
+
+def test_all_masked_batch_is_finite(backend):
+    B, T, V = 3, 8, 97
+    logits = torch.randn(B, T, V, requires_grad=True)
+    labels = torch.randint(0, V, (B, T))
+    mask = torch.zeros(B, T)
+    for agg in ref.AGG_MODES:
+        loss, stats = ops.ppo_actor_loss(logits, labels, torch.randn(B, T), torch.randn(B, T), mask,
+                                         ref_logp=torch.randn(B, T), kl_coef=0.1, entropy_coef=0.01, agg=agg)
+        (dx,) = torch.autograd.grad(loss, logits)
+        assert loss.item() == 0.0, agg
+        assert all(torch.isfinite(v) for v in stats.values()), (agg, stats)
+        assert torch.equal(dx, torch.zeros_like(dx)), agg
+
+
+def test_global_num_tokens_makes_split_batches_add_up(backend):
+    """token-mean with the global count: the halves' losses and gradients sum to the whole's."""
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(4, 11, 83, torch.float32)
+    n = int(mask.sum())
+    kw = dict(ref_logp=ref_logp, kl_coef=0.1, entropy_coef=0.01)
+    x = logits.clone().requires_grad_()
+    whole, _ = ops.ppo_actor_loss(x, labels, old_logp, advantages, mask, **kw)
+    (d_whole,) = torch.autograd.grad(whole, x)
+    parts, d_parts = [], []
+    for rows in (slice(0, 2), slice(2, 4)):
+        xp = logits[rows].clone().requires_grad_()
+        part, _ = ops.ppo_actor_loss(xp, labels[rows], old_logp[rows], advantages[rows], mask[rows],
+                                     global_num_tokens=n, **dict(kw, ref_logp=ref_logp[rows]))
+        parts.append(part)
+        d_parts.append(torch.autograd.grad(part, xp)[0])
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.cat(d_parts), d_whole, atol=1e-7, rtol=1e-5)

@@ -1,0 +1,217 @@
+"""ops.logprobs (log-prob + entropy, forward and backward) against reference.py in float64,
+on both backends: err(op vs ref64) <= 2 * err(reference in the same dtype vs ref64) + atol."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_close_to_ref
+
+from fastrlhf import ops
+from fastrlhf import reference as ref
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)]  # (dtype, atol)
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    """Kernel outputs start as NaN: a value a kernel forgets to write fails the test."""
+    monkeypatch.setenv("FASTRLHF_POISON", "1")
+
+
+def _labels(B, T, V, ignore_index=-100):
+    """Random labels with one ignored and one out-of-range (-> NaN) position per row when T allows."""
+    y = torch.randint(0, V, (B, T))
+    if T >= 3:
+        y[:, 1] = ignore_index
+        y[0, 2] = V + 7
+        y[-1, 2] = -3 if ignore_index != -3 else -4
+    return y
+
+
+def _fwd_bwd(fn, logits, labels, g_logp, g_ent, **kw):
+    """logp, entropy, d(logits) for upstream gradients (g_logp, g_ent)."""
+    x = logits.detach().clone().requires_grad_()
+    logp, ent = fn(x, labels, return_entropy=True, **kw)
+    (dx,) = torch.autograd.grad((logp, ent), x, (g_logp.to(logp.dtype), g_ent.to(ent.dtype)))
+    return logp, ent, dx
+
+
+def _check_against_reference(backend_fn, logits, labels, atol, **kw):
+    B_T = labels.shape
+    g_logp, g_ent = torch.randn(B_T), torch.randn(B_T)
+    out = _fwd_bwd(backend_fn, logits, labels, g_logp, g_ent, **kw)
+    r64 = _fwd_bwd(ref.logprobs, logits.double(), labels, g_logp, g_ent, **kw)
+    same = _fwd_bwd(ref.logprobs, logits, labels, g_logp, g_ent, **kw)
+    assert out[0].dtype == torch.float32 and out[1].dtype == torch.float32
+    assert out[2].dtype == logits.dtype
+    for name, o, r, s in zip(("logp", "entropy", "d_logits"), out, r64, same):
+        assert_close_to_ref(o, r, s, atol=atol, name=name)
+    return out
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_matches_reference(backend, dtype, atol, temperature):
+    B, T, V = 2, 37, 1271
+    logits = (torch.randn(B, T, V) * 3).to(dtype)
+    labels = _labels(B, T, V)
+    logp, _, dx = _check_against_reference(ops.logprobs, logits, labels, atol, temperature=temperature)
+    assert (logp[:, 1] == 0).all(), "ignore_index must give 0"
+    assert torch.isnan(logp[0, 2]) and torch.isnan(logp[-1, 2]), "out-of-range labels must give NaN"
+    assert torch.isfinite(dx).all(), "out-of-range labels must not poison the gradient"
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+def test_large_vocab(backend, dtype, atol):
+    V = 151936
+    logits = (torch.randn(1, 3, V) * 4).to(dtype)
+    labels = torch.randint(0, V, (1, 3))
+    labels[0, 0] = V - 1  # the last column, past the last full tile
+    _check_against_reference(ops.logprobs, logits, labels, atol, temperature=1.3)
+
+
+def test_custom_ignore_index_and_fully_ignored_rows(backend):
+    B, T, V = 3, 9, 300
+    logits = torch.randn(B, T, V)
+    labels = torch.randint(1, V, (B, T))
+    labels[1] = 0  # every label of row 1 is ignored
+    labels[0, 4] = 0
+    labels[2, 0] = -100  # not the ignore index here: out of range -> NaN
+    logp, ent, dx = _check_against_reference(ops.logprobs, logits, labels, 1e-5, ignore_index=0)
+    assert (logp[1] == 0).all() and logp[0, 4] == 0 and torch.isnan(logp[2, 0])
+    # the ignored row gets gradient only through the entropy
+    g_ent = torch.randn(B, T)
+    x = logits.clone().requires_grad_()
+    lp, en = ops.logprobs(x, labels, return_entropy=True, ignore_index=0)
+    (d_logp_only,) = torch.autograd.grad(lp, x, torch.randn(B, T), retain_graph=True)
+    assert (d_logp_only[1] == 0).all() and (d_logp_only[0, 4] == 0).all()
+    (d_ent_only,) = torch.autograd.grad(en, x, g_ent)
+    assert (d_ent_only[1].abs().sum(-1) > 0).all()
+
+
+def test_logp_only_backward(backend):
+    """return_entropy=False: the backward has a log-prob gradient only."""
+    B, T, V = 2, 5, 97
+    logits = torch.randn(B, T, V, dtype=torch.float16)
+    labels = torch.randint(0, V, (B, T))
+    g = torch.randn(B, T)
+    outs = []
+    for fn, x in ((ops.logprobs, logits), (ref.logprobs, logits.double()), (ref.logprobs, logits)):
+        x = x.clone().requires_grad_()
+        lp = fn(x, labels, temperature=0.9)
+        (dx,) = torch.autograd.grad(lp, x, g.to(lp.dtype))
+        outs.append((lp, dx))
+    for i, name in enumerate(("logp", "d_logits")):
+        assert_close_to_ref(outs[0][i], outs[1][i], outs[2][i], atol=1e-3, name=name)
+
+
+def test_shapes_1d_2d_4d(backend):
+    V = 50
+    for shape in ((V,), (6, V), (2, 3, 4, V)):
+        logits = torch.randn(shape)
+        labels = torch.randint(0, V, shape[:-1])
+        _check_against_reference(ops.logprobs, logits, labels, 1e-5)
+
+
+def test_empty(backend):
+    logp, ent = ops.logprobs(torch.randn(0, 5, 11), torch.zeros(0, 5, dtype=torch.long), return_entropy=True)
+    assert logp.shape == (0, 5) and ent.shape == (0, 5)
+
+
+def test_logits_not_mutated(backend):
+    full = torch.randn(2, 9, 123, dtype=torch.bfloat16)
+    before = full.clone()
+    x = full.requires_grad_()
+    logp, ent = ops.logprobs(x[:, :-1], torch.randint(0, 123, (2, 8)), return_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.equal(full.detach(), before)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+def test_non_contiguous_view(backend, dtype, atol):
+    """logits[:, :-1] of a contiguous [B, T+1, V] tensor, as in a causal-LM loss."""
+    B, T, V = 2, 37, 1271
+    full = torch.randn(B, T + 1, V).to(dtype)
+    view = full[:, :-1]
+    assert not view.is_contiguous()
+    _check_against_reference(ops.logprobs, view, _labels(B, T, V), atol, temperature=0.8)
+
+
+def test_triton_reads_the_view_without_copy(monkeypatch):
+    """The kernel gets the caller's storage (no hidden full copy of logits[:, :-1])."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    from fastrlhf.kernels import logprobs as k
+
+    seen = []
+    real = k.logprobs_fwd
+
+    def spy(logits, labels, **kw):
+        seen.append((logits.data_ptr(), logits.stride()))
+        return real(logits, labels, **kw)
+
+    monkeypatch.setattr(k, "logprobs_fwd", spy)
+    full = torch.randn(2, 11, 64)
+    ops.logprobs(full[:, :-1], torch.randint(0, 64, (2, 10)))
+    assert seen == [(full.data_ptr(), full.stride())]
+
+
+def test_inplace_backward_writes_into_logits_storage(monkeypatch):
+    """inplace_backward=True: d(logits) lands in the storage of the (non-contiguous) logits view."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    B, T, V = 2, 9, 301
+    full = torch.randn(B, T + 1, V, dtype=torch.bfloat16)
+    last_column = full[:, -1].clone()
+    labels = _labels(B, T, V)
+    g_logp, g_ent = torch.randn(B, T), torch.randn(B, T)
+    expected = _fwd_bwd(ops.logprobs, full[:, :-1], labels, g_logp, g_ent)[2]
+
+    leaf = full.requires_grad_()
+    view = leaf[:, :-1]
+    logp, ent = ops.logprobs(view, labels, return_entropy=True, inplace_backward=True)
+    (dx,) = torch.autograd.grad((logp, ent), view, (g_logp, g_ent))
+    assert dx.data_ptr() == full.data_ptr() and dx.stride() == full.stride()
+    assert torch.equal(dx, expected)
+    assert torch.equal(full.detach()[:, :-1], expected), "the logits' storage now holds d(logits)"
+    assert torch.equal(full.detach()[:, -1], last_column), "outside the view nothing is written"
+
+
+_COMPILE_SCRIPT = """
+import triton.backends.nvidia  # noqa: F401  (ImportError -> skip)
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from fastrlhf.kernels import logprobs as k
+
+common = {"labels_ptr": "*i64", "T": "i32", "V": "i32", "stride_b": "i64", "stride_t": "i64",
+          "inv_temperature": "fp32", "ignore_index": "i32", "BLOCK_V": "constexpr"}
+fwd = dict(common, logits_ptr="*bf16", logp_ptr="*fp32", entropy_ptr="*fp32", lse_ptr="*fp32",
+           COMPUTE_ENTROPY="constexpr")
+bwd = dict(common, logits_ptr="*bf16", lse_ptr="*fp32", entropy_ptr="*fp32", grad_logp_ptr="*fp32",
+           grad_entropy_ptr="*fp32", dlogits_ptr="*bf16", dstride_b="i64", dstride_t="i64",
+           HAS_GRAD_LOGP="constexpr", HAS_GRAD_ENTROPY="constexpr")
+for fn, sig, constexprs in (
+    (k._logprobs_fwd_kernel, fwd, {"COMPUTE_ENTROPY": True, "BLOCK_V": 4096}),
+    (k._logprobs_bwd_kernel, bwd, {"HAS_GRAD_LOGP": True, "HAS_GRAD_ENTROPY": True, "BLOCK_V": 4096}),
+):
+    src = ASTSource(fn=fn, signature={n: sig[n] for n in fn.arg_names}, constexprs=constexprs)
+    compiled = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert compiled.asm.get("cubin"), fn.__name__
+    print("compiled", fn.__name__)
+"""
+
+
+def test_kernels_compile_for_gpu():
+    """The kernels compile to sm_90 machine code (Triton's bundled ptxas), not only run in the
+    interpreter: catches interpreter-only constructs on a machine without a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
+    missing_toolchain = ("No module named 'triton.backends.nvidia'" in run.stderr
+                         or ("FileNotFoundError" in run.stderr and "ptxas" in run.stderr))
+    if run.returncode != 0 and missing_toolchain:
+        pytest.skip(f"no CUDA backend / ptxas for triton here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("compiled") == 2
