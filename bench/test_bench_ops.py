@@ -1,0 +1,69 @@
+"""pytest-benchmark over the `fastrlhf bench` cases: `pytest bench/ --benchmark-only`.
+
+One test per (case, pass, provider), parametrised in conftest.py: the same cases, inputs
+and providers as the CLI (`fastrlhf.bench`). Each round runs one pass on the next rotated input copy and then
+synchronises the device, so the wall-clock timer of pytest-benchmark sees the whole
+kernel time; gradients are reset in the (untimed) setup. `extra_info` carries the bytes
+counted and the GB/s at the median. For the roofline against the read / copy probes use
+`fastrlhf bench`, which measures the probes in the same run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastrlhf import bench
+
+_POOL: dict = {}  # the input copies of the most recent case only (GPU memory)
+
+
+def _pool(case: bench.Case, device: torch.device) -> list[dict]:
+    key = (case.op, case.shape, case.dtype)
+    if key not in _POOL:
+        _POOL.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        l2 = 16 * 2**20
+        if device.type == "cuda":
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or bench.DEFAULT_L2_BYTES
+        settings = bench.Settings(device, rep_ms=0.0, rotate_bytes=4 * l2)
+        _POOL[key] = bench.make_pool(case, settings)
+    return _POOL[key]
+
+
+def test_op(benchmark, item, device, rounds):
+    case, pass_, provider = item
+    op = bench.OPS[case.op]
+    try:
+        fn, autograd = bench.load_provider(op, provider, pass_, device)
+    except bench.Skip as exc:
+        pytest.skip(str(exc))
+    if provider == "torch.compile":
+        torch._dynamo.reset()
+    pool = _pool(case, device)
+    try:
+        runner, grads = bench.make_runner(case, pass_, fn, autograd, pool, device)
+        for _ in range(bench.warmup_calls(provider)):  # compiles torch.compile graphs and kernels
+            runner()
+    except NotImplementedError as exc:
+        pytest.skip(f"{provider} {case.op}: {exc}")
+
+    def clear_grads():
+        for t in grads:
+            t.grad = None
+
+    def one_pass():
+        runner()
+        bench.sync(device)
+
+    benchmark.group = f"{case.op} {pass_} {case.shape} {case.dtype_name}"
+    benchmark.pedantic(one_pass, setup=clear_grads, rounds=rounds, warmup_rounds=1)
+    clear_grads()
+    counted = bench.case_bytes(case)[pass_]
+    benchmark.extra_info.update(op=case.op, shape=case.shape, dtype=case.dtype_name, pass_=pass_,
+                                provider=provider, bytes=counted)
+    if benchmark.stats is not None:
+        median_s = benchmark.stats.stats.median
+        benchmark.extra_info["gbps"] = counted / bench.GB / median_s
+        assert median_s > 0
