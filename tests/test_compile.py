@@ -1,0 +1,227 @@
+"""Every Triton kernel launch of representative op calls compiles to cubin for sm_90 and sm_80.
+
+The op tests run the kernels in the interpreter on CPU, which accepts code the compiler
+rejects. Here the same public ops run once more (interpreted, or on the GPU where there is
+one) while every launch is recorded with triton's own specialisation; each distinct launch is
+then compiled ahead of time for Hopper and Ampere by worker processes without the interpreter
+(see compile_capture.py). The calls cover each kernel's constexpr variants: dtypes, mode flags,
+the small- and large-vocab block sizes, aligned and unaligned strides, bool and float masks.
+"""
+
+import importlib
+import json
+import pkgutil
+
+import pytest
+import torch
+from compile_capture import compile_all, describe, record_launches
+from conftest import DEVICE
+from triton.backends import backends as triton_backends
+
+from fastrlhf import kernels, ops
+
+TARGETS = {"sm90": 90, "sm80": 80}
+
+pytestmark = pytest.mark.skipif(
+    "nvidia" not in triton_backends,
+    reason=f"this triton build has no CUDA backend (backends: {sorted(triton_backends)}), so it cannot "
+           "compile for sm_90 / sm_80",
+)
+
+
+def _kernel_names() -> list[str]:
+    """Every launchable kernel in fastrlhf.kernels: the `@triton.jit` objects named `*_kernel`."""
+    from triton.runtime.jit import KernelInterface
+
+    names = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"fastrlhf.kernels.{info.name}")
+        names += [f"{module.__name__}.{n}" for n, obj in vars(module).items()
+                  if isinstance(obj, KernelInterface) and n.endswith("_kernel")]
+    return sorted(names)
+
+
+KERNELS = _kernel_names()
+
+
+# ---------------------------------------------------------------- representative calls
+
+
+def _grad(outputs, inputs):
+    """Backward with random upstream gradients (the kernels see real values, not ones)."""
+    outputs = [o for o in outputs if o.requires_grad]
+    torch.autograd.grad(outputs, inputs, [torch.randn_like(o) for o in outputs])
+
+
+def _leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
+
+
+def _mask(B, T, dtype=torch.bool):
+    m = torch.rand(B, T, device=DEVICE) > 0.3
+    m[:, 0] = True
+    return m.to(dtype)
+
+
+def _logprobs_calls():
+    # (dtype, V, temperature, upstream gradients): V = 37 is one small block; V = 5000 takes the
+    # 4096-wide block, 8 warps and the vocab loop. "both" / "logp" / "entropy" pick the backward's
+    # HAS_GRAD_LOGP / HAS_GRAD_ENTROPY variant.
+    for dtype, V, temperature, grads in [(torch.float32, 37, 1.0, ("both", "logp", "entropy")),
+                                         (torch.bfloat16, 37, 0.7, ("both",)),
+                                         (torch.float16, 5000, 1.0, ("logp",)),
+                                         (torch.bfloat16, 5000, 0.7, ("both", "entropy"))]:
+        logits = _leaf(2, 5, V, dtype=dtype)
+        labels = torch.randint(0, V, (2, 5), device=DEVICE)
+        labels[0, 1] = -100  # ignore_index
+        for grad in grads:
+            if grad == "logp":
+                outputs = [ops.logprobs(logits, labels, temperature=temperature)]
+            else:
+                logp, ent = ops.logprobs(logits, labels, temperature=temperature, return_entropy=True)
+                outputs = [logp, ent] if grad == "both" else [ent]
+            _grad(outputs, logits)
+    # a non-contiguous view (logits[:, :-1]) with an odd vocab: unaligned strides, 2048-wide block
+    logits = _leaf(2, 6, 1271, dtype=torch.bfloat16)
+    logp = ops.logprobs(logits[:, :-1], torch.randint(0, 1271, (2, 5), device=DEVICE))
+    _grad([logp], logits)
+    # in-place backward into the storage of a copy of the logits
+    x = _leaf(3, 4, 64, dtype=torch.bfloat16)
+    logp = ops.logprobs(x.clone(), torch.randint(0, 64, (3, 4), device=DEVICE), inplace_backward=True)
+    _grad([logp], x)
+
+
+def _linear_logprobs_calls():
+    # the chunked path (fastrlhf/_linear.py): several chunks, bias, entropy, temperature
+    hidden, weight, bias = (_leaf(2, 7, 16, dtype=torch.bfloat16), _leaf(300, 16, dtype=torch.bfloat16),
+                            _leaf(300, dtype=torch.bfloat16))
+    labels = torch.randint(0, 300, (2, 7), device=DEVICE)
+    logp, ent = ops.linear_logprobs(hidden, weight, labels, bias=bias, return_entropy=True, chunk_size=4,
+                                    temperature=0.9)
+    _grad([logp, ent], (hidden, weight, bias))
+    # and the fused actor loss from hidden states, fp32
+    hidden, weight = _leaf(2, 7, 16), _leaf(300, 16)
+    B_T = (2, 7)
+    loss, _ = ops.linear_ppo_actor_loss(
+        hidden, weight, torch.randint(0, 300, B_T, device=DEVICE), torch.randn(B_T, device=DEVICE) - 5,
+        torch.randn(B_T, device=DEVICE), _mask(*B_T), chunk_size=5, ref_logp=torch.randn(B_T, device=DEVICE) - 5,
+        kl_coef=0.1, entropy_coef=0.01)
+    _grad([loss], (hidden, weight))
+
+
+def _kl_calls():
+    for estimator in ("k1", "k2", "k3", "abs"):
+        for clamp in (None, 5.0):
+            logp, ref = _leaf(3, 37), _leaf(3, 37)
+            _grad([ops.token_kl(logp, ref, estimator=estimator, clamp=clamp)], (logp, ref))
+            scores = torch.randn(3, device=DEVICE)
+            ops.kl_shaped_rewards(scores, logp.detach(), ref.detach(), _mask(3, 37), kl_coef=0.05,
+                                  estimator=estimator, clamp=clamp)
+    # half-precision inputs and a float mask; a row longer than one 1024 block
+    logp, ref = _leaf(2, 1100, dtype=torch.bfloat16), _leaf(2, 1100, dtype=torch.bfloat16)
+    _grad([ops.token_kl(logp, ref, estimator="k3")], (logp, ref))
+    ops.kl_shaped_rewards(torch.randn(2, device=DEVICE), logp.detach(), ref.detach(),
+                          _mask(2, 1100, torch.float32), kl_coef=0.05, estimator="k3")
+
+
+def _gae_calls():
+    for mask_mode in ("skip", "zero"):
+        for whiten in (True, False):
+            for T, mask_dtype in ((37, torch.bool), (64, torch.float32)):
+                rewards, values = torch.randn(3, T, device=DEVICE), torch.randn(3, T, device=DEVICE)
+                ops.gae(rewards, values, _mask(3, T, mask_dtype), gamma=0.99, lam=0.95, mask_mode=mask_mode,
+                        whiten=whiten)
+    # bf16 inputs and a row longer than one 1024 block (the block-to-block carry)
+    ops.gae(torch.randn(2, 1100, device=DEVICE).bfloat16(), torch.randn(2, 1100, device=DEVICE).bfloat16(),
+            _mask(2, 1100), gamma=0.99, lam=0.95)
+
+
+def _whiten_calls():
+    for shift_mean in (True, False):
+        for x, mask in ((torch.randn(3, 37, device=DEVICE), _mask(3, 37)),
+                        (torch.randn(2, 1100, device=DEVICE).bfloat16(), _mask(2, 1100, torch.float32))):
+            ops.whiten(x, mask, unbiased=True, shift_mean=shift_mean)
+    ops.whiten(torch.randn(3, 37, device=DEVICE), _mask(3, 37), unbiased=False)
+
+
+def _loss_calls():
+    B, T = 3, 37
+    for dual_clip in (None, 3.0):
+        for mask in (_mask(B, T), _mask(B, T, torch.float32)):
+            logp = _leaf(B, T)
+            loss, _ = ops.policy_loss(logp, torch.randn(B, T, device=DEVICE), torch.randn(B, T, device=DEVICE), mask,
+                                      clip_high=0.28, dual_clip=dual_clip)
+            _grad([loss], logp)
+            with torch.no_grad():  # the forward-only variant
+                ops.policy_loss(logp, torch.randn(B, T, device=DEVICE), torch.randn(B, T, device=DEVICE), mask,
+                                dual_clip=dual_clip)
+    for clip in (None, 0.2):
+        for dtype in (torch.float32, torch.bfloat16):
+            values = _leaf(B, T, dtype=dtype)
+            old, ret = torch.randn(B, T, device=DEVICE).to(dtype), torch.randn(B, T, device=DEVICE).to(dtype)
+            loss, _ = ops.value_loss(values, old, ret, _mask(B, T), clip=clip, agg="seq-mean-token-mean")
+            _grad([loss], values)
+            with torch.no_grad():
+                ops.value_loss(values, old, ret, _mask(B, T), clip=clip)
+    # the fused actor loss from logits: log-probs, entropy, policy loss and KL together
+    V = 50
+    logits = _leaf(B, T, V, dtype=torch.bfloat16)
+    loss, _ = ops.ppo_actor_loss(logits, torch.randint(0, V, (B, T), device=DEVICE),
+                                 torch.randn(B, T, device=DEVICE) - 4, torch.randn(B, T, device=DEVICE), _mask(B, T),
+                                 ref_logp=torch.randn(B, T, device=DEVICE) - 4, kl_coef=0.1, entropy_coef=0.01)
+    _grad([loss], logits)
+
+
+CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls)
+
+
+# ---------------------------------------------------------------- fixtures and tests
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """The distinct launches (specs) of every representative call, through the Triton backend."""
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FASTRLHF_BACKEND", "triton")
+        with record_launches() as recorder:
+            for call in CALLS:
+                call()
+    return list(recorder.specs.values())
+
+
+@pytest.fixture(scope="module")
+def compiled(launches):
+    """{(kernel, target): [(spec, error or "")]}.
+
+    sm_90 compiles every distinct launch. sm_80 compiles one launch per (kernel, signature,
+    constexprs): what differs by architecture is the code for each dtype and mode, not the
+    divisibility hints or warp counts, and this halves the time.
+    """
+    per_variant = {}
+    for spec in launches:
+        per_variant.setdefault(json.dumps([spec["name"], spec["signature"], spec["constexprs"]]), spec)
+    jobs = [(spec, TARGETS["sm90"]) for spec in launches] + [(spec, TARGETS["sm80"]) for spec in per_variant.values()]
+    by_kernel = {}
+    for (spec, target), result in zip(jobs, compile_all(jobs)):
+        key = (f"{spec['module']}.{spec['name']}", target)
+        by_kernel.setdefault(key, []).append((spec, result["error"] if not result["ok"] else ""))
+    return by_kernel
+
+
+def test_every_kernel_is_launched(launches):
+    assert KERNELS, "found no *_kernel in fastrlhf.kernels"
+    launched = {f"{s['module']}.{s['name']}" for s in launches}
+    missing = sorted(set(KERNELS) - launched)
+    assert not missing, f"no representative call launches {missing}: add one to CALLS in {__file__}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_compiles(compiled, kernel, target):
+    variants = compiled.get((kernel, TARGETS[target]), [])
+    if not variants:
+        pytest.fail(f"{kernel} was never launched, so nothing was compiled (see test_every_kernel_is_launched)")
+    failures = [f"{describe(spec)}\n{error}" for spec, error in variants if error]
+    assert not failures, (f"{kernel}: {len(failures)} of {len(variants)} launch variants fail to compile for "
+                          f"{target}:\n\n" + "\n\n".join(failures))
