@@ -507,8 +507,9 @@ def actor_loss_from_logprobs(logp, entropy, old_logp, advantages, mask, *, ref_l
                              dual_clip=None, agg="token-mean", global_num_tokens=None):
     """policy_loss(logp) + kl_coef * agg(KL(logp, ref_logp)) - entropy_coef * agg(entropy).
 
-    Shared by `ppo_actor_loss` (from logits) and `linear_ppo_actor_loss` (from hidden states):
-    the per-token work here is O(B T); the vocab-sized work is in how logp / entropy were made.
+    The tail of `ppo_actor_loss` (from logits): the per-token work here is O(B T); the
+    vocab-sized work is in how logp / entropy were made. `linear_ppo_actor_loss` applies the
+    same per-token formulas chunk by chunk inside its fused forward (fastrlhf/_linear.py).
     """
     kl_coef = _check_number("kl_coef", kl_coef)
     entropy_coef = _check_number("entropy_coef", entropy_coef)

@@ -1,6 +1,6 @@
-"""ops.linear_logprobs / ops.linear_ppo_actor_loss (chunked lm_head + log-probs) against the
-reference on materialised logits in float64: forward, and gradients for hidden, weight and
-bias, on both backends."""
+"""ops.linear_logprobs (chunked lm_head + log-probs) against the reference on materialised
+logits in float64: forward, and gradients for hidden, weight and bias, on both backends.
+The fused actor loss from hidden states is in test_linear_actor_fused.py."""
 
 import pytest
 import torch
@@ -143,50 +143,6 @@ def test_empty(backend):
     assert logp.shape == (0,) and ent.shape == (0,)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_linear_ppo_actor_loss_matches_reference(backend, dtype, atol, agg):
-    """Against ref.ppo_actor_loss on materialised logits. The loss and stats are scalars, whose
-    bf16 error is one random draw: they are checked over DRAWS independent batches at once."""
-    B, T, H, V, DRAWS = 4, 13, 20, 389, 4
-    hidden, weight, bias, labels = _inputs((B, T), H, V, dtype)
-    labels.clamp_(0, V - 1)  # the actor loss is over real tokens
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, 9:] = False  # right padding
-    mask[1, :4] = False  # left padding
-    mask[2, ::3] = False  # gaps
-    mask[3] = False  # all masked
-    logp64 = ref.linear_logprobs(hidden.double(), weight.double(), labels, bias=bias.double())
-    stat_names = ("clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy", "kl")
-
-    def run(fn, h, w, b, old, ref_lp, adv, upstream, **kw):
-        leaves = [t.detach().clone().requires_grad_() for t in (h, w, b)]
-        loss, stats = fn(*leaves, old, adv, ref_logp=ref_lp, **kw)
-        grads = torch.autograd.grad(loss * upstream, leaves)
-        return [loss.detach(), *(stats[k] for k in stat_names), *grads]
-
-    def linear(h, w, b, old, adv, **kw):
-        return ops.linear_ppo_actor_loss(h, w, labels, old, adv, mask, bias=b, chunk_size=32, **kw)
-
-    def materialised(h, w, b, old, adv, **kw):
-        return ref.ppo_actor_loss(h @ w.T + b, labels, old, adv, mask, **kw)
-
-    kw = dict(kl_coef=0.1, entropy_coef=0.02, temperature=0.9, clip_high=0.28, dual_clip=3.0, agg=agg)
-    out, r64, same = [], [], []
-    for _ in range(DRAWS):
-        old = (logp64 + 0.3 * torch.randn(B, T, dtype=torch.float64)).float()  # ratios on both sides of the clip
-        ref_lp = (logp64 + 0.5 * torch.randn(B, T, dtype=torch.float64)).float()
-        adv, upstream = torch.randn(B, T), torch.randn(()).item()
-        out.append(run(linear, hidden, weight, bias, old, ref_lp, adv, upstream, **kw))
-        r64.append(run(materialised, hidden.double(), weight.double(), bias.double(), old.double(),
-                       ref_lp.double(), adv.double(), upstream, **kw))
-        same.append(run(materialised, hidden, weight, bias, old, ref_lp, adv, upstream, **kw))
-    names = ("loss", *(f"stats[{k}]" for k in stat_names), "d_hidden", "d_weight", "d_bias")
-    for i, name in enumerate(names):
-        o, r, s = (torch.stack([run_[i].double() for run_ in runs]) for runs in (out, r64, same))
-        assert_close_to_ref(o, r, s, atol=atol, name=name)
-
-
 # ---------------------------------------------------------------- bad input
 
 
@@ -214,5 +170,3 @@ def test_bad_bias_dtype_chunk_and_labels():
         ops.linear_logprobs(h.long(), w, y)
     with pytest.raises(ValueError, match="temperature"):
         ops.linear_logprobs(h, w, y, temperature=0.0)
-    with pytest.raises(ValueError, match="old_logp"):
-        ops.linear_ppo_actor_loss(h, w, y, torch.randn(5), torch.randn(4), torch.ones(4))
