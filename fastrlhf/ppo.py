@@ -1,0 +1,282 @@
+"""`fastrlhf ppo`: PPO on a shared actor-critic with a LoRA-disabled (or frozen-copy) reference.
+
+Each iteration, top to bottom:
+  1. rollout     sample responses (KV cache, left-padded prompts, stop at EOS)
+  2. reward      reward model at the last response token, or a rule `module:function`
+  3. logprobs    one actor-critic forward -> old log-probs and values; reference log-probs
+  4. advantages  KL-shaped rewards (ops.kl_shaped_rewards) and GAE (ops.gae)
+  5. update      PPO epochs over minibatches with gradient accumulation: clipped policy loss
+                 (ops.linear_ppo_actor_loss, from hidden states: no [B, T, V] logits) + value loss
+                 (ops.value_loss), gradient clipping
+Then the KL coefficient is updated (fixed, or adaptive as Ziegler et al. 2019), metrics are
+logged and a checkpoint is written every `save_every` iterations.
+
+Writes OUT/ppo/final (merged HF model + value head), OUT/ppo/checkpoints, rows with
+"stage": "ppo" in OUT/metrics.jsonl, OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from fastrlhf import ops
+from fastrlhf.config import PPOConfig, run_cli
+from fastrlhf.data import encode_prompts, read_jsonl, synthetic_prompt_rows, true_score
+from fastrlhf.metrics import (
+    PPO_PHASES,
+    PhaseTimer,
+    RunLogger,
+    finite_or_warn,
+    log,
+    plot_curves,
+    plot_phases,
+    progress,
+    setup_logging,
+    to_floats,
+    update_summary,
+)
+from fastrlhf.models import (
+    ActorCritic,
+    autocast,
+    latest_checkpoint,
+    load_causal_lm,
+    load_checkpoint,
+    resolve_device,
+    resolve_dtype,
+    save_checkpoint,
+)
+from fastrlhf.rollout import Rollout, generate, load_reward, token_logprobs
+
+NUM_TRAIN_PROMPTS = 4096
+ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
+EVAL_BATCH = 256
+
+
+class KLController:
+    """Fixed coefficient, or adaptive (Ziegler et al. 2019):
+    coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_sequences / horizon."""
+
+    def __init__(self, coef: float, target: float, horizon: int):
+        self.coef, self.target, self.horizon = coef, target, horizon
+
+    def update(self, kl: float, n_sequences: int) -> None:
+        if self.target > 0:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.coef *= 1.0 + error * n_sequences / self.horizon
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the response tokens."""
+    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    diff = returns - values
+    var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+    return 1.0 - var_d / var_r.clamp(min=1e-8)
+
+
+@torch.no_grad()
+def forward_logprobs_values(ac: ActorCritic, rollout: Rollout, *, temperature: float, device):
+    """Phase 3: (old_logp, values, ref_logp), each [B, R] float32, 0 where the mask is 0."""
+    b = rollout.batch
+    with autocast(device):
+        hidden, values = ac(b.input_ids, b.attention_mask, b.position_ids)
+        old_logp = token_logprobs(ac.policy, b, hidden, temperature=temperature)
+        ref_hidden = ac.reference_hidden(b.input_ids, b.attention_mask, b.position_ids)
+        ref_logp = token_logprobs(ac.policy, b, ref_hidden, temperature=temperature, head=ac.reference_lm_head())
+    P = b.prompt_len
+    values = values[:, P - 1:-1].float() * b.response_mask
+    return old_logp, values, ref_logp
+
+
+def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages, returns, cfg: PPOConfig,
+               device, step: int) -> dict:
+    """Phase 5: `ppo_epochs` passes over the rollout in minibatches of `mini_batch_size`, each
+    the sum of micro-batches (gradient accumulation; the losses are divided by the minibatch's
+    token count, so the split does not change the gradient). Returns mean stats."""
+    b = rollout.batch
+    B, P = b.input_ids.shape[0], b.prompt_len
+    head = ac.lm_head
+    params = [p for p in ac.parameters() if p.requires_grad]
+    sums, n_updates, skipped = {}, 0, 0
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B).tolist()
+        for start in range(0, B, cfg.mini_batch_size):
+            mini = order[start:start + cfg.mini_batch_size]
+            num_tokens = int(b.response_mask[mini].sum())
+            optimizer.zero_grad(set_to_none=True)
+            finite, mini_stats = True, {}
+            for m0 in range(0, len(mini), cfg.micro_batch_size):
+                idx = torch.tensor(mini[m0:m0 + cfg.micro_batch_size], device=device)
+                mask = b.response_mask[idx]
+                labels = torch.where(mask.bool(), b.responses[idx], -100)
+                with autocast(device):
+                    hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
+                h = hidden[:, P - 1:-1]
+                actor_loss, stats = ops.linear_ppo_actor_loss(
+                    h, head.weight.to(h.dtype), labels, old_logp[idx], advantages[idx], mask, bias=head.bias,
+                    temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
+                    global_num_tokens=num_tokens)
+                v_loss, v_stats = ops.value_loss(values[:, P - 1:-1].float(), old_values[idx], returns[idx], mask,
+                                                 clip=cfg.value_clip, global_num_tokens=num_tokens)
+                loss = actor_loss + cfg.vf_coef * v_loss
+                if not finite_or_warn(loss, "PPO loss", step):
+                    finite = False
+                    break
+                loss.backward()
+                # losses add up over micro-batches; per-token means are weighted by their token share
+                share = float(mask.sum()) / max(1, num_tokens)
+                stats = to_floats(dict(stats, value_loss=v_loss.detach(), value_clipfrac=v_stats["clipfrac"]))
+                for k, v in stats.items():
+                    mini_stats[k] = mini_stats.get(k, 0.0) + (v if k in ADDITIVE_STATS else v * share)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if finite else None
+            if not finite or not finite_or_warn(grad_norm, "gradient norm", step):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            optimizer.step()
+            n_updates += 1
+            for k, v in dict(mini_stats, grad_norm=grad_norm.item()).items():
+                sums[k] = sums.get(k, 0.0) + v
+    means = {k: v / max(1, n_updates) for k, v in sums.items()}
+    return dict(means, skipped_nonfinite=skipped)
+
+
+@torch.no_grad()
+def evaluate_true_score(ac, tokenizer, prompt_ids, prompts, cfg: PPOConfig, device) -> float:
+    """Mean true score (the synthetic task's rule) of sampled responses to held-out prompts."""
+    scores = []
+    for i in range(0, len(prompts), EVAL_BATCH):
+        r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH], prompts[i:i + EVAL_BATCH],
+                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
+        scores += true_score(r.prompts, r.responses)
+    return sum(scores) / len(scores)
+
+
+def train(cfg: PPOConfig) -> dict:
+    # 0. setup: actor-critic (+ reference), reward, prompts, optimizer; resume if asked
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
+                         f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
+    out, stage_dir = Path(cfg.out), Path(cfg.out) / "ppo"
+    dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
+    lm, tokenizer = load_causal_lm(cfg.model or out / "sft" / "final", device=device, dtype=dtype,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
+    ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
+    reward_fn = load_reward(cfg.reward or str(out / "rm" / "final"), device=device)
+    synthetic = not cfg.data
+    rows = read_jsonl(cfg.data, ("prompt",)) if cfg.data else synthetic_prompt_rows(NUM_TRAIN_PROMPTS, cfg.seed)
+    prompts = [r["prompt"] for r in rows]
+    prompt_ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
+    eval_prompts = [r["prompt"] for r in synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
+    eval_ids = encode_prompts(tokenizer, eval_prompts, cfg.max_prompt_len)
+    trainable = [p for p in ac.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
+    kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    step, skipped, true_before = 0, 0, None
+    timer = PhaseTimer(device)
+    ckpt = latest_checkpoint(stage_dir) if cfg.resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, ac, optimizer)
+        step, extra = state["step"], state["extra"]
+        kl_ctl.coef, skipped, true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
+        timer.total_seconds.update(extra["phase_seconds"])
+        timer.total_peak.update(extra["phase_peak_memory_bytes"])
+        log.info("ppo: resumed from %s (step %d)", ckpt, step)
+    elif synthetic:
+        true_before = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
+        log.info("ppo: true score before PPO %.3f", true_before)
+    logger = RunLogger(out, "ppo", resume_step=step if ckpt else None, tensorboard=cfg.tensorboard)
+    stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
+    bar = progress(cfg.steps, step, "ppo")
+    start = time.perf_counter()
+    ac.train()
+
+    while step < stop:
+        t0 = time.perf_counter()
+        # 1. rollout: sample one response per prompt
+        with timer.phase("rollout"):
+            idx = torch.randint(len(prompts), (cfg.rollout_batch_size,)).tolist()
+            rollout = generate(ac.policy, tokenizer, [prompt_ids[i] for i in idx], [prompts[i] for i in idx],
+                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
+        # 2. reward: one score per sequence
+        with timer.phase("reward"):
+            scores = reward_fn(rollout)
+            rollout = rollout._replace(scores=scores)
+        # 3. old log-probs and values (one actor-critic forward), reference log-probs
+        with timer.phase("logprobs"):
+            old_logp, old_values, ref_logp = forward_logprobs_values(ac, rollout, temperature=cfg.temperature,
+                                                                     device=device)
+        # 4. KL-shaped per-token rewards and GAE
+        with timer.phase("advantages"):
+            mask = rollout.batch.response_mask
+            rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask, kl_coef=kl_ctl.coef,
+                                            estimator=cfg.kl_estimator)
+            advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
+        # 5. PPO epochs: clipped policy loss + value loss, gradient accumulation and clipping
+        with timer.phase("update"):
+            update_stats = ppo_update(ac, optimizer, rollout, old_logp, old_values, advantages, returns, cfg,
+                                      device, step)
+        skipped += update_stats.pop("skipped_nonfinite")
+        # 6. KL controller, metrics, checkpoint
+        kl = ((old_logp - ref_logp) * mask).sum(-1).mean().item()  # per-sequence k1 KL to the reference
+        kl_ctl.update(kl, cfg.rollout_batch_size)
+        step += 1
+        n_tokens = mask.sum().item()
+        stats = {"reward": scores.mean().item(), "kl": kl, "kl_coef": kl_ctl.coef,
+                 "response_length": mask.sum(-1).mean().item(),
+                 "explained_variance": explained_variance(old_values, returns, mask).item(),
+                 "tokens_per_s": n_tokens / (time.perf_counter() - t0),
+                 "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
+        if synthetic:
+            stats["true_score"] = sum(true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
+        bar.update(1)
+        bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
+        if step % cfg.log_every == 0 or step == stop:
+            logger.log(step, stats)
+        if step % cfg.save_every == 0 or step == stop:
+            save_checkpoint(stage_dir, step, ac.trainable_state(), optimizer,
+                            {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
+                             "phase_seconds": dict(timer.total_seconds),
+                             "phase_peak_memory_bytes": dict(timer.total_peak)})
+
+    bar.close()
+    logger.close()
+    if step < cfg.steps:
+        log.info("ppo: stopped after step %d of %d (resume with --resume)", step, cfg.steps)
+        return {"stopped_at": step}
+    # 7. final policy, true score after, summary, plots
+    ac.save_pretrained(stage_dir / "final", tokenizer)
+    logged = logger.rows()
+    summary = {
+        "steps": step, "seconds": time.perf_counter() - start, "skipped_nonfinite": skipped,
+        "reward_first": logged[0]["reward"] if logged else None,
+        "reward_final": logged[-1]["reward"] if logged else None,
+        "kl_final": logged[-1]["kl"] if logged else None,
+        "phase_seconds": {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES},
+        "phase_peak_memory_bytes": {k: int(timer.total_peak.get(k, 0)) for k in PPO_PHASES},
+        "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
+        "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(stage_dir / "final"),
+    }
+    if synthetic:
+        summary["true_score_before"] = true_before
+        summary["true_score_after"] = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
+    update_summary(out, "ppo", summary)
+    plot_curves(out, "ppo", ["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
+    plot_phases(out, summary["phase_seconds"], summary["phase_peak_memory_bytes"], "ppo_phases.png",
+                "CUDA allocated" if device.type == "cuda" else "process peak RSS")
+    log.info("ppo: done, true score %s -> %s, final KL %.4f", summary.get("true_score_before"),
+             summary.get("true_score_after"), summary["kl_final"] or 0.0)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    setup_logging()
+    return run_cli(PPOConfig, argv, "fastrlhf ppo", train)

@@ -1,0 +1,182 @@
+"""Actor-critic, reference policy, padding, generation and checkpoints on the tiny model."""
+
+import copy
+
+import pytest
+import torch
+
+from fastrlhf import ops
+from fastrlhf.data import pack
+from fastrlhf.models import (
+    ActorCritic,
+    RewardModel,
+    hidden_states,
+    latest_checkpoint,
+    load_causal_lm,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fastrlhf.rollout import generate, response_mask_after_eos, token_logprobs
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def tiny():
+    lm, tok = load_causal_lm("tiny", device=CPU)
+    return lm.eval(), tok
+
+
+def _random_seqs(n, lo, hi, vocab, low_id=4):
+    return [torch.randint(low_id, vocab, (int(torch.randint(lo, hi + 1, ())),)).tolist() for _ in range(n)]
+
+
+def assert_close(actual, expected, atol):
+    err = (actual - expected).abs()
+    worst = int(err.argmax())
+    assert err.max() <= atol, f"max |diff| {err.max():.3e} at flat index {worst}: {actual.flatten()[worst]} vs " \
+                              f"{expected.flatten()[worst]}"
+
+
+def test_left_padded_logprobs_equal_unpadded(tiny):
+    lm, tok = tiny
+    prompts = _random_seqs(5, 2, 9, len(tok))
+    responses = _random_seqs(5, 1, 7, len(tok))
+    batch = pack(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        logp = token_logprobs(lm, batch, hidden_states(lm, batch.input_ids, batch.attention_mask, batch.position_ids))
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            alone = pack([p], [r], tok.pad_token_id)  # no padding at all
+            assert alone.attention_mask.all()
+            h = hidden_states(lm, alone.input_ids, alone.attention_mask, alone.position_ids)
+            expected = token_logprobs(lm, alone, h)[0]
+            assert_close(logp[b, :len(r)], expected, atol=1e-5)
+            assert (logp[b, len(r):] == 0).all()  # masked response tokens give 0
+    # left padding really happened: the shortest prompt sits after pad tokens
+    assert (batch.attention_mask[:, :batch.prompt_len] == 0).any()
+
+
+def test_lora_disabled_reference_equals_base_model(tiny):
+    lm, tok = tiny
+    base = copy.deepcopy(lm)
+    batch = pack(_random_seqs(4, 3, 6, len(tok)), _random_seqs(4, 2, 5, len(tok)), tok.pad_token_id)
+    ac = ActorCritic(lm, lora_rank=4, lora_alpha=8).eval()
+    with torch.no_grad():
+        for name, p in ac.named_parameters():  # move the adapter away from its identity init
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+        expected = token_logprobs(base, batch, hidden_states(base, batch.input_ids, batch.attention_mask,
+                                                             batch.position_ids))
+        ref = token_logprobs(ac.policy, batch, ac.reference_hidden(batch.input_ids, batch.attention_mask,
+                                                                   batch.position_ids),
+                             head=ac.reference_lm_head())
+        policy_h, _ = ac(batch.input_ids, batch.attention_mask, batch.position_ids)
+        policy = token_logprobs(ac.policy, batch, policy_h)
+    assert_close(ref, expected, atol=1e-6)
+    assert (policy - expected).abs().max() > 1e-3  # the adapter is active outside the reference
+    assert ac.reference is None  # no second copy of the weights with LoRA
+
+
+def test_full_finetune_reference_is_a_frozen_copy(tiny):
+    lm, tok = tiny
+    ac = ActorCritic(lm, lora_rank=0)
+    assert ac.reference is not None
+    assert not any(p.requires_grad for p in ac.reference.parameters())
+    assert all(p.requires_grad for p in ac.policy.parameters())
+    batch = pack(_random_seqs(2, 3, 5, len(tok)), _random_seqs(2, 2, 4, len(tok)), tok.pad_token_id)
+    before = ac.reference_hidden(batch.input_ids, batch.attention_mask, batch.position_ids)
+    opt = torch.optim.SGD([p for p in ac.parameters() if p.requires_grad], lr=0.1)
+    h, v = ac(batch.input_ids, batch.attention_mask, batch.position_ids)
+    (h.square().mean() + v.square().mean()).backward()
+    opt.step()
+    after = ac.reference_hidden(batch.input_ids, batch.attention_mask, batch.position_ids)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_value_head_gets_gradients(tiny, lora_rank):
+    lm, tok = tiny
+    ac = ActorCritic(lm, lora_rank=lora_rank).train()
+    batch = pack(_random_seqs(3, 3, 5, len(tok)), _random_seqs(3, 2, 4, len(tok)), tok.pad_token_id)
+    hidden, values = ac(batch.input_ids, batch.attention_mask, batch.position_ids)
+    P = batch.prompt_len
+    v = values[:, P - 1:-1]
+    returns = torch.randn_like(v)
+    loss, _ = ops.value_loss(v, v.detach() + 0.1 * torch.randn_like(v), returns, batch.response_mask)
+    loss.backward()
+    for p in ac.value_head.parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+    # the value loss also reaches the shared trunk's trainable weights (LoRA B: A gets 0 while B = 0)
+    trunk_grads = [p.grad for n, p in ac.named_parameters() if p.requires_grad and "value_head" not in n
+                   and ("lora_B" in n or lora_rank == 0)]
+    assert any(g is not None and g.abs().sum() > 0 for g in trunk_grads)
+
+
+def test_response_mask_stops_after_first_eos():
+    eos = 2
+    responses = torch.tensor([[5, 6, 2, 7, 2], [2, 5, 5, 5, 5], [5, 5, 5, 5, 5]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    assert torch.equal(response_mask_after_eos(responses, eos), expected)
+
+
+def test_generate_masks_and_pads_after_eos(tiny):
+    lm, tok = tiny
+    with torch.no_grad():  # make EOS likely so some rows stop early
+        lm.get_output_embeddings().weight[tok.eos_token_id] += 0.5 * lm.get_output_embeddings().weight.norm(dim=1).max()
+    prompt_ids = _random_seqs(8, 2, 6, len(tok))
+    r = generate(lm, tok, prompt_ids, ["x"] * 8, max_new_tokens=6, temperature=1.0, device=CPU)
+    b = r.batch
+    assert b.input_ids.shape[0] == 8 and b.response_mask.shape[1] <= 6
+    ended = b.response_mask.sum(-1) < b.response_mask.shape[1]
+    assert ended.any()
+    for row in range(8):
+        n = int(b.response_mask[row].sum())
+        if ended[row]:
+            assert b.responses[row, n - 1] == tok.eos_token_id
+        assert (b.responses[row, n:] == tok.pad_token_id).all()
+        assert b.attention_mask[row, b.prompt_len + n:].sum() == 0
+    # prompts are left-padded and positions count only real tokens
+    assert torch.equal(b.position_ids[b.attention_mask.bool()],
+                       torch.cat([torch.arange(int(m.sum())) for m in b.attention_mask]))
+
+
+def test_reward_model_reads_last_attended_token(tiny):
+    lm, tok = tiny
+    rm = RewardModel(lm).eval()
+    prompts, responses = _random_seqs(3, 2, 5, len(tok)), _random_seqs(3, 1, 6, len(tok))
+    batch = pack(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        scores = rm(batch.input_ids, batch.attention_mask, batch.position_ids)
+        for b in range(3):
+            alone = pack([prompts[b]], [responses[b]], tok.pad_token_id)
+            h = hidden_states(lm, alone.input_ids, alone.attention_mask, alone.position_ids)
+            assert abs(scores[b] - rm.head(h[0, -1]).squeeze()) < 1e-5
+
+
+def test_checkpoint_roundtrip_restores_weights_optimizer_and_rng(tiny, tmp_path):
+    lm, _ = tiny
+    ac = ActorCritic(lm, lora_rank=4)
+    opt = torch.optim.AdamW([p for p in ac.parameters() if p.requires_grad], lr=1e-2)
+    ac.value_head.weight.sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, 7, ac.trainable_state(), opt, {"kl_coef": 0.3})
+    expected_next = torch.rand(3)
+    saved = {k: v.detach().clone() for k, v in ac.trainable_state().items()}
+    with torch.no_grad():
+        for p in ac.trainable_state().values():
+            p.add_(1.0)
+    state = load_checkpoint(latest_checkpoint(tmp_path), ac, opt)
+    assert state == {"step": 7, "extra": {"kl_coef": 0.3}}
+    for k, v in ac.trainable_state().items():
+        assert torch.equal(v, saved[k]), k
+    assert torch.equal(torch.rand(3), expected_next)  # RNG continues where the checkpoint left it
+    assert len(opt.state) > 0
+    assert not list(tmp_path.joinpath("checkpoints").glob(".*tmp*"))  # nothing half-written left behind
