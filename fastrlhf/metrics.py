@@ -132,7 +132,11 @@ class RunLogger:
         tmp.replace(self.path)
         self.writer = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("tensorboard=True needs the tensorboard package: "
+                                  "pip install 'fastrlhf[tensorboard]'") from e
 
             self.writer = SummaryWriter(str(Path(out) / "tb" / stage))
 
