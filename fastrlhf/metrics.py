@@ -238,3 +238,21 @@ def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
     warnings.warn(f"step {step}: non-finite {what} ({value.detach().float().flatten()[:1].item()}); "
                   "skipping this optimizer step", stacklevel=2)
     return False
+
+
+def guarded_step(optimizer, loss: torch.Tensor, params, step: int, *, lr: float, warmup_steps: int,
+                 max_grad_norm: float = 1.0) -> bool:
+    """One optimizer step with linear warm-up and gradient clipping; a non-finite loss or
+    gradient norm skips it (with a warning). Returns whether the step was applied."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
+    optimizer.zero_grad(set_to_none=True)
+    if not finite_or_warn(loss, "loss", step):
+        return False
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not finite_or_warn(grad_norm, "gradient norm", step):
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    return True

@@ -15,7 +15,7 @@ import torch
 
 from fastrlhf.config import SFTConfig, run_cli
 from fastrlhf.data import encode_prompts, encode_responses, pack, read_jsonl, synthetic_sft
-from fastrlhf.metrics import RunLogger, finite_or_warn, log, plot_curves, progress, setup_logging, update_summary
+from fastrlhf.metrics import RunLogger, guarded_step, log, plot_curves, progress, setup_logging, update_summary
 from fastrlhf.models import (
     autocast,
     hidden_states,
@@ -65,17 +65,7 @@ def train(cfg: SFTConfig) -> dict:
         # 3. loss: mean negative log-likelihood over response tokens
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / WARMUP_STEPS)
-        optimizer.zero_grad(set_to_none=True)
-        if finite_or_warn(loss, "loss", step):
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-            if finite_or_warn(grad_norm, "gradient norm", step):
-                optimizer.step()
-            else:
-                skipped += 1
-        else:
+        if not guarded_step(optimizer, loss, lm.parameters(), step, lr=cfg.lr, warmup_steps=WARMUP_STEPS):
             skipped += 1
         step += 1
         window.append(loss.item())

@@ -1,4 +1,6 @@
-"""Assertions shared by the op tests (import as `from helpers import ...`)."""
+"""Assertions and inputs shared by the op tests (import as `from helpers import ...`)."""
+
+import math
 
 import torch
 
@@ -40,3 +42,32 @@ def assert_close_to_ref(out, ref64, ref_same_dtype, *, atol, name="output"):
         f"+ fp32 rounding at |ref| {ref64[ok][i].item():.3e}; "
         f"{worst(out.masked_fill(~ok, 0), ref64.masked_fill(~ok, 0))}"
     )
+
+
+def make_mask(B, T):
+    """Row 0 right padding, row 1 left padding, row 2 all masked, row 3 gaps, the rest random."""
+    m = torch.rand(B, T) > 0.25
+    m[0] = torch.arange(T) < T - 5
+    if B > 1:
+        m[1] = torch.arange(T) >= 7
+    if B > 2:
+        m[2] = False
+    if B > 3:
+        m[3] = torch.arange(T) % 3 != 1
+    return m
+
+
+def poison_launcher_outputs(monkeypatch, kernel_module):
+    """Make `kernel_module`'s torch.empty return NaN-filled memory: every output element
+    a launcher allocates must then be written by its kernel."""
+
+    class _NaNEmpty:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            out = torch.empty(*args, **kwargs)
+            return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(kernel_module, "torch", _NaNEmpty())

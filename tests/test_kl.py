@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from fastrlhf.kernels import kl as kl_kernels
-from helpers import assert_close_to_ref
+from helpers import assert_close_to_ref, make_mask, poison_launcher_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
@@ -17,31 +17,7 @@ ESTIMATORS = ["k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl"]
 
 @pytest.fixture
 def poison(monkeypatch):
-    """Make the launchers' torch.empty return NaN-filled memory: every output element must be written."""
-
-    class _NaNEmpty:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty(*args, **kwargs):
-            out = torch.empty(*args, **kwargs)
-            return out.fill_(math.nan) if out.is_floating_point() else out
-
-    monkeypatch.setattr(kl_kernels, "torch", _NaNEmpty())
-
-
-def make_mask(B, T):
-    """Row 0 right padding, row 1 left padding, row 2 all masked, row 3 gaps, the rest random."""
-    m = torch.rand(B, T) > 0.25
-    m[0] = torch.arange(T) < T - 5
-    if B > 1:
-        m[1] = torch.arange(T) >= 7
-    if B > 2:
-        m[2] = False
-    if B > 3:
-        m[3] = torch.arange(T) % 3 != 1
-    return m
+    poison_launcher_outputs(monkeypatch, kl_kernels)
 
 
 def make_logps(shape, dtype, spread=1.0):
