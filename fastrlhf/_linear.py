@@ -143,8 +143,10 @@ def _gather_logp_torch(log_p, labels, ignore_index):
 
 
 def _entropy_torch(log_p):
-    """-sum p log p per row, formed in p's buffer: no third [n, V] temporary."""
-    return -log_p.exp().mul_(log_p).sum(-1)
+    """-sum p log p per row, formed in p's buffer; 0 log 0 = 0 where a logit is -inf."""
+    p = log_p.exp()
+    zero = p == 0
+    return -p.mul_(log_p).masked_fill_(zero, 0.0).sum(-1)
 
 
 def _dlogits_torch(log_p, logits, labels, entropy, g_logp, g_ent, temperature, ignore_index):
@@ -157,8 +159,9 @@ def _dlogits_torch(log_p, logits, labels, entropy, g_logp, g_ent, temperature, i
     V = log_p.shape[1]
     takes_grad = (labels >= 0) & (labels < V) & (labels != ignore_index)
     g_lp = torch.zeros_like(p[:, 0]) if g_logp is None else torch.where(takes_grad, g_logp, 0.0)
-    if g_ent is not None:  # -p (g_lp + g_ent (log p + H))
-        dz = log_p.add_(entropy.unsqueeze(1)).mul_(g_ent.unsqueeze(1)).add_(g_lp.unsqueeze(1)).mul_(p).neg_()
+    if g_ent is not None:  # -p (g_lp + g_ent (log p + H)); p = 0 (a -inf logit) contributes 0
+        t = log_p.add_(entropy.unsqueeze(1)).masked_fill_(p == 0, 0.0)
+        dz = t.mul_(g_ent.unsqueeze(1)).add_(g_lp.unsqueeze(1)).mul_(p).neg_()
     else:
         dz = p.mul_(-g_lp.unsqueeze(1))
     dz.scatter_add_(1, torch.where(takes_grad, labels, 0).unsqueeze(1), g_lp.unsqueeze(1))
@@ -329,8 +332,8 @@ def _loss_and_stats(tokens: torch.Tensor, a: _ActorArgs):
     """loss = sum_i w_i l_i and the STATS (fp32 [6]) from the per-token TOKEN_TERMS values."""
     row = dict(zip(TOKEN_TERMS, tokens))
     m = a.mask
-    n = m.sum().clamp(min=1.0)
-    masked_mean = lambda name: (m * row[name]).sum() / n  # noqa: E731
+    inv_n = _ops()._safe_inverse(m.sum())
+    masked_mean = lambda name: (m * row[name]).sum() * inv_n  # noqa: E731
     stats = torch.stack([masked_mean("clipped"), masked_mean("clipped_lower"), masked_mean("neg_log_ratio"),
                          (a.token_weight * row["pg"]).sum(), masked_mean("entropy"), masked_mean("kl")])
     return (a.token_weight * row["loss"]).sum(), stats.float()
@@ -457,9 +460,7 @@ def _check_actor_inputs(hidden, old_logp, advantages, mask, ref_logp, kl_coef, k
             raise ValueError(f"{name} must have shape hidden.shape[:-1] = {shape}, got {tuple(x.shape)}")
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}; expected one device")
-    ops._check_mask(mask, shape, "hidden.shape[:-1]")
-    if mask.device != hidden.device:
-        raise ValueError(f"mask is on {mask.device} but hidden is on {hidden.device}; expected one device")
+    ops._check_mask(mask, old_logp, "old_logp")
     kl_coef = ops._check_number("kl_coef", kl_coef)
     entropy_coef = ops._check_number("entropy_coef", entropy_coef)
     ops._check_choice("kl_estimator", kl_estimator, ops.KL_ESTIMATORS)

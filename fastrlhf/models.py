@@ -90,15 +90,18 @@ def _tiny_config(vocab_size: int):
 
 
 def _qwen2_05b_config(vocab_size: int):
+    """Qwen2-0.5B's shapes with random weights, for GPU timing runs. The real vocabulary
+    (151936, tied embeddings) is kept whatever `vocab_size` the tokenizer has: the lm_head and
+    log-prob cost is what such a run measures; sampled ids past the tokenizer decode as unknown."""
     from transformers import Qwen2Config
 
-    # Qwen2-0.5B's shapes (vocab 151936, tied embeddings); random weights.
     return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                        rope_theta=1_000_000.0, tie_word_embeddings=True)
 
 
 def _llama_05b_config(vocab_size: int):
+    """A 0.5B Llama (vocab 32000 kept whatever `vocab_size` is, as `_qwen2_05b_config`)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
@@ -121,7 +124,7 @@ def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtyp
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {str(path)!r} has no config.json (not a Hugging Face model)")
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype)
     elif str(name_or_path) in BUILTIN_MODELS:
         tokenizer = build_char_tokenizer()
         config = BUILTIN_MODELS[str(name_or_path)](len(tokenizer))

@@ -82,12 +82,14 @@ def _check_int(name: str, x) -> None:
         raise TypeError(f"{name} must be an integer tensor of token ids, got {x.dtype}")
 
 
-def _check_mask(mask, shape, like: str) -> None:
+def _check_mask(mask, like_tensor: torch.Tensor, like: str) -> None:
     _check_tensor("mask", mask)
     if mask.is_complex():
         raise TypeError(f"mask must be bool, integer or float, got {mask.dtype}")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"mask must have the shape of {like} {tuple(shape)}, got {tuple(mask.shape)}")
+    if tuple(mask.shape) != tuple(like_tensor.shape):
+        raise ValueError(f"mask must have the shape of {like} {tuple(like_tensor.shape)}, got {tuple(mask.shape)}")
+    if mask.device != like_tensor.device:
+        raise ValueError(f"mask is on {mask.device} but {like} is on {like_tensor.device}; expected one device")
 
 
 def _check_same(first: str, x: torch.Tensor, **others) -> None:
@@ -156,7 +158,7 @@ class _LogProbs(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature, ignore_index, return_entropy, inplace_backward):
         k = _kernels("logprobs")
         x = _as_3d(logits)
-        y = labels.reshape(x.shape[:2]).contiguous()
+        y = labels.reshape(x.shape[:2]).long().contiguous()
         logp, entropy, lse = k.logprobs_fwd(x, y, temperature=temperature, ignore_index=ignore_index,
                                             compute_entropy=return_entropy)
         ctx.save_for_backward(x, y, lse, entropy)
@@ -180,21 +182,68 @@ class _LogProbs(torch.autograd.Function):
         return dx.view(shape) if dx.is_contiguous() else dx.reshape(shape), None, None, None, None, None
 
 
-def _logprobs_torch(logits, labels, temperature, ignore_index, return_entropy):
-    z = _f32(logits)
-    if temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    V = z.shape[-1]
-    valid = (labels >= 0) & (labels < V)
-    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
-    logp = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1) - lse
-    logp = torch.where(valid, logp, torch.full_like(logp, float("nan")))
-    logp = torch.where(labels == ignore_index, torch.zeros_like(logp), logp)
-    if not return_entropy:
-        return logp
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-    return logp, entropy
+def _row_chunks(x: torch.Tensor, rows: int):
+    """(rows [n, V] view, flat start, flat end) covering x [B, T, V] in chunks of <= `rows` rows;
+    flat positions index the row-major [B * T] outputs."""
+    B, T, V = x.shape
+    try:
+        spans = [(x.view(B * T, V), 0)]
+    except RuntimeError:  # e.g. logits[:, :-1]: one span per sequence, still no copy
+        spans = [(x[b], b * T) for b in range(B)]
+    for block, base in spans:
+        for s in range(0, block.shape[0], rows):
+            e = min(s + rows, block.shape[0])
+            yield block[s:e], base + s, base + e
+
+
+class _LogProbsTorch(torch.autograd.Function):
+    """The torch path with the kernel's algorithm: rows in chunks, the forward keeps only the
+    log-sum-exp (and entropy) per row, the backward recomputes p chunk by chunk and writes
+    d(logits) once. A few fp32 [chunk, V] temporaries, never an [N, V] softmax held for autograd."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, ignore_index, return_entropy):
+        x = _as_3d(logits)
+        y = labels.reshape(x.shape[:2]).long().reshape(-1)
+        acc = _out_dtype(logits)
+        n = y.numel()
+        logp = torch.empty(n, dtype=acc, device=logits.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if return_entropy else None
+        rows = _linear._auto_chunk_size(n, x.shape[-1], x.element_size(), use_triton=False)
+        for block, s, e in _row_chunks(x, rows):
+            # _log_softmax_torch overwrites an input already in `acc`: give it a copy
+            log_p, lse[s:e] = _linear._log_softmax_torch(block.clone() if block.dtype == acc else block, temperature)
+            logp[s:e] = _linear._gather_logp_torch(log_p, y[s:e], ignore_index)
+            if return_entropy:
+                entropy[s:e] = _linear._entropy_torch(log_p)
+        ctx.save_for_backward(x, y, lse, entropy)
+        ctx.args = (temperature, ignore_index, rows, logits.shape)
+        ctx.set_materialize_grads(False)
+        if return_entropy:
+            return logp.view(labels.shape), entropy.view(labels.shape)
+        return logp.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        x, y, lse, entropy = ctx.saved_tensors
+        temperature, ignore_index, rows, shape = ctx.args
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 5
+        flat = lambda g: None if g is None else g.reshape(-1).to(lse.dtype)  # noqa: E731
+        g_logp, g_ent = flat(grad_logp), flat(grad_entropy)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx_rows = dx.view(-1, x.shape[-1])
+        for block, s, e in _row_chunks(x, rows):
+            d_block = dx_rows[s:e]
+            log_p, _ = _linear._log_softmax_torch(block.clone() if block.dtype == lse.dtype else block, temperature,
+                                                  lse=lse[s:e])
+            d = _linear._dlogits_torch(log_p, d_block, y[s:e], None if g_ent is None else entropy[s:e],
+                                       None if g_logp is None else g_logp[s:e],
+                                       None if g_ent is None else g_ent[s:e], temperature, ignore_index)
+            if d.data_ptr() != d_block.data_ptr():
+                d_block.copy_(d)
+        return dx.view(shape), None, None, None, None
 
 
 def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100,
@@ -224,7 +273,7 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
     if _use_triton(logits):
         return _LogProbs.apply(logits, labels, temperature, int(ignore_index), bool(return_entropy),
                                bool(inplace_backward))
-    return _logprobs_torch(logits, labels, temperature, ignore_index, return_entropy)
+    return _LogProbsTorch.apply(logits, labels, temperature, int(ignore_index), bool(return_entropy))
 
 
 # ---------------------------------------------------------------- KL
@@ -276,9 +325,11 @@ def kl_shaped_rewards(scores, logp, ref_logp, mask, *, kl_coef, estimator="k1", 
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     _check_same("logp", logp, ref_logp=ref_logp)
-    _check_mask(mask, logp.shape, "logp")
+    _check_mask(mask, logp, "logp")
     if tuple(scores.shape) != (logp.shape[0],):
         raise ValueError(f"scores must have shape [B] = ({logp.shape[0]},), got {tuple(scores.shape)}")
+    if scores.device != logp.device:
+        raise ValueError(f"scores is on {scores.device} but logp is on {logp.device}; expected one device")
     kl_coef = _check_number("kl_coef", kl_coef)
     _check_choice("estimator", estimator, KL_ESTIMATORS)
     clamp = _check_clamp(clamp)
@@ -307,12 +358,12 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True):
     variance by default); `shift_mean=False` adds the mean back. 0 where mask = 0; any
     non-zero mask entry counts as 1."""
     _check_float("x", x)
-    _check_mask(mask, x.shape, "x")
+    _check_mask(mask, x, "x")
     with torch.no_grad():
         if x.numel() == 0:
             return torch.zeros(x.shape, dtype=_out_dtype(x), device=x.device)
         if _use_triton(x):
-            out = _kernels("gae").whiten_fwd(_as_rows(x), _as_rows(mask), unbiased=bool(unbiased),
+            out = _kernels("gae").whiten_fwd(_as_rows(x), _as_rows(mask != 0), unbiased=bool(unbiased),
                                              shift_mean=bool(shift_mean))
             return out.view(x.shape)
         return ref.whiten(_f32(x), mask != 0, unbiased=unbiased, shift_mean=shift_mean)
@@ -332,7 +383,7 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, T], got shape {tuple(rewards.shape)}")
     _check_same("rewards", rewards, values=values)
-    _check_mask(mask, rewards.shape, "rewards")
+    _check_mask(mask, rewards, "rewards")
     gamma = _check_number("gamma", gamma, nonnegative=True)
     lam = _check_number("lam", lam, nonnegative=True)
     _check_choice("mask_mode", mask_mode, MASK_MODES)
@@ -341,7 +392,7 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
             empty = torch.zeros(rewards.shape, dtype=_out_dtype(rewards), device=rewards.device)
             return empty, empty.clone()
         if _use_triton(rewards):
-            return _kernels("gae").gae_fwd(rewards.contiguous(), values.contiguous(), mask.contiguous(),
+            return _kernels("gae").gae_fwd(rewards.contiguous(), values.contiguous(), (mask != 0).contiguous(),
                                            gamma=gamma, lam=lam, mask_mode=mask_mode, whiten=bool(whiten))
         return ref.gae(_f32(rewards), _f32(values), mask != 0, gamma=gamma, lam=lam, mask_mode=mask_mode,
                        whiten=whiten)
@@ -357,13 +408,17 @@ def _row_scale(mask: torch.Tensor, agg: str, global_num_tokens) -> torch.Tensor:
     n_b = m.sum(-1)
     if agg == "token-mean":
         n = n_b.sum() if global_num_tokens is None else torch.tensor(float(global_num_tokens), device=m.device)
-        return (1.0 / n.clamp(min=1.0)).expand(B).contiguous()
+        return _safe_inverse(n).expand(B).contiguous()
     if agg == "seq-mean-token-sum":
-        return torch.full((B,), 1.0 / B, device=m.device)
+        return torch.full((B,), 1.0 / max(B, 1), device=m.device)
     if agg == "seq-mean-token-mean":
-        rows = (n_b > 0).sum().clamp(min=1)
-        return 1.0 / (n_b.clamp(min=1.0) * rows)
-    return torch.full((B,), 1.0 / T, device=m.device)  # seq-mean-token-sum-norm
+        return _safe_inverse(n_b * (n_b > 0).sum())
+    return torch.full((B,), 1.0 / max(T, 1), device=m.device)  # seq-mean-token-sum-norm
+
+
+def _safe_inverse(n: torch.Tensor) -> torch.Tensor:
+    """1 / n, and 0 where n == 0 (an empty mask contributes nothing), without a host sync."""
+    return torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)
 
 
 def _check_agg(agg, global_num_tokens):
@@ -375,7 +430,7 @@ def _check_agg(agg, global_num_tokens):
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+    return (x * m).sum() * _safe_inverse(m.sum())
 
 
 class _PolicyLoss(torch.autograd.Function):
@@ -419,26 +474,27 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     l = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)), and with dual-clip
     c (> 1): l = min(l, -A * c) where A < 0. The loss is agg(l); stats (masked means over
     the local tokens): clipfrac, clipfrac_lower, approx_kl = mean(old_logp - logp).
+    Gradients flow to `logp` only: old_logp and advantages are constants (detached).
     """
     for name, x in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
         _check_float(name, x)
     _check_same("logp", logp, old_logp=old_logp, advantages=advantages)
-    _check_mask(mask, logp.shape, "logp")
+    _check_mask(mask, logp, "logp")
     clip_low = _check_number("clip_low", clip_low, nonnegative=True)
     clip_high = clip_low if clip_high is None else _check_number("clip_high", clip_high, nonnegative=True)
     if dual_clip is not None:
         dual_clip = _check_number("dual_clip", dual_clip, above=1.0)
     _check_agg(agg, global_num_tokens)
-    lp, olp, adv, m = (_as_rows(x) for x in (logp, old_logp, advantages, mask))
+    lp, olp, adv, m = _as_rows(logp), _as_rows(old_logp.detach()), _as_rows(advantages.detach()), _as_rows(mask)
     scale = _row_scale(m, agg, global_num_tokens)
     if lp.numel() == 0:
         zero = logp.sum() * 0.0
         return zero.float(), {k: zero.detach().float() for k in ("clipfrac", "clipfrac_lower", "approx_kl")}
     if _use_triton(logp):
         sums = _PolicyLoss.apply(lp, olp, adv, m, scale, clip_low, clip_high, dual_clip)
-        n = sums[4].detach().clamp(min=1.0)
-        stats = {"clipfrac": sums[1].detach() / n, "clipfrac_lower": sums[2].detach() / n,
-                 "approx_kl": sums[3].detach() / n}
+        inv_n = _safe_inverse(sums[4].detach())
+        stats = {"clipfrac": sums[1].detach() * inv_n, "clipfrac_lower": sums[2].detach() * inv_n,
+                 "approx_kl": sums[3].detach() * inv_n}
         return sums[0], stats
     losses, clipped, lower, log_ratio = _policy_losses_torch(_f32(lp), _f32(olp), _f32(adv), clip_low,
                                                              clip_high, dual_clip)
@@ -471,22 +527,23 @@ class _ValueLoss(torch.autograd.Function):
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None):
     """Clipped value loss 0.5 * agg(max((v - R)^2, (v_clipped - R)^2)),
     v_clipped = clamp(v, old_values - clip, old_values + clip) (`clip=None`: no clipping).
-    Returns (loss, stats) with stats `clipfrac`."""
+    Returns (loss, stats) with stats `clipfrac`. Gradients flow to `values` only: old_values
+    and returns are constants (detached)."""
     for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
         _check_float(name, x)
     _check_same("values", values, old_values=old_values, returns=returns)
-    _check_mask(mask, values.shape, "values")
+    _check_mask(mask, values, "values")
     if clip is not None:
         clip = _check_number("clip", clip, nonnegative=True)
     _check_agg(agg, global_num_tokens)
-    v, ov, ret, m = (_as_rows(x) for x in (values, old_values, returns, mask))
+    v, ov, ret, m = _as_rows(values), _as_rows(old_values.detach()), _as_rows(returns.detach()), _as_rows(mask)
     scale = _row_scale(m, agg, global_num_tokens)
     if v.numel() == 0:
         zero = values.sum() * 0.0
         return zero.float(), {"clipfrac": zero.detach().float()}
     if _use_triton(values):
         sums = _ValueLoss.apply(v, ov, ret, m, scale, clip)
-        return sums[0], {"clipfrac": sums[1].detach() / sums[2].detach().clamp(min=1.0)}
+        return sums[0], {"clipfrac": sums[1].detach() * _safe_inverse(sums[2].detach())}
     v, ov, ret = _f32(v), _f32(ov), _f32(ret)
     l1 = (v - ret) ** 2
     if clip is None:
@@ -557,7 +614,8 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
         dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens)
 
 
-from fastrlhf._linear import linear_logprobs, linear_ppo_actor_loss  # noqa: E402  (needs the above)
+from fastrlhf import _linear  # noqa: E402  (imports this module's helpers lazily)
+from fastrlhf._linear import linear_logprobs, linear_ppo_actor_loss  # noqa: E402
 
 __all__ = [
     "gae",

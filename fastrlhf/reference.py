@@ -39,7 +39,8 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
     lp = torch.where(ignored, torch.zeros_like(lp), lp)
     if not return_entropy:
         return lp
-    entropy = -(logsm.exp() * logsm).sum(-1)
+    p = logsm.exp()
+    entropy = -torch.where(p > 0, p * logsm, torch.zeros_like(p)).sum(-1)  # 0 log 0 = 0 (-inf logits)
     return lp, entropy
 
 

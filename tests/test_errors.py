@@ -200,3 +200,92 @@ def test_all_masked_losses_are_finite(backend, agg):
 def test_empty_losses(backend):
     loss, stats = ops.policy_loss(torch.randn(0, T), torch.randn(0, T), torch.randn(0, T), torch.ones(0, T))
     assert loss.item() == 0.0 and all(torch.isfinite(v) for v in stats.values())
+
+
+# ---------------------------------------------------------------- review regressions
+
+
+@pytest.mark.parametrize("agg", ops.AGG_MODES)
+@pytest.mark.parametrize("shape", [(0, T), (B, 0)])
+def test_empty_losses_every_agg(backend, agg, shape):
+    x = lambda: torch.randn(shape)  # noqa: E731
+    pl, pstats = ops.policy_loss(x(), x(), x(), torch.ones(shape), agg=agg)
+    vl, vstats = ops.value_loss(x(), x(), x(), torch.ones(shape), agg=agg)
+    assert pl.item() == 0.0 and vl.item() == 0.0
+    assert all(torch.isfinite(v) for v in (*pstats.values(), *vstats.values()))
+
+
+def test_mask_and_scores_on_another_device():
+    meta_mask = torch.ones(B, T, device="meta")
+    for call in (lambda: ops.policy_loss(_lp(), _lp(), _lp(), meta_mask),
+                 lambda: ops.value_loss(_lp(), _lp(), _lp(), meta_mask),
+                 lambda: ops.gae(_lp(), _lp(), meta_mask),
+                 lambda: ops.whiten(_lp(), meta_mask),
+                 lambda: ops.kl_shaped_rewards(torch.randn(B), _lp(), _lp(), meta_mask, kl_coef=0.1)):
+        with pytest.raises(ValueError, match="mask is on meta"):
+            call()
+    with pytest.raises(ValueError, match="scores is on meta"):
+        ops.kl_shaped_rewards(torch.randn(B, device="meta"), _lp(), _lp(), _mask(), kl_coef=0.1)
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int16, torch.uint8])
+def test_any_integer_label_dtype(backend, label_dtype):
+    logits = torch.randn(B, T, V)
+    labels = torch.randint(0, V, (B, T))
+    want = ops.logprobs(logits, labels)
+    got = ops.logprobs(logits, labels.to(label_dtype))
+    assert torch.equal(got, want)
+
+
+def test_gae_and_whiten_masks_select_tokens(backend):
+    """Any non-zero mask entry counts as 1, on both backends (a 0.5 mask is not a weight)."""
+    rewards, values, mask = _lp(), _lp(), _mask()
+    half = mask.float() * 0.5
+    for a, b in zip(ops.gae(rewards, values, half), ops.gae(rewards, values, mask)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for mode in ("skip", "zero"):
+        for a, b in zip(ops.gae(rewards, values, half, mask_mode=mode, whiten=False),
+                        ops.gae(rewards, values, mask, mask_mode=mode, whiten=False)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(ops.whiten(rewards, half), ops.whiten(rewards, mask), rtol=0, atol=0)
+
+
+def test_fractional_loss_mask_weights_tokens(backend):
+    """Loss masks may weight tokens: the aggregation divides by the real (fractional) count."""
+    from fastrlhf import reference as ref
+
+    logp, old, adv = (torch.randn(2, 4, dtype=torch.float64) for _ in range(3))
+    mask = torch.full((2, 4), 0.1, dtype=torch.float64)
+    loss, stats = ops.policy_loss(logp.float(), old.float(), adv.float(), mask.float())
+    want, want_stats = ref.policy_loss(logp, old, adv, mask)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["clipfrac"].double(), want_stats["clipfrac"], rtol=1e-5, atol=1e-6)
+
+
+def test_minus_inf_logits(backend):
+    """A masked vocabulary (-inf logits) has a finite entropy and finite gradients: 0 log 0 = 0."""
+    from fastrlhf import reference as ref
+
+    logits = torch.randn(B, T, V, dtype=torch.float64)
+    logits[..., 5:] = float("-inf")
+    labels = torch.randint(0, 5, (B, T))
+    x = logits.float().requires_grad_()
+    logp, ent = ops.logprobs(x, labels, return_entropy=True)
+    g1, g2 = torch.randn(B, T), torch.randn(B, T)
+    (logp * g1 + ent * g2).sum().backward()
+    want_lp, want_ent = ref.logprobs(logits, labels, return_entropy=True)
+    assert torch.isfinite(want_ent).all() and torch.isfinite(x.grad).all()
+    torch.testing.assert_close(ent.double(), want_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logp.double(), want_lp, rtol=1e-5, atol=1e-5)
+    assert (x.grad[..., 5:] == 0).all()
+
+
+def test_loss_constants_get_no_gradient(backend):
+    """old_logp / advantages / old_values / returns are constants on both backends."""
+    logp, old, adv = (torch.randn(B, T, requires_grad=True) for _ in range(3))
+    values, old_v, ret = (torch.randn(B, T, requires_grad=True) for _ in range(3))
+    pl, _ = ops.policy_loss(logp, old, adv, _mask())
+    vl, _ = ops.value_loss(values, old_v, ret, _mask())
+    (pl + vl).backward()
+    assert logp.grad is not None and values.grad is not None
+    assert old.grad is None and adv.grad is None and old_v.grad is None and ret.grad is None
