@@ -68,6 +68,18 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _weight_accum_dtype(weight: torch.Tensor, accum_dtype) -> torch.dtype:
+    """dtype d(weight) accumulates in across chunks: fp32 by default (fp64 for fp64 weights).
+    `accum_dtype=weight.dtype` accumulates straight into the gradient (as Liger's default):
+    no V x H x 4-byte buffer, one rounding to the weight's dtype per chunk (cuBLAS still sums
+    each chunk's product in fp32)."""
+    if accum_dtype is None:
+        return _acc_dtype(weight)
+    if not isinstance(accum_dtype, torch.dtype) or not accum_dtype.is_floating_point:
+        raise TypeError(f"accum_dtype must be None or a floating-point torch.dtype, got {accum_dtype!r}")
+    return accum_dtype
+
+
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     """[n, V] logits of one chunk in the input dtype (fp32 accumulation inside the matmul)."""
     if bias is None:
@@ -93,11 +105,11 @@ def _addmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with acc fp32 (fp64) and a, b in the input dtype; each product accumulates
-    in fp32 inside the matmul."""
+    """acc += a @ b, a and b in the input dtype; each product accumulates in fp32 inside the
+    matmul. acc in the same dtype (accum_dtype=weight.dtype): added in place by the matmul."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif _addmm_writes_fp32(acc.device, a.dtype):  # cuBLAS adds into acc as it writes
+    elif acc.dtype == torch.float32 and _addmm_writes_fp32(acc.device, a.dtype):  # cuBLAS adds as it writes
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:  # a [V, H] temporary in the input dtype, then added
         acc.add_(a @ b)
@@ -180,7 +192,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size,
-                use_triton):
+                use_triton, accum_dtype):
         N = hidden.shape[0]
         kernels = _ops()._kernels("logprobs") if use_triton else None
         out_dtype = torch.float32 if use_triton else _acc_dtype(hidden)
@@ -202,18 +214,18 @@ class _LinearLogProbs(torch.autograd.Function):
                 entropy[s:e] = ent
             del logits
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
-        ctx.args = (temperature, ignore_index, chunk_size, use_triton)
+        ctx.args = (temperature, ignore_index, chunk_size, use_triton, accum_dtype)
         ctx.set_materialize_grads(False)
         return (logp, entropy) if return_entropy else logp
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
-        temperature, ignore_index, chunk_size, use_triton = ctx.args
+        temperature, ignore_index, chunk_size, use_triton, accum_dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 9
-        acc = _acc_dtype(weight)
+            return (None,) * 10
+        acc = _weight_accum_dtype(weight, accum_dtype)
         g_logp = None if grad_logp is None else grad_logp.to(lse.dtype).contiguous()
         g_ent = None if grad_entropy is None else grad_entropy.to(lse.dtype).contiguous()
         kernels = _ops()._kernels("logprobs") if use_triton else None
@@ -244,7 +256,7 @@ class _LinearLogProbs(torch.autograd.Function):
             del logits, d_logits
         d_weight = None if d_weight is None else d_weight.to(weight.dtype)
         d_bias = None if d_bias is None else d_bias.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- linear_ppo_actor_loss
@@ -346,12 +358,12 @@ class _LinearActorLoss(torch.autograd.Function):
     backward hands them over once, scaled in place by the upstream gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, args: _ActorArgs, needs, chunk_size, use_triton):
+    def forward(ctx, hidden, weight, bias, labels, args: _ActorArgs, needs, chunk_size, use_triton, accum_dtype):
         need_h, need_w, need_b = needs
         N = hidden.shape[0]
-        acc = _acc_dtype(weight)
-        # d(weight) accumulates in fp32: V x H x 4 bytes (2.5 GB at V = 151936, H = 4096) held
-        # through the forward, then cast to the weight's dtype
+        acc = _weight_accum_dtype(weight, accum_dtype)
+        # by default d(weight) accumulates in fp32: V x H x 4 bytes (2.5 GB at V = 151936,
+        # H = 4096) held through the forward, then cast to the weight's dtype
         out = {"tokens": torch.empty(len(TOKEN_TERMS), N, dtype=args.token_weight.dtype, device=hidden.device),
                "d_hidden": torch.empty_like(hidden) if need_h else None,
                "d_weight": torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
@@ -373,7 +385,7 @@ class _LinearActorLoss(torch.autograd.Function):
                                "gradients are formed in the forward and handed over, scaled in place, once")
         grads, ctx.grads = ctx.grads, None
         d_hidden, d_weight, d_bias = (None if g is None else g.mul_(grad_loss) for g in grads)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- public functions
@@ -421,14 +433,16 @@ def _flat_rows(hidden, labels):
 
 
 def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False,
-                    ignore_index=-100, chunk_size=None):
+                    ignore_index=-100, chunk_size=None, accum_dtype=None):
     """`logprobs(hidden @ weight.T + bias, labels, ...)` without ever holding the [N, V] logits.
 
     hidden [..., H] bf16/fp16/fp32, weight [V, H] (the lm_head; may be tied to the embedding),
     bias [V] or None, labels [...] integer. Returns float32 logp [...] (and entropy [...]);
     gradients flow to hidden, weight and bias. `labels == ignore_index` gives 0 and no
     gradient, a label outside [0, V) gives NaN. `chunk_size` rows of logits exist at a time
-    (None: picked from a memory budget).
+    (None: picked from a memory budget). d(weight) accumulates over the chunks in fp32
+    (`accum_dtype=None`, V x H x 4 bytes) or in `accum_dtype` (e.g. the weight's own dtype:
+    no extra buffer, one rounding per chunk).
     """
     temperature = _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size)
     out_shape = labels.shape
@@ -440,7 +454,7 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
         empty = (h.sum(-1) + weight.sum() * 0).to(_acc_dtype(hidden)).view(out_shape)
         return (empty, empty.clone()) if return_entropy else empty
     out = _LinearLogProbs.apply(h, weight, bias, y, temperature, int(ignore_index), bool(return_entropy),
-                                int(chunk_size), use_triton)
+                                int(chunk_size), use_triton, _weight_accum_dtype(weight, accum_dtype))
     if return_entropy:
         return out[0].view(out_shape), out[1].view(out_shape)
     return out.view(out_shape)
@@ -475,7 +489,7 @@ def _check_actor_inputs(hidden, old_logp, advantages, mask, ref_logp, kl_coef, k
 def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *, bias=None, chunk_size=None,
                           ref_logp=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, temperature=1.0,
                           clip_low=0.2, clip_high=None, dual_clip=None, agg="token-mean",
-                          global_num_tokens=None):
+                          global_num_tokens=None, accum_dtype=None):
     """`ppo_actor_loss(hidden @ weight.T + bias, labels, ...)` without ever holding the logits:
     policy_loss + kl_coef * KL - entropy_coef * entropy, each aggregated with `agg`.
 
@@ -488,7 +502,8 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
     the backward scales them by the upstream gradient, so the loss supports one backward
     (a second through the same graph raises). Between the two they occupy N x H + V x H
     in the inputs' dtype; during the forward d(weight) accumulates in fp32, V x H x 4 bytes
-    (2.5 GB at V = 151936, H = 4096).
+    (2.5 GB at V = 151936, H = 4096), unless `accum_dtype` says otherwise (`weight.dtype`:
+    accumulated straight into the gradient, one rounding per chunk, no extra buffer).
     """
     temperature = _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size)
     kl_coef, entropy_coef, clip_low, clip_high, dual_clip = _check_actor_inputs(
@@ -513,7 +528,8 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
         chunk_size = _auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size(), use_triton)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    loss, stats = _LinearActorLoss.apply(h, weight, bias, y, args, needs, int(chunk_size), use_triton)
+    loss, stats = _LinearActorLoss.apply(h, weight, bias, y, args, needs, int(chunk_size), use_triton,
+                                         _weight_accum_dtype(weight, accum_dtype))
     stats = dict(zip(STATS, stats.unbind()))
     if ref_logp is None:
         del stats["kl"]

@@ -174,6 +174,9 @@ def _grid_inputs(*names, grad=None, scores=False, logp=(), mask=True):
 # ---------------------------------------------------------------- providers
 
 
+WEIGHT_ACCUM = "fastrlhf[accum=weight]"  # the linear ops with accum_dtype=weight.dtype
+
+
 def _ours(name, **kw):
     """A provider loader: fastrlhf.ops.<name> with the case's keyword arguments."""
 
@@ -182,6 +185,21 @@ def _ours(name, **kw):
 
         def run(**inputs):
             return fn(**inputs, **kw)
+
+        return run
+
+    return load
+
+
+def _ours_weight_accum(name, **kw):
+    """fastrlhf.ops.<name> with d(weight) accumulated in the weight's own dtype
+    (`accum_dtype=weight.dtype`): no fp32 V x H buffer, one rounding per chunk."""
+
+    def load(pass_):
+        fn = getattr(ops, name)
+
+        def run(**inputs):
+            return fn(**inputs, accum_dtype=inputs["weight"].dtype, **kw)
 
         return run
 
@@ -425,13 +443,16 @@ OPS: dict[str, Op] = {
         Op("linear_logprobs", _linear_inputs, _linear_bytes,
            "fwd: hidden [N,H], weight [V,H], labels int64 in, logp fp32 out; "
            "bwd: hidden, weight, labels, d(logp) in, d(hidden), d(weight) out",
-           {"fastrlhf": _ours("linear_logprobs"), "torch": _ref("linear_logprobs"),
+           {"fastrlhf": _ours("linear_logprobs"), WEIGHT_ACCUM: _ours_weight_accum("linear_logprobs"),
+            "torch": _ref("linear_logprobs"),
             "liger": _peer(_LIGER_F, _liger_linear_logprobs, cuda_only=True), "matmuls": _matmuls},
            flops=_linear_flops),
         Op("linear_ppo_actor_loss", _linear_actor_inputs, functools.partial(_linear_bytes, actor=True),
            "fwd: hidden [N,H], weight [V,H], labels, old_logp, advantages, ref_logp, mask in; "
            "bwd: the same in, d(hidden), d(weight) out. kl_coef=0.05, entropy_coef=0.01",
-           {"fastrlhf": _ours("linear_ppo_actor_loss", **_ACTOR_KW), "torch": _linear_actor_ref(**_ACTOR_KW)},
+           {"fastrlhf": _ours("linear_ppo_actor_loss", **_ACTOR_KW),
+            WEIGHT_ACCUM: _ours_weight_accum("linear_ppo_actor_loss", **_ACTOR_KW),
+            "torch": _linear_actor_ref(**_ACTOR_KW)},
            flops=_linear_flops),
         Op("token_kl", _grid_inputs("logp", "ref_logp", grad="logp", logp=("logp", "ref_logp"), mask=False),
            _grid_bytes(2, 1, grad=True, mask=False),
@@ -769,7 +790,13 @@ def targets(rows: list[dict], read_gbps: float, copy_gbps: float) -> list[dict]:
         f"{r['median_ms']:.3f} / {mm['median_ms']:.3f} ms" if mm else "", lin)
     peak = r and r["peak_mem_bytes"]
     add("linear_logprobs fwd+bwd extra peak (GiB)", "<= 1.0", r, None if peak is None else peak / GIB,
-        "torch.cuda.max_memory_allocated above the inputs", lin)
+        "torch.cuda.max_memory_allocated above the inputs (d(weight) accumulated in fp32)", lin)
+    r = _find(rows, "linear_logprobs", "fwd+bwd", WEIGHT_ACCUM, lin, "bfloat16")
+    peak = r and r["peak_mem_bytes"]
+    add(f"linear_logprobs fwd+bwd extra peak (GiB), {WEIGHT_ACCUM}", "<= 1.0", r,
+        None if peak is None else peak / GIB, "d(weight) accumulated in bf16, one rounding per chunk", lin)
+    add(f"linear_logprobs fwd+bwd / 3 bare matmuls, {WEIGHT_ACCUM}", "<= 1.10", r,
+        mm and r and r["median_ms"] / mm["median_ms"], "", lin)
     return out
 
 

@@ -301,3 +301,47 @@ def test_bad_actor_inputs():
         args = dict(hidden=h, weight=w, labels=y, old_logp=old, advantages=adv, mask=mask) | change
         with pytest.raises(error, match=message):
             ops.linear_ppo_actor_loss(**args)
+
+
+# ---------------------------------------------------------------- d(weight) accumulation dtype
+
+
+def test_accum_dtype_fp32_is_the_default():
+    N, H, V = 40, 24, 301
+    hidden = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    labels = torch.randint(0, V, (N,))
+    grads = []
+    for accum in (None, torch.float32):
+        logp = ops.linear_logprobs(hidden, weight, labels, chunk_size=8, accum_dtype=accum)
+        grads.append(torch.autograd.grad((logp * torch.linspace(-1, 1, N)).sum(), weight)[0])
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("op", ["linear_logprobs", "linear_ppo_actor_loss"])
+def test_accum_in_weight_dtype(backend, op):
+    """accum_dtype=bf16 adds each chunk's product straight into the bf16 gradient: at most one
+    bf16 rounding (eps/2 relative) per chunk against the fp32 accumulation."""
+    N, H, V, chunk = 64, 32, 257, 16
+    hidden = torch.randn(N, H).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H) * 0.2).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,))
+    g, old, adv = torch.randn(N), torch.randn(N) - 5, torch.randn(N)
+    out = {}
+    for accum in (None, torch.bfloat16):
+        if op == "linear_logprobs":
+            loss = (ops.linear_logprobs(hidden, weight, labels, chunk_size=chunk, accum_dtype=accum) * g).sum()
+        else:
+            loss, _ = ops.linear_ppo_actor_loss(hidden, weight, labels, old, adv, torch.ones(N), chunk_size=chunk,
+                                                entropy_coef=0.01, accum_dtype=accum)
+        out[accum] = torch.autograd.grad(loss, weight)[0]
+    assert out[torch.bfloat16].dtype == torch.bfloat16
+    ref_, got = out[None].double(), out[torch.bfloat16].double()
+    bound = (N // chunk) * torch.finfo(torch.bfloat16).eps / 2
+    assert (got - ref_).norm() <= bound * ref_.norm(), f"{(got - ref_).norm() / ref_.norm():.2e} > {bound:.2e}"
+
+
+def test_accum_dtype_must_be_a_float_dtype():
+    with pytest.raises(TypeError, match="accum_dtype"):
+        ops.linear_logprobs(torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.long),
+                            accum_dtype=torch.int32).sum()
