@@ -73,7 +73,7 @@ def test_rows_for_every_op_pass_and_provider(record):
     fastrlhf = [r for r in rows if r["provider"] == "fastrlhf"]
     assert {r["backend"] for r in fastrlhf} == {"torch"}  # CPU tensors take the torch path
     matmuls = {(r["op"], r["pass"]) for r in rows if r["provider"] == "matmuls"}
-    assert matmuls == {("linear_logprobs", "fwd"), ("linear_logprobs", "fwd+bwd")}
+    assert matmuls == {(op, p) for op in ("linear_logprobs", "linear_ppo_actor_loss") for p in ("fwd", "fwd+bwd")}
 
 
 def test_absent_peers_and_compile_are_skipped_with_a_note(record):
@@ -92,7 +92,9 @@ def test_absent_peers_and_compile_are_skipped_with_a_note(record):
 def test_targets_are_computed_from_the_rows(record):
     _, result, _, _ = record
     by_name = {t["name"]: t for t in result["targets"]}
-    assert len(by_name) == 8  # 6 targets, and 2 of them again with d(weight) accumulated in the weight dtype
+    # 6 targets; 2 again with d(weight) accumulated in the weight dtype; time and peak of the trainer's
+    # linear_ppo_actor_loss, for both accumulations
+    assert len(by_name) == 12
     rows = result["results"]
 
     def ms(op, pass_, provider):
