@@ -202,6 +202,11 @@ def plot_curves(out: Path, stage: str, keys: list[str], filename: str) -> Path |
         ax.set_title(f"{stage}: {key}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    return _save_figure(plt, fig, out, filename)
+
+
+def _save_figure(plt, fig, out: Path, filename: str) -> Path:
+    """Write `fig` to OUT/plots/filename and close it."""
     fig.tight_layout()
     path = Path(out) / "plots" / filename
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,12 +228,7 @@ def plot_phases(out: Path, seconds: dict[str, float], peak_bytes: dict[str, int]
     for ax in (ax_t, ax_m):
         ax.tick_params(axis="x", rotation=20)
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(out) / "plots" / filename
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save_figure(plt, fig, out, filename)
 
 
 def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:

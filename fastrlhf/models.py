@@ -368,3 +368,14 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def resume_from_checkpoint(stage_dir: Path, module: nn.Module, optimizer, enabled: bool, stage: str):
+    """(step, extra) of the stage's latest checkpoint, loaded into `module` and `optimizer`, when
+    `enabled` and one exists; None otherwise (a fresh start)."""
+    ckpt = latest_checkpoint(stage_dir) if enabled else None
+    if ckpt is None:
+        return None
+    state = load_checkpoint(ckpt, module, optimizer)
+    log.info("%s: resumed from %s (step %d)", stage, ckpt, state["step"])
+    return state["step"], state["extra"]

@@ -41,11 +41,10 @@ from fastrlhf.metrics import (
 from fastrlhf.models import (
     ActorCritic,
     autocast,
-    latest_checkpoint,
     load_causal_lm,
-    load_checkpoint,
     resolve_device,
     resolve_dtype,
+    resume_from_checkpoint,
     save_checkpoint,
 )
 from fastrlhf.rollout import Rollout, generate, load_reward, token_logprobs
@@ -182,18 +181,16 @@ def train(cfg: PPOConfig) -> dict:
     kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     step, skipped, true_before = 0, 0, None
     timer = PhaseTimer(device)
-    ckpt = latest_checkpoint(stage_dir) if cfg.resume else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, ac, optimizer)
-        step, extra = state["step"], state["extra"]
+    resumed = resume_from_checkpoint(stage_dir, ac, optimizer, cfg.resume, "ppo")
+    if resumed is not None:
+        step, extra = resumed
         kl_ctl.coef, skipped, true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
         timer.total_seconds.update(extra["phase_seconds"])
         timer.total_peak.update(extra["phase_peak_memory_bytes"])
-        log.info("ppo: resumed from %s (step %d)", ckpt, step)
     elif synthetic:
         true_before = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
         log.info("ppo: true score before PPO %.3f", true_before)
-    logger = RunLogger(out, "ppo", resume_step=step if ckpt else None, tensorboard=cfg.tensorboard)
+    logger = RunLogger(out, "ppo", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
     stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
     bar = progress(cfg.steps, step, "ppo")
     start = time.perf_counter()

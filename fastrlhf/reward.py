@@ -22,10 +22,9 @@ from fastrlhf.metrics import RunLogger, guarded_step, log, plot_curves, progress
 from fastrlhf.models import (
     RewardModel,
     autocast,
-    latest_checkpoint,
     load_causal_lm,
-    load_checkpoint,
     resolve_device,
+    resume_from_checkpoint,
     save_checkpoint,
 )
 
@@ -97,12 +96,10 @@ def train(cfg: RMConfig) -> dict:
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     step, skipped = 0, 0
-    ckpt = latest_checkpoint(stage_dir) if cfg.resume else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer)
-        step, skipped = state["step"], state["extra"]["skipped_nonfinite"]
-        log.info("rm: resumed from %s (step %d)", ckpt, step)
-    logger = RunLogger(out, "rm", resume_step=step if ckpt else None, tensorboard=cfg.tensorboard)
+    resumed = resume_from_checkpoint(stage_dir, model, optimizer, cfg.resume, "rm")
+    if resumed is not None:
+        step, skipped = resumed[0], resumed[1]["skipped_nonfinite"]
+    logger = RunLogger(out, "rm", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
     stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
     bar = progress(cfg.steps, step, "rm")
     window, start = [], time.perf_counter()

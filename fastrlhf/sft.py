@@ -19,10 +19,9 @@ from fastrlhf.metrics import RunLogger, guarded_step, log, plot_curves, progress
 from fastrlhf.models import (
     autocast,
     hidden_states,
-    latest_checkpoint,
     load_causal_lm,
-    load_checkpoint,
     resolve_device,
+    resume_from_checkpoint,
     save_checkpoint,
     save_model_dir,
 )
@@ -42,12 +41,10 @@ def train(cfg: SFTConfig) -> dict:
     response_ids = encode_responses(tokenizer, [r["response"] for r in rows], cfg.max_response_len)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=0.0)
     step, skipped = 0, 0
-    ckpt = latest_checkpoint(stage_dir) if cfg.resume else None
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, lm, optimizer)
-        step, skipped = state["step"], state["extra"]["skipped_nonfinite"]
-        log.info("sft: resumed from %s (step %d)", ckpt, step)
-    logger = RunLogger(out, "sft", resume_step=step if ckpt else None, tensorboard=cfg.tensorboard)
+    resumed = resume_from_checkpoint(stage_dir, lm, optimizer, cfg.resume, "sft")
+    if resumed is not None:
+        step, skipped = resumed[0], resumed[1]["skipped_nonfinite"]
+    logger = RunLogger(out, "sft", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
     stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
     bar = progress(cfg.steps, step, "sft")
     window, start = [], time.perf_counter()
