@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._masks import as_loadable
 
 WHITEN_EPS = 1e-8
 MASK_MODES = ("skip", "zero")
@@ -191,11 +192,6 @@ def _normalize_kernel(
     tl.store(out_ptr + offs, y * m, mask=valid)
 
 
-def _as_loadable(mask: torch.Tensor) -> torch.Tensor:
-    """Triton cannot load torch.bool through every version's pointer types; view it as int8."""
-    return mask.view(torch.int8) if mask.dtype == torch.bool else mask
-
-
 def _moments(stats: torch.Tensor, unbiased: bool) -> torch.Tensor:
     """(mean, rstd) fp32 [2] from per-row (n, mean, M2) [3, B], combined in float64 on device.
 
@@ -217,7 +213,7 @@ def _normalize(
     n = x.numel()
     _normalize_kernel[(triton.cdiv(n, _BLOCK),)](
         x,
-        _as_loadable(mask),
+        as_loadable(mask),
         moments,
         out,
         n,
@@ -248,7 +244,7 @@ def gae_fwd(
         return adv, ret
     stats = torch.empty((3, B), dtype=torch.float32, device=device)
     block_t = min(triton.next_power_of_2(T), _MAX_BLOCK_T)
-    mask_l = _as_loadable(mask)
+    mask_l = as_loadable(mask)
     _gae_fwd_kernel[(B,)](
         rewards,
         values,
@@ -276,7 +272,7 @@ def whiten_fwd(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool, shift_mea
     if B == 0 or T == 0:
         return out
     stats = torch.empty((3, B), dtype=torch.float32, device=x.device)
-    mask_l = _as_loadable(mask)
+    mask_l = as_loadable(mask)
     block_t = min(triton.next_power_of_2(T), _MAX_BLOCK_T)
     _row_stats_kernel[(B,)](x, mask_l, stats, B, T, BLOCK_T=block_t)
     return _normalize(x, mask_l, _moments(stats, unbiased), shift_mean, out=out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._masks import as_loadable
 
 ESTIMATOR_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
 LOG_RATIO_CLAMP = 20.0  # |r| bound inside exp for k3, as reference.py
@@ -150,11 +151,6 @@ def _canonical(estimator: str) -> int:
     return ESTIMATOR_IDS[estimator]
 
 
-def _as_loadable(mask: torch.Tensor) -> torch.Tensor:
-    """Triton cannot load torch.bool through every version's pointer types; view it as int8."""
-    return mask.view(torch.int8) if mask.dtype == torch.bool else mask
-
-
 def token_kl_fwd(logp: torch.Tensor, ref_logp: torch.Tensor, *, estimator: str, clamp: float | None):
     """Per-token KL estimate, fp32, same shape as `logp`."""
     est = _canonical(estimator)
@@ -220,7 +216,7 @@ def kl_shaped_rewards_fwd(
             scores,
             logp,
             ref_logp,
-            _as_loadable(mask),
+            as_loadable(mask),
             out,
             T,
             float(kl_coef),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._masks import as_loadable
 
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp, as reference.py
 _MAX_BLOCK_T = 1024
@@ -171,11 +172,6 @@ def _value_loss_fwd_kernel(
         tl.store(dvalues_ptr + offs, w * d, mask=inb)
 
 
-def _as_loadable(mask: torch.Tensor) -> torch.Tensor:
-    """Triton cannot load torch.bool through every version's pointer types; view it as int8."""
-    return mask.view(torch.int8) if mask.dtype == torch.bool else mask
-
-
 def _grid(B: int, T: int) -> tuple[int, int]:
     block_t = min(triton.next_power_of_2(T), _MAX_BLOCK_T)
     return B * triton.cdiv(T, block_t), block_t
@@ -209,7 +205,7 @@ def policy_loss_fwd(
         logp,
         old_logp,
         advantages,
-        _as_loadable(mask),
+        as_loadable(mask),
         row_scale,
         partials,
         d_logp if need_grad else partials,  # never written without NEED_GRAD
@@ -247,7 +243,7 @@ def value_loss_fwd(
         values,
         old_values,
         returns,
-        _as_loadable(mask),
+        as_loadable(mask),
         row_scale,
         partials,
         d_values if need_grad else partials,  # never written without NEED_GRAD
