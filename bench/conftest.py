@@ -1,9 +1,7 @@
 """Options for the pytest-benchmark suite (`pytest bench/ --benchmark-only`).
 
     --bench-device cuda|cpu   default: cuda when available
-    --bench-quick / --bench-full
-                              the small CPU shapes or the realistic ones
-                              (default: full on CUDA, quick on CPU)
+    --bench-cases SET         targets, full, quick or tiny (default: full on CUDA, quick on CPU)
     --bench-rounds N          timed rounds per test (default 10 on CUDA, 3 on CPU)
 """
 
@@ -18,8 +16,8 @@ from fastrlhf import bench
 def pytest_addoption(parser):
     group = parser.getgroup("fastrlhf bench")
     group.addoption("--bench-device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    group.addoption("--bench-quick", action="store_true", default=None, help="the small (CPU) shapes")
-    group.addoption("--bench-full", action="store_false", dest="bench_quick", help="the realistic shapes")
+    group.addoption("--bench-cases", default=None, choices=tuple(bench.CASE_SETS),
+                    help="case set (default: full on CUDA, quick on CPU)")
     group.addoption("--bench-rounds", type=int, default=None, help="timed rounds per test")
 
 
@@ -31,9 +29,8 @@ def bench_device(config) -> torch.device:
     return device
 
 
-def bench_quick(config) -> bool:
-    quick = config.getoption("bench_quick")
-    return bench_device(config).type == "cpu" if quick is None else quick
+def bench_cases(config) -> str:
+    return config.getoption("--bench-cases") or ("full" if bench_device(config).type == "cuda" else "quick")
 
 
 @pytest.fixture(scope="session")
@@ -47,17 +44,13 @@ def rounds(pytestconfig, device) -> int:
 
 
 def pytest_generate_tests(metafunc):
-    """`item` = (case, pass, provider) for every case of fastrlhf.bench.cases."""
+    """`item` = (case, pass, provider) for every case of the chosen set."""
     if "item" not in metafunc.fixturenames:
         return
-    quick = bench_quick(metafunc.config)
     items, ids = [], []
-    for case in bench.cases(quick):
-        op = bench.OPS[case.op]
-        for provider in (*op.providers, "torch.compile"):
-            for pass_ in case.passes:
-                if pass_ in getattr(op.providers.get(provider), "passes", bench.PASSES):
-                    items.append((case, pass_, provider))
-                    shape = case.shape.replace(" ", ",")
-                    ids.append(f"{case.op}-{pass_}-{provider}-{shape}-{case.dtype_name}")
+    for case in bench.cases(bench_cases(metafunc.config)):
+        for provider in bench.providers_of(case.op):
+            for pass_ in bench.passes_of(case.op, provider, case.passes):
+                items.append((case, pass_, provider))
+                ids.append(f"{case.op}-{pass_}-{provider}-{case.shape.replace(' ', ',')}-{case.dtype_name}")
     metafunc.parametrize("item", items, ids=ids)

@@ -1,11 +1,11 @@
 """pytest-benchmark over the `fastrlhf bench` cases: `pytest bench/ --benchmark-only`.
 
-One test per (case, pass, provider), parametrised in conftest.py: the same cases, inputs
-and providers as the CLI (`fastrlhf.bench`). Each round runs one pass on the next rotated input copy and then
-synchronises the device, so the wall-clock timer of pytest-benchmark sees the whole
-kernel time; gradients are reset in the (untimed) setup. `extra_info` carries the bytes
-counted and the GB/s at the median. For the roofline against the read / copy probes use
-`fastrlhf bench`, which measures the probes in the same run.
+One test per (case, pass, provider), parametrised in conftest.py: the same cases, inputs and
+providers as the CLI (`fastrlhf.bench`), each on fresh inputs. Each round runs one pass on the
+next rotated input copy and then synchronises the device, so the wall-clock timer of
+pytest-benchmark sees the whole kernel time; gradients are reset in the (untimed) setup.
+`extra_info` carries the bytes counted and the GB/s at the median. For the roofline against
+the read / copy probes, peak memory and the targets, use `fastrlhf bench`.
 """
 
 from __future__ import annotations
@@ -15,35 +15,21 @@ import torch
 
 from fastrlhf import bench
 
-_POOL: dict = {}  # the input copies of the most recent case only (GPU memory)
-
-
-def _pool(case: bench.Case, device: torch.device) -> list[dict]:
-    key = (case.op, case.shape, case.dtype)
-    if key not in _POOL:
-        _POOL.clear()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        l2 = 16 * 2**20
-        if device.type == "cuda":
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or bench.DEFAULT_L2_BYTES
-        settings = bench.Settings(device, rep_ms=0.0, rotate_bytes=4 * l2)
-        _POOL[key] = bench.make_pool(case, settings)
-    return _POOL[key]
-
 
 def test_op(benchmark, item, device, rounds):
     case, pass_, provider = item
-    op = bench.OPS[case.op]
     try:
-        fn, autograd = bench.load_provider(op, provider, pass_, device)
+        fn, autograd = bench.load_provider(case.op, provider, pass_, device, no_compile=bench.OPS[case.op].no_compile)
     except bench.Skip as exc:
         pytest.skip(str(exc))
     if provider == "torch.compile":
         torch._dynamo.reset()
-    pool = _pool(case, device)
+    l2 = 16 * 2**20
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or l2
+    pool = bench.make_pool(case, bench.Settings(device, rep_ms=0.0, rotate_bytes=4 * l2))
     try:
-        runner, grads = bench.make_runner(case, pass_, fn, autograd, pool, device)
+        runner, grads = bench.make_runner(pass_, fn, autograd, pool, device)
         for _ in range(bench.warmup_calls(provider)):  # compiles torch.compile graphs and kernels
             runner()
     except NotImplementedError as exc:

@@ -1,0 +1,126 @@
+"""The records `bench/gpu_run.sh` writes besides the bench JSON, and its closing summary.
+
+    python bench/gpu_record.py ppo RUN_DIR OUT.json --command "fastrlhf ppo ..."
+    python bench/gpu_record.py status STEPS.tsv ENV.json OUT.json [--dry-run]
+    python bench/gpu_record.py summary OUT_DIR
+
+`ppo`: the PPO timing run's summary (time, peak memory per phase) and its per-step rows from
+metrics.jsonl, with the steady-state mean per phase over the steps after the first (the first
+compiles kernels and warms the allocator). Written even when the run was stopped before its
+end: then `summary` is null and the rows say how far it got.
+`status`: every step of gpu_run.sh (rc, seconds, limit, timed out) with the environment and
+source revision. `summary`: a short text of both and the bench targets, printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
+
+
+def revision() -> dict | None:
+    """commit and kernels tree hashes (fastrlhf.bench.environment), None if it cannot be imported."""
+    try:
+        from fastrlhf.bench.environment import revision as rev
+    except ImportError:
+        return None
+    return rev()
+
+
+def ppo_record(run_dir: Path, command: str) -> dict:
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    summary = json.loads(summary_path.read_text()).get("ppo") if summary_path.is_file() else None
+    rows = []
+    if metrics_path.is_file():
+        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("stage") == "ppo"]
+    keep = ("step", "tokens_per_s", "response_length", "reward", "kl")
+    steps = [{k: r[k] for k in keep if k in r}
+             | {f"{p}_s": r.get(f"time/{p}") for p in PHASES}
+             | {f"{p}_peak_bytes": r.get(f"memory/{p}") for p in PHASES} for r in rows]
+    steady = steps[1:] or steps
+    mean = {f"{p}_s": sum(s[f"{p}_s"] or 0.0 for s in steady) / len(steady) for p in PHASES} if steady else {}
+    if steady:
+        mean["tokens_per_s"] = sum(s.get("tokens_per_s", 0.0) for s in steady) / len(steady)
+    return {"command": command, **(revision() or {}), "finished": summary is not None, "summary": summary,
+            "steps": steps, "steady_state_mean": mean, "steady_state_steps": [s["step"] for s in steady]}
+
+
+def status_record(steps_tsv: Path, env_json: Path, dry_run: bool) -> dict:
+    steps = []
+    for line in steps_tsv.read_text().splitlines():
+        name, rc, seconds, limit = line.split("\t")
+        rc_i = int(rc) if rc.lstrip("-").isdigit() else None
+        steps.append({"name": name, "rc": rc_i, "seconds": int(seconds), "limit_s": int(limit),
+                      "timed_out": rc_i in (124, 137), "skipped": rc == "skipped"})
+    env = json.loads(env_json.read_text()) if env_json.is_file() and env_json.stat().st_size else None
+    return {"dry_run": dry_run, "ok": bool(steps) and all(s["rc"] == 0 for s in steps),
+            "total_seconds": sum(s["seconds"] for s in steps), "steps": steps,
+            "commit": (env or {}).get("commit"), "kernels_tree": (env or {}).get("kernels_tree"),
+            "kernels_tree_files": (env or {}).get("kernels_tree_files"), "environment": env}
+
+
+def summary_text(out: Path) -> str:
+    lines = []
+    status = json.loads((out / "status.json").read_text()) if (out / "status.json").is_file() else None
+    if status:
+        rev = status["kernels_tree"] or status["kernels_tree_files"]
+        lines.append(f"gpu_run {'(dry run) ' if status['dry_run'] else ''}ok={status['ok']} "
+                     f"total {status['total_seconds']} s; commit {status['commit']}, kernels tree {rev}")
+        for s in status["steps"]:
+            state = "skipped" if s["skipped"] else ("TIMED OUT" if s["timed_out"] else f"rc {s['rc']}")
+            lines.append(f"  {s['name']:<8} {state:<10} {s['seconds']:>4} s of {s['limit_s']} s")
+    bench_path = out / "bench.json"
+    if bench_path.is_file():
+        record = json.loads(bench_path.read_text())
+        p = record["probes"]
+        lines.append(f"bench ({record['device']}, finished={record['finished']}): read probe {p['read_gbps']:.0f} "
+                     f"GB/s, copy probe {p['copy_gbps']:.0f} GB/s, nominal {p.get('nominal_gbps') or '-'}")
+        for t in record["targets"]:
+            value = "-" if t["value"] is None else f"{t['value']:.3g}"
+            met = {True: "MET", False: "missed", None: "-"}[t["met"]]
+            lines.append(f"  {t['name']:<70} {t['goal']:>8} {value:>8}  {met}")
+        lines += [f"  error: {e['provider']} {e['op']} {e['pass']}: {e['error']}" for e in record["errors"]]
+    ppo_path = out / "ppo.json"
+    if ppo_path.is_file():
+        ppo = json.loads(ppo_path.read_text())
+        mean = ppo["steady_state_mean"]
+        if mean:
+            phases = ", ".join(f"{p} {mean[f'{p}_s']:.2f}" for p in PHASES)
+            lines.append(f"ppo (finished={ppo['finished']}, steps {ppo['steady_state_steps']}): seconds per step: "
+                         f"{phases}; {mean['tokens_per_s']:.0f} tokens/s")
+        else:
+            lines.append("ppo: no step logged")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("ppo")
+    a.add_argument("run_dir", type=Path)
+    a.add_argument("out", type=Path)
+    a.add_argument("--command", required=True)
+    s = sub.add_parser("status")
+    s.add_argument("steps", type=Path)
+    s.add_argument("env", type=Path)
+    s.add_argument("out", type=Path)
+    s.add_argument("--dry-run", action="store_true")
+    m = sub.add_parser("summary")
+    m.add_argument("out_dir", type=Path)
+    args = p.parse_args(argv)
+    if args.what == "ppo":
+        args.out.write_text(json.dumps(ppo_record(args.run_dir, args.command), indent=1) + "\n")
+    elif args.what == "status":
+        args.out.write_text(json.dumps(status_record(args.steps, args.env, args.dry_run), indent=1) + "\n")
+    else:
+        print(summary_text(args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

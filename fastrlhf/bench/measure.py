@@ -1,0 +1,216 @@
+"""How it is measured: timing, peak memory, input pools and the read / copy probes.
+
+Timing on CUDA: CUDA events around each call, after warm-up, with the L2 flushed (a 256 MiB
+buffer zeroed) before every call and the inputs rotated through copies totalling >= 4x the
+L2; the median of at least `min_reps` calls (10 by default: a 0.2 s op gets 10 samples, not
+the 1-2 a fixed time budget gives it), more while `rep_ms` lasts. On CPU: `time.perf_counter`
+around each call, the same rule for the number of calls.
+
+Peak memory on CUDA, per pass, with every input already allocated and every `.grad` None:
+    peak_mem_bytes   = torch.cuda.max_memory_allocated() during one call - memory_allocated() before it
+    grad_bytes       = the bytes of the gradients the call returned (`.grad` of its inputs)
+    extra_peak_bytes = peak_mem_bytes - grad_bytes: what an implementation holds beyond its inputs
+                       and the gradients it must return (the figure the memory targets bound)
+On CPU these are None (no allocator statistics; `bench/linear_memory.py` measures RSS).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastrlhf.bench.cases import OPS, Case
+from fastrlhf.bench.providers import first
+
+GB = 1e9
+GIB = 2**30
+DEFAULT_L2_BYTES = 50 * 2**20  # H100; used when the device does not report its L2
+FLUSH_BYTES = 256 * 2**20  # zeroed before each timed CUDA call: larger than any GPU's L2 today
+MAX_REPS = 1000
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    rep_ms: float  # time budget per measurement; more calls than min_reps while it lasts
+    rotate_bytes: int  # rotate inputs through copies totalling at least this
+    min_reps: int = 10  # timed calls at least, however long one call takes
+    seed: int = 0  # every provider's inputs come from this seed: the same values for all
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+
+    @classmethod
+    def of(cls, times_ms: list[float]) -> Timing:
+        if len(times_ms) >= 2:
+            deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+            lo, hi = deciles[0], deciles[-1]
+        else:
+            lo = hi = times_ms[0]
+        return cls(statistics.median(times_ms), lo, hi, len(times_ms))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def n_reps(estimate_ms: float, settings: Settings) -> int:
+    """Timed calls: enough to fill rep_ms, never fewer than min_reps, at most MAX_REPS."""
+    by_budget = math.ceil(settings.rep_ms / estimate_ms) if estimate_ms > 0 else MAX_REPS
+    return max(settings.min_reps, min(MAX_REPS, by_budget))
+
+
+def _reset(grads) -> None:
+    for t in grads:
+        t.grad = None
+
+
+def time_fn(fn: Callable[[], object], settings: Settings, grads=()) -> Timing:
+    """Timing of fn() (the caller has warmed it up): one estimating call, then n_reps calls."""
+    if settings.device.type == "cuda":
+        return _time_cuda(fn, settings, grads)
+    _reset(grads)
+    start = time.perf_counter()
+    fn()
+    estimate_ms = (time.perf_counter() - start) * 1e3
+    times = []
+    for _ in range(n_reps(estimate_ms, settings)):
+        _reset(grads)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return Timing.of(times)
+
+
+def _time_cuda(fn, settings: Settings, grads) -> Timing:
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=settings.device)
+
+    def timed_calls(n: int) -> list[float]:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for start, end in events:
+            _reset(grads)
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(settings.device)
+        return [start.elapsed_time(end) for start, end in events]
+
+    estimate_ms = timed_calls(1)[0]
+    return Timing.of(timed_calls(n_reps(estimate_ms, settings)))
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device, grads=()) -> tuple[int | None, int | None]:
+    """(peak bytes above what was allocated before one fn(), bytes of the gradients it returned);
+    (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    _reset(grads)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = int(torch.cuda.max_memory_allocated(device) - before)
+    returned = sum(t.grad.nbytes for t in grads if t.grad is not None)
+    _reset(grads)
+    return peak, int(returned)
+
+
+# ---------------------------------------------------------------- inputs and runners
+
+
+def make_pool(case: Case, settings: Settings) -> list[dict]:
+    """Fresh input copies for one measurement, from `settings.seed` (so every provider gets the
+    same values, and nothing a previous provider wrote): enough copies that together they
+    exceed `settings.rotate_bytes`."""
+    op, device = OPS[case.op], settings.device
+    gen = torch.Generator(device=device).manual_seed(settings.seed)
+    first_copy = op.inputs(case, device, gen)
+    size = sum(t.nbytes for t in first_copy.values())
+    copies = max(1, min(32, math.ceil(settings.rotate_bytes / max(size, 1))))
+    return [first_copy] + [op.inputs(case, device, gen) for _ in range(copies - 1)]
+
+
+def make_runner(pass_: str, fn: Callable, autograd: bool, pool: list[dict],
+                device: torch.device) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """A zero-argument callable running one pass over the next input copy, and the tensors
+    whose .grad must be reset between calls."""
+    grads = [t for inputs in pool for t in inputs.values() if t.requires_grad]
+    copies = itertools.cycle(range(len(pool)))
+    if not autograd:
+        return lambda: fn(**pool[next(copies)]), []
+    if pass_ == "fwd":
+
+        def run_fwd():
+            with torch.no_grad():
+                fn(**pool[next(copies)])
+
+        return run_fwd, []
+
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def upstream(out):  # a random upstream gradient for non-scalar outputs, never ones
+        return None if out.dim() == 0 else torch.randn(out.shape, device=device, generator=gen)
+
+    if pass_ == "fwd+bwd":
+        shape_probe = first(fn(**pool[0]))  # with autograd, as timed: torch.compile compiles this graph once
+        g = upstream(shape_probe)
+        del shape_probe
+
+        def run_fwd_bwd():
+            first(fn(**pool[next(copies)])).backward(g)
+
+        return run_fwd_bwd, grads
+    graphs = []
+    for inputs in pool:
+        out = first(fn(**inputs))
+        graphs.append((out, upstream(out)))
+    cycle = itertools.cycle(graphs)
+
+    def run_bwd():
+        out, g = next(cycle)
+        out.backward(g, retain_graph=True)
+
+    return run_bwd, grads
+
+
+def warmup_calls(provider: str) -> int:
+    """Untimed calls before timing: torch.compile compiles the frames resumed after each graph
+    break lazily, over its first few calls (measured: ~4 on the reference losses)."""
+    return 6 if provider == "torch.compile" else 1
+
+
+# ---------------------------------------------------------------- probes
+
+
+def probes(settings: Settings, nbytes: int) -> dict:
+    """Read and copy bandwidth of this device, measured with the same timer as the ops:
+    a sum over, and a copy of, an fp32 buffer of `nbytes` (far larger than any cache)."""
+    src = torch.rand(nbytes // 4, device=settings.device)
+    dst = torch.empty_like(src)
+    read = src.sum
+    copy = lambda: dst.copy_(src)  # noqa: E731
+    read(), copy()  # warm-up
+    sync(settings.device)
+    t_read, t_copy = time_fn(read, settings), time_fn(copy, settings)
+    return {"bytes": src.nbytes,
+            "read_gbps": src.nbytes / GB / (t_read.median_ms / 1e3), "read_ms": t_read.median_ms,
+            "copy_gbps": 2 * src.nbytes / GB / (t_copy.median_ms / 1e3), "copy_ms": t_copy.median_ms,
+            "reps": min(t_read.reps, t_copy.reps)}
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()

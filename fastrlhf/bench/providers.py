@@ -1,0 +1,271 @@
+"""Who is measured: one callable per (op, provider, pass).
+
+    fastrlhf               the public ops (`fastrlhf.ops.<name>`): Triton on CUDA, the torch path
+                           on CPU; a row's `backend` says which
+    fastrlhf-accum-weight  the linear ops with d(weight) accumulated in the weight's own dtype
+    torch                  `fastrlhf.reference` eager, in the input dtype, as a user would write it
+                           (for GAE: the Python loop over T)
+    torch.compile          the same under `torch.compile`
+    verl, openrlhf, trl, liger
+                           the peers' own functions, when importable (skipped with the reason
+                           otherwise; liger needs CUDA)
+    matmuls                the bare matmuls of a linear pass (the bound the linear ops are held to)
+
+A provider callable takes the case's inputs as keyword arguments; `load_provider` returns
+it with a flag saying whether it runs under autograd (only `matmuls` does not).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+
+import torch
+
+from fastrlhf import ops, reference
+
+PEERS = ("verl", "openrlhf", "trl", "liger")
+WEIGHT_ACCUM = "fastrlhf-accum-weight"
+PROVIDERS = ("fastrlhf", WEIGHT_ACCUM, "torch", "torch.compile", *PEERS, "matmuls")
+SLOW_PROVIDERS = ("torch.compile",)  # measured after every other provider of every case (compile time)
+ACTOR_KW = {"kl_coef": 0.05, "entropy_coef": 0.01}
+
+
+class Skip(Exception):
+    """A provider that cannot run this case; the message says why."""
+
+
+def first(out):
+    """The loss of (loss, stats), the logp of (logp, entropy), else the output itself."""
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+# ---------------------------------------------------------------- ours and the reference
+
+
+def _ours(name, **kw):
+    """fastrlhf.ops.<name> with the case's keyword arguments."""
+
+    def load(pass_):
+        fn = getattr(ops, name)
+        return lambda **inputs: fn(**inputs, **kw)
+
+    return load
+
+
+def _ours_weight_accum(name, **kw):
+    """fastrlhf.ops.<name> with `accum_dtype=weight.dtype`: no fp32 V x H buffer."""
+
+    def load(pass_):
+        fn = getattr(ops, name)
+        return lambda **inputs: fn(**inputs, accum_dtype=inputs["weight"].dtype, **kw)
+
+    return load
+
+
+def _ref(name, **kw):
+    def load(pass_):
+        fn = getattr(reference, name)
+        return lambda **inputs: fn(**inputs, **kw)
+
+    return load
+
+
+def _linear_actor_ref(**kw):
+    """The materialised-logits actor loss: logits = hidden W^T, then reference.ppo_actor_loss."""
+
+    def load(pass_):
+        def run(hidden, weight, labels, **rest):
+            return reference.ppo_actor_loss(hidden @ weight.T, labels, **rest, **kw)
+
+        return run
+
+    return load
+
+
+def _matmuls(pass_):
+    """The bare matmuls of a linear log-prob pass: logits = h W^T forward; d(h) = g W and
+    d(W) = g^T h backward (g stands in for d(logits), same shape)."""
+
+    @torch.no_grad()
+    def run(hidden, weight, labels, **_):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        g = h @ weight.T
+        if pass_ != "fwd":
+            g @ weight
+            g.T @ h
+
+    return run
+
+
+_matmuls.autograd = False
+_matmuls.passes = ("fwd", "fwd+bwd")  # bwd alone would need d(logits) made outside the timing
+
+
+# ---------------------------------------------------------------- peers
+
+
+def _peer(module: str, build: Callable, *, cuda_only=False):
+    """Import `module`, then `build(module, pass_)` returns the callable."""
+
+    def load(pass_):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            raise Skip(f"{module} not importable ({exc.__class__.__name__}: {exc})") from None
+        return build(mod, pass_)
+
+    load.cuda_only = cuda_only
+    return load
+
+
+def _param(fn, name) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _verl_logprobs(mod, pass_):
+    return lambda logits, labels: mod.logprobs_from_logits(logits, labels)
+
+
+def _openrlhf_logprobs(mod, pass_):
+    return lambda logits, labels: mod.log_probs_from_logits(logits, labels)
+
+
+def _trl_logprobs(mod, pass_):
+    return lambda logits, labels: mod.selective_log_softmax(logits, labels)
+
+
+def _liger_logprobs(mod, pass_):
+    # Liger's cross entropy returns -logp per token (reduction="none"); with grad enabled its
+    # forward also writes d(logits) into the logits' storage (why every provider gets fresh inputs)
+    def run(logits, labels):
+        V = logits.shape[-1]
+        nll = mod.liger_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
+        return -nll.view(labels.shape)
+
+    return run
+
+
+def _liger_linear_logprobs(mod, pass_):
+    def run(hidden, weight, labels):
+        nll = mod.liger_fused_linear_cross_entropy(hidden, weight, labels, reduction="none")
+        return -nll.view(labels.shape)
+
+    return run
+
+
+def _verl_kl(mod, pass_):
+    return lambda logp, ref_logp: mod.kl_penalty(logp, ref_logp, "low_var_kl")
+
+
+def _openrlhf_kl(mod, pass_):
+    fn = mod.compute_approx_kl
+    if _param(fn, "kl_estimator"):
+        return lambda logp, ref_logp: fn(logp, ref_logp, kl_estimator="k3")
+    if _param(fn, "use_kl_estimator_k3"):
+        return lambda logp, ref_logp: fn(logp, ref_logp, use_kl_estimator_k3=True)
+    raise Skip("openrlhf compute_approx_kl has no k3 option in this version")
+
+
+def _verl_gae(mod, pass_):
+    return lambda rewards, values, mask: mod.compute_gae_advantage_return(rewards, values, mask, 1.0, 0.95)
+
+
+def _verl_policy_loss(mod, pass_):
+    if not hasattr(mod, "compute_policy_loss"):
+        raise Skip("verl core_algos has no compute_policy_loss in this version")
+    fn = mod.compute_policy_loss
+    return lambda logp, old_logp, advantages, mask: first(fn(old_logp, logp, advantages, mask, 0.2))
+
+
+def _openrlhf_policy_loss(mod, pass_):
+    loss = mod.PolicyLoss()
+    return lambda logp, old_logp, advantages, mask: first(loss(logp, old_logp, advantages, mask))
+
+
+def _verl_value_loss(mod, pass_):
+    fn = mod.compute_value_loss
+    return lambda values, old_values, returns, mask: first(fn(values, returns, old_values, mask, 0.2))
+
+
+def _openrlhf_value_loss(mod, pass_):
+    loss = mod.ValueLoss(clip_eps=0.2) if _param(mod.ValueLoss, "clip_eps") else mod.ValueLoss()
+    return lambda values, old_values, returns, mask: first(loss(values, old_values, returns, mask))
+
+
+_VERL_ALGOS, _VERL_F = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
+_ORLHF_UTILS, _ORLHF_LOSS = "openrlhf.models.utils", "openrlhf.models.loss"
+_LIGER_F = "liger_kernel.transformers.functional"
+
+# op -> provider -> loader(pass_) -> callable(**inputs); torch.compile wraps the "torch" entry
+TABLE: dict[str, dict[str, Callable]] = {
+    "logprobs": {"fastrlhf": _ours("logprobs"), "torch": _ref("logprobs"),
+                 "verl": _peer(_VERL_F, _verl_logprobs), "openrlhf": _peer(_ORLHF_UTILS, _openrlhf_logprobs),
+                 "trl": _peer("trl.trainer.utils", _trl_logprobs),
+                 "liger": _peer(_LIGER_F, _liger_logprobs, cuda_only=True)},
+    "ppo_actor_loss": {"fastrlhf": _ours("ppo_actor_loss", **ACTOR_KW), "torch": _ref("ppo_actor_loss", **ACTOR_KW)},
+    "linear_logprobs": {"fastrlhf": _ours("linear_logprobs"), WEIGHT_ACCUM: _ours_weight_accum("linear_logprobs"),
+                        "torch": _ref("linear_logprobs"),
+                        "liger": _peer(_LIGER_F, _liger_linear_logprobs, cuda_only=True), "matmuls": _matmuls},
+    "linear_ppo_actor_loss": {"fastrlhf": _ours("linear_ppo_actor_loss", **ACTOR_KW),
+                              WEIGHT_ACCUM: _ours_weight_accum("linear_ppo_actor_loss", **ACTOR_KW),
+                              "torch": _linear_actor_ref(**ACTOR_KW), "matmuls": _matmuls},
+    "token_kl": {"fastrlhf": _ours("token_kl", estimator="k3"), "torch": _ref("token_kl", estimator="k3"),
+                 "verl": _peer(_VERL_ALGOS, _verl_kl), "openrlhf": _peer(_ORLHF_UTILS, _openrlhf_kl)},
+    "kl_shaped_rewards": {"fastrlhf": _ours("kl_shaped_rewards", kl_coef=0.05),
+                          "torch": _ref("kl_shaped_rewards", kl_coef=0.05)},
+    "gae": {"fastrlhf": _ours("gae", gamma=1.0, lam=0.95), "torch": _ref("gae", gamma=1.0, lam=0.95),
+            "verl": _peer(_VERL_ALGOS, _verl_gae)},
+    "policy_loss": {"fastrlhf": _ours("policy_loss"), "torch": _ref("policy_loss"),
+                    "verl": _peer(_VERL_ALGOS, _verl_policy_loss),
+                    "openrlhf": _peer(_ORLHF_LOSS, _openrlhf_policy_loss)},
+    "value_loss": {"fastrlhf": _ours("value_loss"), "torch": _ref("value_loss"),
+                   "verl": _peer(_VERL_ALGOS, _verl_value_loss),
+                   "openrlhf": _peer(_ORLHF_LOSS, _openrlhf_value_loss)},
+}
+
+
+def providers_of(op: str) -> list[str]:
+    """The providers with an entry for `op`, in PROVIDERS order (torch.compile where torch is)."""
+    have = set(TABLE[op]) | ({"torch.compile"} if "torch" in TABLE[op] else set())
+    return [p for p in PROVIDERS if p in have]
+
+
+def passes_of(op: str, provider: str, passes: tuple[str, ...]) -> tuple[str, ...]:
+    """The passes of `passes` that `provider` can run for `op` (matmuls: no bwd alone)."""
+    allowed = getattr(TABLE[op].get(provider), "passes", passes)
+    return tuple(p for p in passes if p in allowed)
+
+
+def backend_name(device: torch.device) -> str:
+    """Which path fastrlhf.ops takes for tensors on `device` (its documented dispatch rule:
+    CUDA -> Triton, CPU -> torch, FASTRLHF_BACKEND=triton|torch forces one)."""
+    forced = os.environ.get("FASTRLHF_BACKEND", "auto").lower()
+    if forced == "triton" or (forced == "auto" and device.type == "cuda"):
+        return "triton" if device.type == "cuda" else "triton (interpreter)"
+    return "torch"
+
+
+def load_provider(op: str, provider: str, pass_: str, device: torch.device, *, no_compile: str | None = None
+                  ) -> tuple[Callable, bool]:
+    """(fn(**inputs), runs under autograd) for one provider and pass; raises Skip with the reason."""
+    if provider == "torch.compile":
+        if no_compile:
+            raise Skip(f"torch.compile not run: {no_compile}")
+        eager, _ = load_provider(op, "torch", pass_, device)
+        return torch.compile(eager), True
+    if provider not in TABLE[op]:
+        raise Skip(f"{provider} has no {op}")
+    load = TABLE[op][provider]
+    if getattr(load, "cuda_only", False) and device.type != "cuda":
+        raise Skip(f"{provider} needs CUDA")
+    try:
+        fn = load(pass_)
+    except (ImportError, NotImplementedError, AttributeError) as exc:
+        raise Skip(f"{provider}: {exc.__class__.__name__}: {exc}") from None
+    return fn, getattr(load, "autograd", True)
