@@ -2,7 +2,7 @@
 # One call on a bare GPU machine without network, in under 9 minutes:
 #
 #   bash bench/gpu_run.sh OUT            # install, environment, tests on CUDA, bench at the target shapes, PPO run
-#   bash bench/gpu_run.sh OUT --dry-run  # the same steps on CPU at small shapes (CI: tests/test_gpu_run.py)
+#   bash bench/gpu_run.sh OUT --dry-run  # the same steps on CPU (CUDA hidden) at small shapes (CI: tests/test_gpu_run.py)
 #
 # Steps, each with its own time limit (seconds, GPU / dry run), run in order and continue on
 # failure; a global deadline cuts the last ones short if earlier ones ran long:
@@ -47,6 +47,7 @@ cd "$REPO"
 
 START=$(date +%s)
 if [ "$DRY" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES=""  # on CPU even where a GPU is present
   DEADLINE=$((START + ${GPU_RUN_DEADLINE_S:-300}))
   L_INSTALL=30 L_ENV=30 L_TESTS=90 L_BENCH=90 L_PPO=90
 else

@@ -158,6 +158,19 @@ def test_targets_are_same_run_ratios_judged_on_cuda_at_the_target_shape():
     assert all(t["met"] is None for t in bench.targets(rows, probes, "cpu"))
 
 
+def test_every_target_is_measured_by_the_targets_and_full_sets():
+    for name in ("targets", "full"):
+        measured = {(c.op, tuple(c.dims.items()), c.dtype_name, p) for c in bench.cases(name) for p in c.passes}
+        for t in bench.TARGETS:
+            assert (t.op, tuple(t.dims.items()), t.dtype, t.pass_) in measured, (name, t.name)
+            assert t.provider in bench.providers_of(t.op) and t.pass_ in bench.passes_of(t.op, t.provider, bench.PASSES)
+    needed = {("linear_logprobs", "matmuls"), ("linear_ppo_actor_loss", "matmuls"), ("gae", "torch"), ("gae", "verl"),
+              ("logprobs", "fastrlhf")}
+    assert all(p in bench.providers_of(op) for op, p in needed)
+    for name in bench.CASE_SETS:  # every op in every set
+        assert {c.op for c in bench.cases(name)} == set(bench.OPS), name
+
+
 def test_min_reps_for_long_calls():
     calls = []
     settings = bench.Settings(torch.device("cpu"), rep_ms=1.0, rotate_bytes=0, min_reps=5)

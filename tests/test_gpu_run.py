@@ -4,6 +4,7 @@ and leaves, in its output folder, the files the device tool brings back (at most
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["install", "env", "tests", "bench", "ppo"]
@@ -20,6 +22,7 @@ FILES = {"status.json", "bench.json", "bench.png", "ppo.json", "tests.log", "log
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
 def test_dry_run(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("FASTRLHF_BACKEND", "TRITON_INTERPRET")}
@@ -54,6 +57,30 @@ def test_dry_run(tmp_path):
     assert {f"./logs/{s}.log" for s in STEPS} <= names and "./env.json" in names
     assert "./ppo_run/metrics.jsonl" in names and not any(n.startswith("./ppo_run/ppo/") for n in names)
     assert "gpu_run (dry run) ok=True" in proc.stdout
+
+
+def _gpu_record():
+    spec = importlib.util.spec_from_file_location("gpu_record", ROOT / "bench" / "gpu_record.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_records_of_a_stopped_run(tmp_path):
+    """A PPO run killed by its time limit leaves no summary: ppo.json still holds the logged steps;
+    a timed-out or skipped step makes the status not ok."""
+    gpu_record = _gpu_record()
+    rows = [{"stage": "ppo", "step": s, "tokens_per_s": 100.0 * s, **{f"time/{p}": float(s) for p in gpu_record.PHASES},
+             **{f"memory/{p}": 1e9 for p in gpu_record.PHASES}} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ppo = gpu_record.ppo_record(tmp_path, "fastrlhf ppo ...")
+    assert ppo["finished"] is False and ppo["summary"] is None and [s["step"] for s in ppo["steps"]] == [1, 2, 3]
+    assert ppo["steady_state_steps"] == [2, 3] and ppo["steady_state_mean"]["rollout_s"] == 2.5
+    assert ppo["steady_state_mean"]["tokens_per_s"] == 250.0
+    (tmp_path / "steps.tsv").write_text("install\t0\t3\t45\ntests\t124\t180\t180\nppo\tskipped\t0\t0\n")
+    status = gpu_record.status_record(tmp_path / "steps.tsv", tmp_path / "missing.json", dry_run=False)
+    assert status["ok"] is False and status["environment"] is None
+    assert [(s["timed_out"], s["skipped"]) for s in status["steps"]] == [(False, False), (True, False), (False, True)]
 
 
 def test_bad_arguments():
