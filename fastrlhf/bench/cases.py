@@ -82,6 +82,7 @@ def _full_cases() -> list[Case]:
     out += [Case("logprobs", {"B": b, "T": 1024, "V": v}, bf16, ALL3)
             for b, v in [(4, 32000), (16, 128256), (32, 151936)]]
     out += [Case("logprobs", {"B": b, "T": 1024, "V": v}, f32, ALL3) for b, v in [(4, 32000), (16, 151936)]]
+    out += [Case("logprobs", {"B": 1, "T": 128, "V": 151936}, bf16, ALL3)]  # few rows: under one wave of the GPU
     out += [Case("ppo_actor_loss", {"B": 4, "T": 1024, "V": 32000}, t, ALL3) for t in (bf16, f32)]
     out += [Case("ppo_actor_loss", LOGITS_TARGET_50K, bf16, ("fwd+bwd",))]
     out += [Case("linear_logprobs", {"N": 4096, "H": 4096, "V": 32000}, bf16, ALL3)]

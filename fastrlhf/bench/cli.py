@@ -137,6 +137,8 @@ def run_bench(args: argparse.Namespace, command: str) -> tuple[dict, Run]:
             write_json(fill(run, finished=False), args.json)
 
     run = bench(selected, providers, settings, probe, budget_s=args.budget_s, after_each=checkpoint)
+    if cuda:
+        record["gpu_state_at_end"] = gpu_state(device.index or 0)  # clocks and power after the last case
     return fill(run, finished=True), run
 
 

@@ -2,8 +2,8 @@
 
 Work is ordered so that a time budget (`budget_s`) cuts the least useful part: every case
 with every provider but torch.compile first, then torch.compile for every case (compiling
-costs more than measuring). A measurement not started before the budget is spent is
-listed in `skipped` with that reason.
+costs more than measuring). A measurement (one case, provider and pass) not started before
+the budget is spent is listed in `skipped` with that reason.
 """
 
 from __future__ import annotations
@@ -78,8 +78,12 @@ def measure(case: Case, provider: str, pass_: str, settings: Settings, probes: d
     return row
 
 
-def _measure_provider(case: Case, provider: str, settings: Settings, probes: dict, out: Run) -> None:
+def _measure_provider(case: Case, provider: str, settings: Settings, probes: dict, out: Run,
+                      deadline: float | None, budget_s: float | None) -> None:
     for pass_ in passes_of(case.op, provider, case.passes):
+        if deadline is not None and time.monotonic() > deadline:
+            out.skip(provider, case.op, f"{case.shape} {case.dtype_name}: time budget ({budget_s:g} s) spent")
+            continue
         try:
             out.rows.append(measure(case, provider, pass_, settings, probes))
         except Skip as exc:
@@ -111,10 +115,7 @@ def bench(selected: list[Case], providers: list[str], settings: Settings, probes
     out = Run()
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for case, provider in tqdm(work_items(selected, providers), desc="bench", unit="item", file=sys.stderr):
-        if deadline is not None and time.monotonic() > deadline:
-            out.skip(provider, case.op, f"{case.shape} {case.dtype_name}: time budget ({budget_s:g} s) spent")
-            continue
-        _measure_provider(case, provider, settings, probes, out)
+        _measure_provider(case, provider, settings, probes, out, deadline, budget_s)
         if after_each is not None:
             after_each(out)
     return out
