@@ -123,6 +123,15 @@ def test_plot_and_markdown(record):
         assert f"| {op} |" in table
     assert result["command"] in table
     assert "read probe" in table
+    # the CUDA-only fields (nominal bandwidth, clocks, peak memory) render too
+    clocks = {"clocks.sm": 1980.0, "clocks.max.sm": 1980.0, "clocks.mem": 2619.0, "clocks.max.mem": 2619.0}
+    gpu = dict(result, kind="cuda", probes=dict(result["probes"], nominal_gbps=3352.3, clocks_after=clocks),
+               results=[dict(r, peak_mem_bytes=3 * 2**20, grad_bytes=2**20, extra_peak_bytes=2 * 2**20)
+                        for r in result["results"]])
+    table = bench.markdown_table(gpu)
+    assert "nominal 3352 GB/s" in table and "SM 1980/1980 MHz, memory 2619/2619 MHz" in table
+    assert "| 2 |" in table  # extra peak MiB of the fastrlhf rows
+    bench.print_table(gpu)
 
 
 # ---------------------------------------------------------------- harness rules

@@ -201,8 +201,13 @@ def probes(settings: Settings, nbytes: int) -> dict:
     a sum over, and a copy of, an fp32 buffer of `nbytes` (far larger than any cache)."""
     src = torch.rand(nbytes // 4, device=settings.device)
     dst = torch.empty_like(src)
-    read = src.sum
-    copy = lambda: dst.copy_(src)  # noqa: E731
+
+    def read():
+        src.sum()
+
+    def copy():
+        dst.copy_(src)
+
     read(), copy()  # warm-up
     sync(settings.device)
     t_read, t_copy = time_fn(read, settings), time_fn(copy, settings)
