@@ -28,7 +28,7 @@ def test_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("FASTRLHF_BACKEND", "TRITON_INTERPRET")}
     env |= {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), str(out), "--dry-run"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=330)
+                          capture_output=True, text=True, errors="replace", timeout=330)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
     assert {p.name for p in out.iterdir()} == FILES and all(p.is_file() for p in out.iterdir())
