@@ -1,4 +1,4 @@
-"""Phase timer, memory tracker, JSONL / TensorBoard logging, summary, plots, progress bars.
+"""Phase timer, memory tracker, JSONL / TensorBoard logging, summary, progress bars.
 
 Peak memory per phase: on CUDA `torch.cuda.max_memory_allocated` (reset at each phase);
 on CPU the process's peak resident set size during the phase (Linux VmHWM, reset through
@@ -13,14 +13,13 @@ import logging
 import math
 import resource
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from fastrlhf.models import write_json_atomic
+from fastrlhf.checkpoint import write_json_atomic
 
 log = logging.getLogger("fastrlhf")
 
@@ -174,85 +173,3 @@ def update_summary(out: Path, stage: str, values: dict) -> dict:
 
 def progress(total: int, initial: int, desc: str):
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.5)
-
-
-# ---------------------------------------------------------------- plots
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_curves(out: Path, stage: str, keys: list[str], filename: str) -> Path | None:
-    """One panel per metric key over the steps of `stage`; OUT/plots/<filename>."""
-    rows = [r for r in read_metrics(out) if r["stage"] == stage]
-    keys = [k for k in keys if any(k in r for r in rows)]
-    if not rows or not keys:
-        return None
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
-        ax.set_title(f"{stage}: {key}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    return _save_figure(plt, fig, out, filename)
-
-
-def _save_figure(plt, fig, out: Path, filename: str) -> Path:
-    """Write `fig` to OUT/plots/filename and close it."""
-    fig.tight_layout()
-    path = Path(out) / "plots" / filename
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_phases(out: Path, seconds: dict[str, float], peak_bytes: dict[str, int], filename: str,
-                memory_kind: str) -> Path:
-    """Bar charts of the total time and the peak memory of each PPO phase."""
-    plt = _pyplot()
-    names = list(seconds)
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax_t.bar(names, [seconds[n] for n in names], color="tab:blue")
-    ax_t.set_title("PPO time per phase (s, whole run)")
-    ax_m.bar(names, [peak_bytes.get(n, 0) / 2**20 for n in names], color="tab:orange")
-    ax_m.set_title(f"PPO peak memory per phase (MiB, {memory_kind})")
-    for ax in (ax_t, ax_m):
-        ax.tick_params(axis="x", rotation=20)
-        ax.grid(axis="y", alpha=0.3)
-    return _save_figure(plt, fig, out, filename)
-
-
-def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
-    """True if `value` is finite; otherwise warn that this optimizer step is skipped."""
-    if bool(torch.isfinite(value).all()):
-        return True
-    warnings.warn(f"step {step}: non-finite {what} ({value.detach().float().flatten()[:1].item()}); "
-                  "skipping this optimizer step", stacklevel=2)
-    return False
-
-
-def guarded_step(optimizer, loss: torch.Tensor, params, step: int, *, lr: float, warmup_steps: int,
-                 max_grad_norm: float = 1.0) -> bool:
-    """One optimizer step with linear warm-up and gradient clipping; a non-finite loss or
-    gradient norm skips it (with a warning). Returns whether the step was applied."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
-    optimizer.zero_grad(set_to_none=True)
-    if not finite_or_warn(loss, "loss", step):
-        return False
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if not finite_or_warn(grad_norm, "gradient norm", step):
-        optimizer.zero_grad(set_to_none=True)
-        return False
-    optimizer.step()
-    return True

@@ -15,10 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from fastrlhf import ppo, reward, sft
+from fastrlhf import ppo, rm, sft
+from fastrlhf.checkpoint import write_json_atomic
 from fastrlhf.config import PipelineConfig, run_cli, to_dict
 from fastrlhf.metrics import log, setup_logging, update_summary
-from fastrlhf.models import write_json_atomic
 
 
 def run(cfg: PipelineConfig) -> dict:
@@ -28,7 +28,7 @@ def run(cfg: PipelineConfig) -> dict:
         stage.out, stage.seed, stage.resume = cfg.out, cfg.seed, cfg.resume
     write_json_atomic(out / "config.json", to_dict(cfg))
     start = time.perf_counter()
-    stages = (("sft", sft.train, cfg.sft), ("rm", reward.train, cfg.rm), ("ppo", ppo.train, cfg.ppo))
+    stages = (("sft", sft.train, cfg.sft), ("rm", rm.train, cfg.rm), ("ppo", ppo.train, cfg.ppo))
     for name, train, stage_cfg in stages:
         if cfg.resume and (out / name / "final").is_dir():
             log.info("pipeline: %s already finished, skipping", name)

@@ -24,34 +24,18 @@ import torch
 
 from fastrlhf import ops
 from fastrlhf.config import PPOConfig, run_cli
-from fastrlhf.data import encode_prompts, read_jsonl, synthetic_prompt_rows, true_score
-from fastrlhf.metrics import (
-    PPO_PHASES,
-    PhaseTimer,
-    RunLogger,
-    finite_or_warn,
-    log,
-    plot_curves,
-    plot_phases,
-    progress,
-    setup_logging,
-    to_floats,
-    update_summary,
-)
-from fastrlhf.models import (
-    ActorCritic,
-    autocast,
-    load_causal_lm,
-    resolve_device,
-    resolve_dtype,
-    resume_from_checkpoint,
-    save_checkpoint,
-)
-from fastrlhf.rollout import Rollout, generate, load_reward, token_logprobs
+from fastrlhf.data import encode_prompts, read_jsonl
+from fastrlhf.devices import autocast, resolve_device, resolve_dtype
+from fastrlhf.heads import ActorCritic
+from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
+from fastrlhf.models import load_causal_lm
+from fastrlhf.plots import plot_phases
+from fastrlhf.rewards import load_reward
+from fastrlhf.rollout import Rollout, generate, token_logprobs
+from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, finite_or_warn
+from fastrlhf.task import NUM_PPO_PROMPTS, synthetic_prompt_rows, true_score
 
-NUM_TRAIN_PROMPTS = 4096
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
-EVAL_BATCH = 256
 
 
 class KLController:
@@ -112,8 +96,7 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
             finite, mini_stats = True, {}
             for m0 in range(0, len(mini), cfg.micro_batch_size):
                 idx = torch.tensor(mini[m0:m0 + cfg.micro_batch_size], device=device)
-                mask = b.response_mask[idx]
-                labels = torch.where(mask.bool(), b.responses[idx], -100)
+                mask, labels = b.response_mask[idx], b.labels[idx]
                 with autocast(device):
                     hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
                 h = hidden[:, P - 1:-1]
@@ -150,8 +133,8 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
 def evaluate_true_score(ac, tokenizer, prompt_ids, prompts, cfg: PPOConfig, device) -> float:
     """Mean true score (the synthetic task's rule) of sampled responses to held-out prompts."""
     scores = []
-    for i in range(0, len(prompts), EVAL_BATCH):
-        r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH], prompts[i:i + EVAL_BATCH],
+    for i in range(0, len(prompts), EVAL_BATCH_SIZE):
+        r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH_SIZE], prompts[i:i + EVAL_BATCH_SIZE],
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
         scores += true_score(r.prompts, r.responses)
     return sum(scores) / len(scores)
@@ -164,14 +147,14 @@ def train(cfg: PPOConfig) -> dict:
     if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
         raise ValueError(f"rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
                          f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
-    out, stage_dir = Path(cfg.out), Path(cfg.out) / "ppo"
+    out = Path(cfg.out)
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
     lm, tokenizer = load_causal_lm(cfg.model or out / "sft" / "final", device=device, dtype=dtype,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
     reward_fn = load_reward(cfg.reward or str(out / "rm" / "final"), device=device)
     synthetic = not cfg.data
-    rows = read_jsonl(cfg.data, ("prompt",)) if cfg.data else synthetic_prompt_rows(NUM_TRAIN_PROMPTS, cfg.seed)
+    rows = read_jsonl(cfg.data, ("prompt",)) if cfg.data else synthetic_prompt_rows(NUM_PPO_PROMPTS, cfg.seed)
     prompts = [r["prompt"] for r in rows]
     prompt_ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
     eval_prompts = [r["prompt"] for r in synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
@@ -179,24 +162,20 @@ def train(cfg: PPOConfig) -> dict:
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-    step, skipped, true_before = 0, 0, None
     timer = PhaseTimer(device)
-    resumed = resume_from_checkpoint(stage_dir, ac, optimizer, cfg.resume, "ppo")
-    if resumed is not None:
-        step, extra = resumed
+    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer)
+    step, skipped, true_before = run.step, 0, None
+    if run.resumed:
+        extra = run.extra
         kl_ctl.coef, skipped, true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
         timer.total_seconds.update(extra["phase_seconds"])
         timer.total_peak.update(extra["phase_peak_memory_bytes"])
     elif synthetic:
         true_before = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
         log.info("ppo: true score before PPO %.3f", true_before)
-    logger = RunLogger(out, "ppo", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
-    stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
-    bar = progress(cfg.steps, step, "ppo")
-    start = time.perf_counter()
     ac.train()
 
-    while step < stop:
+    while step < run.stop:
         t0 = time.perf_counter()
         # 1. rollout: sample one response per prompt
         with timer.phase("rollout"):
@@ -234,40 +213,36 @@ def train(cfg: PPOConfig) -> dict:
                  "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
         if synthetic:
             stats["true_score"] = sum(true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
-        bar.update(1)
-        bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
-        if step % cfg.log_every == 0 or step == stop:
-            logger.log(step, stats)
-        if step % cfg.save_every == 0 or step == stop:
-            save_checkpoint(stage_dir, step, ac.trainable_state(), optimizer,
-                            {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
-                             "phase_seconds": dict(timer.total_seconds),
-                             "phase_peak_memory_bytes": dict(timer.total_peak)})
+        run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
+        if run.due(step, cfg.log_every):
+            run.log(step, stats)
+        if run.due(step, cfg.save_every):
+            run.save(step, ac.trainable_state(),
+                     {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
+                      "phase_seconds": dict(timer.total_seconds),
+                      "phase_peak_memory_bytes": dict(timer.total_peak)})
 
-    bar.close()
-    logger.close()
-    if step < cfg.steps:
-        log.info("ppo: stopped after step %d of %d (resume with --resume)", step, cfg.steps)
+    if not run.finish(step):
         return {"stopped_at": step}
     # 7. final policy, true score after, summary, plots
-    ac.save_pretrained(stage_dir / "final", tokenizer)
-    logged = logger.rows()
+    ac.save_pretrained(run.dir / "final", tokenizer)
+    logged = run.rows()
     summary = {
-        "steps": step, "seconds": time.perf_counter() - start, "skipped_nonfinite": skipped,
+        "steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
         "reward_first": logged[0]["reward"] if logged else None,
         "reward_final": logged[-1]["reward"] if logged else None,
         "kl_final": logged[-1]["kl"] if logged else None,
         "phase_seconds": {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES},
         "phase_peak_memory_bytes": {k: int(timer.total_peak.get(k, 0)) for k in PPO_PHASES},
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
-        "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(stage_dir / "final"),
+        "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(run.dir / "final"),
     }
     if synthetic:
         summary["true_score_before"] = true_before
         summary["true_score_after"] = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
-    update_summary(out, "ppo", summary)
-    plot_curves(out, "ppo", ["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
-    plot_phases(out, summary["phase_seconds"], summary["phase_peak_memory_bytes"], "ppo_phases.png",
+    run.write_summary(summary)
+    run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
+    plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
                 "CUDA allocated" if device.type == "cuda" else "process peak RSS")
     log.info("ppo: done, true score %s -> %s, final KL %.4f", summary.get("true_score_before"),
              summary.get("true_score_after"), summary["kl_final"] or 0.0)

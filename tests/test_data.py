@@ -7,16 +7,8 @@ import pytest
 import torch
 
 from fastrlhf.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, field_docs, parse_args
-from fastrlhf.data import (
-    build_char_tokenizer,
-    encode_prompts,
-    encode_responses,
-    ensure_pad_token,
-    pack,
-    read_jsonl,
-    synthetic_pairs,
-    true_score,
-)
+from fastrlhf.data import encode_prompts, encode_responses, ensure_pad_token, pack, read_jsonl
+from fastrlhf.task import build_char_tokenizer, synthetic_pairs, true_score
 
 
 def test_read_jsonl_reports_malformed_line_number(tmp_path):

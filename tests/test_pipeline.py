@@ -85,7 +85,7 @@ def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):
 
 
 def test_bad_input_gives_a_clear_error(tmp_path):
-    r = _cli("ppo", "--model", str(tmp_path / "missing"), "--reward", "fastrlhf.data:true_score")
+    r = _cli("ppo", "--model", str(tmp_path / "missing"), "--reward", "fastrlhf.task:true_score")
     assert r.returncode == 2 and "no such directory, and not a built-in config" in r.stderr
     assert "Traceback" not in r.stderr
     r = _cli("sft", "--stepz", "3")

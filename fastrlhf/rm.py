@@ -10,26 +10,20 @@ OUT/metrics.jsonl, OUT/summary.json["rm"] and OUT/plots/rm_curves.png.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fastrlhf.config import RMConfig, run_cli
-from fastrlhf.data import encode_prompts, encode_responses, pack, read_jsonl, synthetic_pairs
-from fastrlhf.metrics import RunLogger, guarded_step, log, plot_curves, progress, setup_logging, update_summary
-from fastrlhf.models import (
-    RewardModel,
-    autocast,
-    load_causal_lm,
-    resolve_device,
-    resume_from_checkpoint,
-    save_checkpoint,
-)
+from fastrlhf.data import encode_prompts, encode_responses, pack, read_jsonl
+from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.heads import RewardModel
+from fastrlhf.metrics import log, setup_logging
+from fastrlhf.models import load_causal_lm
+from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, guarded_step
+from fastrlhf.task import synthetic_pairs
 
-WARMUP_STEPS = 10
-EVAL_BATCH = 256
 NORM_PAIRS = 1024  # training pairs whose scores set the normalisation
 
 
@@ -60,8 +54,8 @@ def accuracy(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device)
     was_training = model.training
     model.eval()
     hits = 0
-    for i in range(0, len(idx), EVAL_BATCH):
-        chosen, rejected = _pair_scores(model, enc, idx[i:i + EVAL_BATCH], pad_id, device)
+    for i in range(0, len(idx), EVAL_BATCH_SIZE):
+        chosen, rejected = _pair_scores(model, enc, idx[i:i + EVAL_BATCH_SIZE], pad_id, device)
         hits += int((chosen > rejected).sum())
     model.train(was_training)
     return hits / max(1, len(idx))
@@ -71,8 +65,8 @@ def accuracy(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device)
 def score_stats(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device) -> tuple[float, float]:
     """Mean and standard deviation of the scores of the chosen and rejected responses of `idx`."""
     model.eval()
-    scores = torch.cat([torch.cat(_pair_scores(model, enc, idx[i:i + EVAL_BATCH], pad_id, device))
-                        for i in range(0, len(idx), EVAL_BATCH)])
+    scores = torch.cat([torch.cat(_pair_scores(model, enc, idx[i:i + EVAL_BATCH_SIZE], pad_id, device))
+                        for i in range(0, len(idx), EVAL_BATCH_SIZE)])
     return scores.mean().item(), scores.std().clamp(min=1e-6).item()
 
 
@@ -80,8 +74,7 @@ def train(cfg: RMConfig) -> dict:
     # 0. setup: SFT model + score head, pairs split into train / held-out, optimizer, resume
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    out, stage_dir = Path(cfg.out), Path(cfg.out) / "rm"
-    lm, tokenizer = load_causal_lm(cfg.model or out / "sft" / "final", device=device,
+    lm, tokenizer = load_causal_lm(cfg.model or Path(cfg.out) / "sft" / "final", device=device,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
     model = RewardModel(lm)
     keys = ("prompt", "chosen", "rejected")
@@ -95,46 +88,36 @@ def train(cfg: RMConfig) -> dict:
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     eval_idx, train_idx = order[:n_eval], order[n_eval:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step, skipped = 0, 0
-    resumed = resume_from_checkpoint(stage_dir, model, optimizer, cfg.resume, "rm")
-    if resumed is not None:
-        step, skipped = resumed[0], resumed[1]["skipped_nonfinite"]
-    logger = RunLogger(out, "rm", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
-    stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
-    bar = progress(cfg.steps, step, "rm")
-    window, start = [], time.perf_counter()
+    run = StageRun("rm", cfg, model=model, optimizer=optimizer)
+    step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
+    window = []
     pad_id = tokenizer.pad_token_id
     model.train()
 
-    while step < stop:
+    while step < run.stop:
         # 1. batch of pairs: chosen and rejected for the same prompts, scored in one forward
         idx = [train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,)).tolist()]
         chosen, rejected = _pair_scores(model, enc, idx, pad_id, device)
         # 2. Bradley-Terry loss
         loss = bradley_terry_loss(chosen, rejected)
         # 3. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
-        if not guarded_step(optimizer, loss, model.parameters(), step, lr=cfg.lr, warmup_steps=WARMUP_STEPS):
+        if not guarded_step(optimizer, loss, model.parameters(), step, lr=cfg.lr):
             skipped += 1
         step += 1
         window.append((loss.item(), (chosen > rejected).float().mean().item()))
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        run.advance(loss=f"{loss.item():.3f}")
         # 4. log (with the held-out accuracy every eval_every steps) and checkpoint
-        if step % cfg.log_every == 0 or step == stop:
+        if run.due(step, cfg.log_every):
             stats = {"loss": sum(w[0] for w in window) / len(window),
                      "train_accuracy": sum(w[1] for w in window) / len(window), "skipped_nonfinite": skipped}
-            if step % cfg.eval_every == 0 or step == stop:
+            if run.due(step, cfg.eval_every):
                 stats["accuracy"] = accuracy(model, enc, eval_idx, pad_id, device)
-            logger.log(step, stats)
+            run.log(step, stats)
             window = []
-        if step % cfg.save_every == 0 or step == stop:
-            save_checkpoint(stage_dir, step, dict(model.named_parameters()), optimizer,
-                            {"skipped_nonfinite": skipped})
+        if run.due(step, cfg.save_every):
+            run.save(step, dict(model.named_parameters()), {"skipped_nonfinite": skipped})
 
-    bar.close()
-    logger.close()
-    if step < cfg.steps:
-        log.info("rm: stopped after step %d of %d (resume with --resume)", step, cfg.steps)
+    if not run.finish(step):
         return {"stopped_at": step}
     # 5. normalise the scores to mean 0, std 1 on training responses (Ziegler et al. 2019), so the
     #    PPO stage's KL coefficient and value targets have a known scale; pairwise order is unchanged
@@ -142,15 +125,15 @@ def train(cfg: RMConfig) -> dict:
     mean, std = score_stats(model, enc, norm_idx, pad_id, device)
     model.normalize_(mean, std)
     # 6. final model, held-out accuracy, summary, plot
-    model.save_pretrained(stage_dir / "final", tokenizer)
-    logged = logger.rows()
+    model.save_pretrained(run.dir / "final", tokenizer)
+    logged = run.rows()
     summary = {"accuracy": logged[-1]["accuracy"], "eval_pairs": len(eval_idx),
                "loss_final": logged[-1]["loss"] if logged else float("nan"), "steps": step,
-               "skipped_nonfinite": skipped, "seconds": time.perf_counter() - start,
+               "skipped_nonfinite": skipped, "seconds": run.seconds,
                "score_mean_before_normalisation": mean, "score_std_before_normalisation": std,
-               "model_dir": str(stage_dir / "final")}
-    update_summary(out, "rm", summary)
-    plot_curves(out, "rm", ["loss", "accuracy"], "rm_curves.png")
+               "model_dir": str(run.dir / "final")}
+    run.write_summary(summary)
+    run.plot(["loss", "accuracy"], "rm_curves.png")
     log.info("rm: done, held-out accuracy %.3f on %d pairs", summary["accuracy"], len(eval_idx))
     return summary
 
