@@ -1,17 +1,21 @@
 """Phase timer, memory tracker, JSONL / TensorBoard logging, summary, progress bars.
 
-Peak memory per phase: on CUDA `torch.cuda.max_memory_allocated` (reset at each phase);
-on CPU the process's peak resident set size during the phase (Linux VmHWM, reset through
-/proc/self/clear_refs; where that is not possible, the peak since the process started).
+Peak memory per phase: on CUDA `torch.cuda.max_memory_allocated`, reset when the phase
+starts. On CPU (Linux, glibc) the peak resident set size during the phase: when it starts,
+freed heap memory is handed back to the OS (`malloc_trim(0)`; otherwise glibc keeps it
+resident and every phase would report the run's high-water mark) and the kernel's peak
+(VmHWM) is reset to the current size (`/proc/self/clear_refs`); VmHWM when it ends is the
+phase's peak. Where either is unavailable, no memory figure is reported at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
-import resource
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,31 +37,50 @@ def setup_logging() -> None:
 # ---------------------------------------------------------------- time and memory per phase
 
 
-def _reset_cpu_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+class CPUPeakRSS:
+    """Peak resident set size of this process during a span: `start()`, then `peak()` in bytes.
+    `available` is False off Linux/glibc or when /proc/self/clear_refs is not writable."""
 
+    def __init__(self):
+        self._malloc_trim = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            self._malloc_trim = libc.malloc_trim
+        except (OSError, AttributeError, TypeError):
+            pass
+        self.available = self._malloc_trim is not None and self._reset_peak() and self.peak() is not None
 
-def _cpu_peak_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    @staticmethod
+    def _reset_peak() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        self._malloc_trim(0)
+        self._reset_peak()
+
+    @staticmethod
+    def peak() -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
 
 
 class PhaseTimer:
     """`with timer.phase("rollout"): ...` accumulates seconds and the peak memory of each phase.
 
-    `step_stats()` returns and clears the current step's figures; `totals` keeps the sums of
-    seconds and the max of peaks over the run.
+    `step_stats()` returns and clears the current step's figures; `total_seconds` and
+    `total_peak` keep the sums of seconds and the max of peaks over the run. `memory_kind`
+    says what the peaks measure; None (and no peaks) where nothing per phase can be measured.
     """
 
     def __init__(self, device: torch.device):
@@ -66,32 +89,46 @@ class PhaseTimer:
         self.peak: dict[str, int] = defaultdict(int)
         self.total_seconds: dict[str, float] = defaultdict(float)
         self.total_peak: dict[str, int] = defaultdict(int)
+        self._cpu = CPUPeakRSS() if device.type == "cpu" else None
+        if device.type == "cuda":
+            self.memory_kind = "CUDA allocated"
+        elif self._cpu.available:
+            self.memory_kind = "peak RSS during the phase"
+        else:
+            self.memory_kind = None
+            log.info("per-phase CPU memory is not measurable here (needs Linux /proc and glibc); not reported")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _start_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.memory_kind is not None:
+            self._cpu.start()
+
+    def _peak_memory(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._cpu.peak() if self.memory_kind is not None else None
+
     @contextlib.contextmanager
     def phase(self, name: str):
         self._sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            _reset_cpu_peak()
+        self._start_memory()
         start = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
             seconds = time.perf_counter() - start
-            if self.device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(self.device)
-            else:
-                peak = _cpu_peak_bytes()
             self.seconds[name] += seconds
-            self.peak[name] = max(self.peak[name], peak)
             self.total_seconds[name] += seconds
-            self.total_peak[name] = max(self.total_peak[name], peak)
+            peak = self._peak_memory()
+            if peak is not None:
+                self.peak[name] = max(self.peak[name], peak)
+                self.total_peak[name] = max(self.total_peak[name], peak)
 
     def step_stats(self) -> dict[str, float]:
         stats = {f"time/{k}": v for k, v in self.seconds.items()}

@@ -233,7 +233,7 @@ def train(cfg: PPOConfig) -> dict:
         "reward_final": logged[-1]["reward"] if logged else None,
         "kl_final": logged[-1]["kl"] if logged else None,
         "phase_seconds": {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES},
-        "phase_peak_memory_bytes": {k: int(timer.total_peak.get(k, 0)) for k in PPO_PHASES},
+        "phase_peak_memory_bytes": {k: int(timer.total_peak[k]) for k in PPO_PHASES if k in timer.total_peak},
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
         "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(run.dir / "final"),
     }
@@ -243,7 +243,7 @@ def train(cfg: PPOConfig) -> dict:
     run.write_summary(summary)
     run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
     plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
-                "CUDA allocated" if device.type == "cuda" else "process peak RSS")
+                timer.memory_kind)
     log.info("ppo: done, true score %s -> %s, final KL %.4f", summary.get("true_score_before"),
              summary.get("true_score_after"), summary["kl_final"] or 0.0)
     return summary

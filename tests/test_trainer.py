@@ -147,3 +147,20 @@ def test_gradient_accumulation_does_not_change_the_update():
         torch.testing.assert_close(params_a[k], params_b[k], rtol=1e-5, atol=1e-6, msg=k)
     for k in ("pg_loss", "value_loss", "clipfrac", "approx_kl", "entropy"):
         assert stats_a[k] == pytest.approx(stats_b[k], rel=1e-4, abs=1e-6), k
+
+
+def test_cpu_phase_memory_is_per_phase():
+    """Each phase reports the peak RSS during that phase, not the process's lifetime peak."""
+    from fastrlhf.metrics import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cpu"))
+    if timer.memory_kind is None:
+        pytest.skip("per-phase CPU memory needs Linux /proc and glibc")
+    with timer.phase("big"):
+        x = torch.ones(32 * 2**20)  # 128 MiB, touched
+        del x
+    with timer.phase("small"):
+        torch.ones(1024)
+    stats = timer.step_stats()
+    assert stats["memory/big"] - stats["memory/small"] > 100 * 2**20
+    assert set(stats) == {"time/big", "time/small", "memory/big", "memory/small"}
