@@ -77,10 +77,10 @@ class ActorCritic(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
-    def save_pretrained(self, path: Path, tokenizer) -> None:
+    def save_pretrained(self, path: Path, tokenizer, lineage: dict | None = None) -> None:
         """A plain HF directory (LoRA merged) + the value head, loadable with `--model`."""
         lm = copy.deepcopy(self.policy).merge_and_unload() if self.lora else self.policy
-        save_model_dir(lm, tokenizer, path, {VALUE_HEAD_FILE: self.value_head.state_dict()})
+        save_model_dir(lm, tokenizer, path, {VALUE_HEAD_FILE: self.value_head.state_dict()}, lineage)
 
 
 class RewardModel(nn.Module):
@@ -105,8 +105,8 @@ class RewardModel(nn.Module):
         self.head.weight.div_(std)
         self.head.bias.sub_(mean).div_(std)
 
-    def save_pretrained(self, path: Path, tokenizer) -> None:
-        save_model_dir(self.lm, tokenizer, path, {SCORE_HEAD_FILE: self.head.state_dict()})
+    def save_pretrained(self, path: Path, tokenizer, lineage: dict | None = None) -> None:
+        save_model_dir(self.lm, tokenizer, path, {SCORE_HEAD_FILE: self.head.state_dict()}, lineage)
 
     @classmethod
     def from_pretrained(cls, path, *, device: torch.device, dtype: torch.dtype = torch.float32):

@@ -16,6 +16,8 @@ import ctypes.util
 import json
 import logging
 import math
+import os
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from fastrlhf.checkpoint import write_json_atomic
+from fastrlhf.checkpoint import json_safe, write_json_atomic
 
 log = logging.getLogger("fastrlhf")
 
@@ -31,7 +33,14 @@ PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
 
 
 def setup_logging() -> None:
+    """INFO lines with a time stamp on stderr; Python warnings go through logging too (so they
+    never land on a progress bar's line). Without a terminal, the Hugging Face libraries' own
+    progress bars are switched off and the stages' progress is logged as lines (`progress`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.captureWarnings(True)
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers on import
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 # ---------------------------------------------------------------- time and memory per phase
@@ -179,7 +188,7 @@ class RunLogger:
     def log(self, step: int, stats: dict) -> dict:
         row = {"stage": self.stage, "step": step, **to_floats(stats)}
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         if self.writer is not None:
             for k, v in row.items():
                 if isinstance(v, float) and math.isfinite(v):
@@ -199,14 +208,46 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def update_summary(out: Path, stage: str, values: dict) -> dict:
-    """Merge `values` under `stage` in OUT/summary.json (written atomically)."""
+def update_summary(out: Path, stage: str, values: dict | None) -> dict:
+    """Merge `values` under `stage` in OUT/summary.json (valid JSON: NaN as null, written
+    atomically); `values=None` removes the stage's entry."""
     path = Path(out) / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
-    summary[stage] = values
+    if values is None:
+        summary.pop(stage, None)
+    else:
+        summary[stage] = values
     write_json_atomic(path, summary)
-    return summary
+    return json_safe(summary)
+
+
+class LineProgress:
+    """Progress for logs without a terminal: one log line per tenth of the run (and at the
+    end) instead of a redrawn bar. Same `update` / `set_postfix` / `close` as tqdm."""
+
+    def __init__(self, total: int, initial: int, desc: str):
+        self.total, self.n, self.desc = total, initial, desc
+        self.every = max(1, total // 10)
+        self.postfix: dict = {}
+        self._start, self._start_n = time.perf_counter(), initial
+
+    def set_postfix(self, refresh: bool = True, **values) -> None:
+        self.postfix = values
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            rate = (self.n - self._start_n) / max(1e-9, time.perf_counter() - self._start)
+            extra = "".join(f" {k}={v}" for k, v in self.postfix.items())
+            log.info("%s: %d/%d (%.0f%%)%s, %.2f it/s", self.desc, self.n, self.total,
+                     100 * self.n / max(1, self.total), extra, rate)
+
+    def close(self) -> None:
+        pass
 
 
 def progress(total: int, initial: int, desc: str):
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.5)
+    """A tqdm bar on a terminal; `LineProgress` (log lines) otherwise."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.5)
+    return LineProgress(total, initial, desc)

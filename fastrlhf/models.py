@@ -1,15 +1,21 @@
-"""Causal LMs: built-in configs, loading a local Hugging Face directory, and the accessors
-the stages use (trunk, lm_head, final hidden states).
+"""Causal LMs: built-in configs, what a model is before its weights load (`ModelSource`:
+tokenizer, config, lineage, checked), loading, and the accessors the stages use (trunk,
+lm_head, final hidden states).
 
-- `load_causal_lm(name_or_path)`: a local Hugging Face directory (model + tokenizer), or a
-  built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
-  `llama-0.5b`: 0.5B-class models for GPU timing runs) with the built-in task's char tokenizer.
+A model is a local Hugging Face directory (config.json, weights, tokenizer files), or a
+built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
+`llama-0.5b`: 0.5B-class models for GPU timing runs) and the built-in task's char tokenizer.
+Model directories written by the stages carry `fastrlhf.json`: the model they descend from
+(`origin`) and the data they were last trained on (`trained_on`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +25,10 @@ from fastrlhf.devices import attention_backend, cpu_threads_for
 from fastrlhf.task import build_char_tokenizer
 
 log = logging.getLogger("fastrlhf")
+
+LINEAGE_FILE = "fastrlhf.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 # ---------------------------------------------------------------- built-in configs
@@ -55,30 +65,116 @@ def _llama_05b_config(vocab_size: int):
 BUILTIN_MODELS = {"tiny": _tiny_config, "qwen2-0.5b": _qwen2_05b_config, "llama-0.5b": _llama_05b_config}
 
 
+# ---------------------------------------------------------------- before loading
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """A model before its weights load: what the stages check and size things by."""
+
+    spec: str
+    """A built-in config name or a model directory."""
+    tokenizer: Any
+    """Its tokenizer (checked against `config`; it always has a pad token)."""
+    config: Any
+    """Its transformers config (vocab_size, max_position_embeddings, ...)."""
+    origin: str
+    """The built-in config name or user directory the weights descend from."""
+    trained_on: str | None = None
+    """The data a fastrlhf stage last trained it on (`builtin` or a path); None if not known."""
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def descendant(self, spec, trained_on: str) -> ModelSource:
+        """What a stage that trains this model on `trained_on` and saves it at `spec` produces."""
+        return dataclasses.replace(self, spec=str(spec), trained_on=trained_on)
+
+    def lineage(self, trained_on: str) -> dict:
+        return {"origin": self.origin, "trained_on": trained_on}
+
+
+def check_tokenizer(tokenizer, config, where: str) -> None:
+    """The tokenizer can end responses (EOS), pads (EOS as pad, with a warning, when it has no
+    pad token), and every id it can produce, special ones included, indexes the model's embedding."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{where}: the tokenizer has no EOS token (responses end with one); set eos_token")
+    ensure_pad_token(tokenizer)
+    rows = config.vocab_size
+    specials = {f"{name} token {getattr(tokenizer, name + '_token')!r}": getattr(tokenizer, name + "_token_id")
+                for name in ("pad", "eos", "bos", "unk")}
+    specials.update({f"special token {t!r}": i for t, i in zip(tokenizer.all_special_tokens,
+                                                               tokenizer.all_special_ids)})
+    bad = [f"{name} has id {i}" for name, i in specials.items() if i is not None and not 0 <= i < rows]
+    if bad:
+        raise ValueError(f"{where}: the tokenizer's {'; '.join(dict.fromkeys(bad))}, outside the model's "
+                         f"embedding (vocab_size {rows}); resize the embeddings "
+                         "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
+    if len(tokenizer) > rows:
+        raise ValueError(f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+                         f"{rows} rows (vocab_size); ids from {rows} on would index past it; resize the "
+                         "embeddings (model.resize_token_embeddings(len(tokenizer))) and save the model again")
+
+
+def model_source(spec, *, where: str = "model") -> ModelSource:
+    """Tokenizer, config and lineage of a built-in config name or a model directory, checked
+    (files present and parsing, special ids inside the vocabulary), without loading weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    spec = str(spec)
+    path = Path(spec)
+    if spec in BUILTIN_MODELS and not path.is_dir():
+        tokenizer = build_char_tokenizer()
+        source = ModelSource(spec, tokenizer, BUILTIN_MODELS[spec](len(tokenizer)), origin=spec)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{where}: model directory {spec!r} has no config.json (not a Hugging Face model)")
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"{where}: model directory {spec!r} has no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); save the model's tokenizer there with "
+                             "tokenizer.save_pretrained(...)")
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{where}: cannot read {path / 'config.json'} ({e})") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{where}: cannot load the tokenizer of {spec!r} ({str(e).splitlines()[0]})") from None
+        lineage = json.loads((path / LINEAGE_FILE).read_text()) if (path / LINEAGE_FILE).is_file() else {}
+        source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", spec),
+                             trained_on=lineage.get("trained_on"))
+    else:
+        raise ValueError(f"{where}: model {spec!r}: no such directory, and not a built-in config "
+                         f"({', '.join(BUILTIN_MODELS)})")
+    check_tokenizer(source.tokenizer, source.config, f"{where} {spec!r}")
+    return source
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers map text to the same ids (same vocabulary and special ids)."""
+    ids = ("pad_token_id", "eos_token_id", "bos_token_id")
+    return a.get_vocab() == b.get_vocab() and all(getattr(a, i) == getattr(b, i) for i in ids)
+
+
 # ---------------------------------------------------------------- loading
 
 
-def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtype = torch.float32,
+def load_causal_lm(source, *, device: torch.device, dtype: torch.dtype = torch.float32,
                    gradient_checkpointing: bool = False):
-    """(model, tokenizer) from a local HF directory or a built-in config name (random weights,
-    the embedded char tokenizer). The tokenizer always has a pad token (EOS, with a warning)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) of a `ModelSource`, a built-in config name (random weights, the char
+    tokenizer) or a model directory."""
+    from transformers import AutoModelForCausalLM
 
+    if not isinstance(source, ModelSource):
+        source = model_source(source)
     attn = attention_backend(device)
-    path = Path(str(name_or_path))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {str(path)!r} has no config.json (not a Hugging Face model)")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype)
-    elif str(name_or_path) in BUILTIN_MODELS:
-        tokenizer = build_char_tokenizer()
-        config = BUILTIN_MODELS[str(name_or_path)](len(tokenizer))
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    if Path(source.spec).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(source.spec, attn_implementation=attn, dtype=dtype)
     else:
-        raise ValueError(f"model {str(name_or_path)!r}: no such directory, and not a built-in config "
-                         f"({', '.join(BUILTIN_MODELS)})")
-    ensure_pad_token(tokenizer)
+        model = AutoModelForCausalLM.from_config(source.config, attn_implementation=attn)
+    tokenizer = source.tokenizer
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
@@ -86,7 +182,7 @@ def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtyp
     n = sum(p.numel() for p in model.parameters())
     cpu_threads_for(n, device)
     log.info("model %s: %.2fM parameters, attention=%s, dtype=%s, device=%s",
-             name_or_path, n / 1e6, attn, dtype, device)
+             source.spec, n / 1e6, attn, dtype, device)
     return model, tokenizer
 
 

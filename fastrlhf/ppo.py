@@ -2,7 +2,8 @@
 
 Each iteration, top to bottom:
   1. rollout     sample responses (KV cache, left-padded prompts, stop at EOS)
-  2. reward      reward model at the last response token, or a rule `module:function`
+  2. reward      reward model at the last response token, or a rule `module:function`; every
+                 score checked (count, type, finite: fastrlhf.rewards)
   3. logprobs    one actor-critic forward -> old log-probs and values; reference log-probs
   4. advantages  KL-shaped rewards (ops.kl_shaped_rewards) and GAE (ops.gae)
   5. update      PPO epochs over minibatches with gradient accumulation: clipped policy loss
@@ -11,29 +12,40 @@ Each iteration, top to bottom:
 Then the KL coefficient is updated (fixed, or adaptive as Ziegler et al. 2019), metrics are
 logged and a checkpoint is written every `save_every` iterations.
 
-Writes OUT/ppo/final (merged HF model + value head), OUT/ppo/checkpoints, rows with
-"stage": "ppo" in OUT/metrics.jsonl, OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
+`prepare` checks the whole configuration (policy, reward, data, lengths, the run folder)
+before a model loads; `train` runs it. Writes OUT/ppo/config.json, OUT/ppo/final (merged HF
+model + value head), OUT/ppo/checkpoints, rows with "stage": "ppo" in OUT/metrics.jsonl,
+OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
-from fastrlhf import ops
-from fastrlhf.config import PPOConfig, run_cli
-from fastrlhf.data import encode_prompts, read_jsonl
+from fastrlhf import ops, task
+from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf.config import PPOConfig, run_cli, to_dict
+from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
 from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
-from fastrlhf.models import load_causal_lm
+from fastrlhf.models import ModelSource, load_causal_lm, same_tokenizer
 from fastrlhf.plots import plot_phases
-from fastrlhf.rewards import load_reward
+from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
 from fastrlhf.rollout import Rollout, generate, token_logprobs
-from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, finite_or_warn
-from fastrlhf.task import NUM_PPO_PROMPTS, synthetic_prompt_rows, true_score
+from fastrlhf.run import (
+    EVAL_BATCH_SIZE,
+    StageRun,
+    check_common,
+    describe_data,
+    finite_or_warn,
+    resolve_data,
+    stage_model,
+)
 
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
 
@@ -136,29 +148,97 @@ def evaluate_true_score(ac, tokenizer, prompt_ids, prompts, cfg: PPOConfig, devi
     for i in range(0, len(prompts), EVAL_BATCH_SIZE):
         r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH_SIZE], prompts[i:i + EVAL_BATCH_SIZE],
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
-        scores += true_score(r.prompts, r.responses)
+        scores += task.true_score(r.prompts, r.responses)
     return sum(scores) / len(scores)
 
 
-def train(cfg: PPOConfig) -> dict:
-    # 0. setup: actor-critic (+ reference), reward, prompts, optimizer; resume if asked
+@dataclasses.dataclass
+class PPOPlan:
+    """The PPO stage, checked and resolved before its models load."""
+
+    cfg: PPOConfig
+    """The configuration with every `auto`/0 default resolved (what OUT/ppo/config.json records)."""
+    model: ModelSource
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    eval_prompts: list[str]
+    """Built-in task only: held-out prompts for the true score (empty for user data)."""
+    eval_ids: list[list[int]]
+
+
+def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
+            key_prefix: str = "") -> PPOPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights.
+    `upstream` / `reward_upstream`: the SFT model and reward model a pipeline will have written
+    by the time this stage runs."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
+                       "log_every", "save_every", "eval_prompts"), "ppo")
+    if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"ppo: rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
+                         f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
+    if cfg.temperature <= 0:
+        raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
+    resolve_dtype(cfg.dtype, resolve_device(cfg.device), lora=cfg.lora_rank > 0)
+    try:
+        ops.token_kl(torch.zeros(1), torch.zeros(1), estimator=cfg.kl_estimator)
+    except ValueError as e:
+        raise ValueError(f"ppo: kl_estimator {cfg.kl_estimator!r}: {e}") from None
+    out = Path(cfg.out)
+    model = stage_model(cfg.model, out / "sft" / "final", upstream, "ppo", "sft")
+    cfg.model = model.spec
+    cfg.reward = cfg.reward or str(out / "rm" / "final")
+    if is_rule(cfg.reward):
+        import_rule(cfg.reward)
+        reward_desc = f"rule {cfg.reward}"
+    elif reward_upstream is not None and cfg.reward == str(reward_upstream.spec):
+        reward_desc = f"reward model {cfg.reward} (trained by the pipeline's rm stage)"
+    elif Path(cfg.reward).is_dir():
+        rm_source = check_reward_model_dir(cfg.reward)
+        same = same_tokenizer(model.tokenizer, rm_source.tokenizer)
+        reward_desc = f"reward model {cfg.reward}" + ("" if same else " (another tokenizer: it re-tokenizes the text)")
+    else:
+        raise ValueError(f"ppo: reward {cfg.reward!r} is neither a reward-model directory (train one with "
+                         "`fastrlhf rm`) nor a rule 'module:function'")
+    cfg.data = resolve_data(cfg.data, model, "ppo", f"--{key_prefix}data")
+    builtin = cfg.data == BUILTIN
+    if builtin:
+        prompts = [r["prompt"] for r in task.synthetic_prompt_rows(task.NUM_PPO_PROMPTS, cfg.seed)]
+        eval_prompts = [r["prompt"] for r in task.synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
+        cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
+        cfg.max_new_tokens = cfg.max_new_tokens or task.MAX_NEW_TOKENS
+    else:
+        prompts = list(load_table(cfg.data, {"prompt": cfg.prompt_key}, where="ppo data")["prompt"])
+        eval_prompts = []
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    prompt_ids = encoder.prompts(prompts)
+    cfg.max_prompt_len, cfg.max_new_tokens = auto_lengths(
+        max(map(len, prompt_ids)), None, model.max_positions, max_prompt_len=cfg.max_prompt_len,
+        max_response_len=cfg.max_new_tokens, where="ppo")
+    prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
+    eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
+    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="ppo")
+    log.info("ppo: policy %s; %s; data %s; prompts <= %d tokens, responses <= %d; %s", model.spec, reward_desc,
+             describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_new_tokens,
+             "chat template" if encoder.uses_template else "plain prompt tokens")
+    return PPOPlan(cfg, model, prompts, prompt_ids, eval_prompts, eval_ids)
+
+
+def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
+    plan = plan or prepare(cfg)
+    cfg = plan.cfg
+    out = Path(cfg.out)
+    start_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: actor-critic (+ reference), reward, optimizer; resume if asked
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
-                         f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
-    out = Path(cfg.out)
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
-    lm, tokenizer = load_causal_lm(cfg.model or out / "sft" / "final", device=device, dtype=dtype,
+    lm, tokenizer = load_causal_lm(plan.model, device=device, dtype=dtype,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
-    reward_fn = load_reward(cfg.reward or str(out / "rm" / "final"), device=device)
-    synthetic = not cfg.data
-    rows = read_jsonl(cfg.data, ("prompt",)) if cfg.data else synthetic_prompt_rows(NUM_PPO_PROMPTS, cfg.seed)
-    prompts = [r["prompt"] for r in rows]
-    prompt_ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
-    eval_prompts = [r["prompt"] for r in synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
-    eval_ids = encode_prompts(tokenizer, eval_prompts, cfg.max_prompt_len)
+    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
+    builtin = cfg.data == BUILTIN
+    prompts, prompt_ids, eval_prompts, eval_ids = plan.prompts, plan.prompt_ids, plan.eval_prompts, plan.eval_ids
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -170,7 +250,7 @@ def train(cfg: PPOConfig) -> dict:
         kl_ctl.coef, skipped, true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
         timer.total_seconds.update(extra["phase_seconds"])
         timer.total_peak.update(extra["phase_peak_memory_bytes"])
-    elif synthetic:
+    elif builtin:
         true_before = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
         log.info("ppo: true score before PPO %.3f", true_before)
     ac.train()
@@ -211,8 +291,8 @@ def train(cfg: PPOConfig) -> dict:
                  "explained_variance": explained_variance(old_values, returns, mask).item(),
                  "tokens_per_s": n_tokens / (time.perf_counter() - t0),
                  "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
-        if synthetic:
-            stats["true_score"] = sum(true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
+        if builtin:
+            stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
         run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
         if run.due(step, cfg.log_every):
             run.log(step, stats)
@@ -225,7 +305,7 @@ def train(cfg: PPOConfig) -> dict:
     if not run.finish(step):
         return {"stopped_at": step}
     # 7. final policy, true score after, summary, plots
-    ac.save_pretrained(run.dir / "final", tokenizer)
+    ac.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
     logged = run.rows()
     summary = {
         "steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
@@ -237,15 +317,19 @@ def train(cfg: PPOConfig) -> dict:
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
         "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(run.dir / "final"),
     }
-    if synthetic:
+    if builtin:
         summary["true_score_before"] = true_before
         summary["true_score_after"] = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
     run.write_summary(summary)
     run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
     plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
                 timer.memory_kind)
-    log.info("ppo: done, true score %s -> %s, final KL %.4f", summary.get("true_score_before"),
-             summary.get("true_score_after"), summary["kl_final"] or 0.0)
+    if builtin:
+        log.info("ppo: done, true score %.3f -> %.3f, final KL %.3f", summary["true_score_before"],
+                 summary["true_score_after"], summary["kl_final"])
+    else:
+        log.info("ppo: done, reward %.3f (first step) -> %.3f (last step), final KL %.3f", summary["reward_first"],
+                 summary["reward_final"], summary["kl_final"])
     return summary
 
 

@@ -4,27 +4,46 @@
 
 r is a scalar head on the SFT model's trunk, read at the last response token (EOS).
 Reports the held-out pairwise accuracy: the fraction of pairs with r(chosen) > r(rejected).
-Writes OUT/rm/final (model + tokenizer + score head), rows with "stage": "rm" in
-OUT/metrics.jsonl, OUT/summary.json["rm"] and OUT/plots/rm_curves.png.
+Pairs whose chosen and rejected responses are equal carry no preference: they are dropped,
+with a warning that counts them.
+
+`prepare` checks the whole configuration before the model loads; `train` runs it. Writes
+OUT/rm/config.json, OUT/rm/final (model + tokenizer + score head), rows with "stage": "rm"
+in OUT/metrics.jsonl, OUT/summary.json["rm"] and OUT/plots/rm_curves.png. The reward
+functions PPO uses (this model, or a rule) are in fastrlhf/rewards.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fastrlhf.config import RMConfig, run_cli
-from fastrlhf.data import encode_prompts, encode_responses, pack, read_jsonl
+from fastrlhf import task
+from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf.config import RMConfig, run_cli, to_dict
+from fastrlhf.data import (
+    BUILTIN,
+    Encoder,
+    auto_lengths,
+    builtin_table,
+    load_table,
+    pack,
+    truncate_prompts,
+    truncate_responses,
+)
 from fastrlhf.devices import autocast, resolve_device
 from fastrlhf.heads import RewardModel
 from fastrlhf.metrics import log, setup_logging
-from fastrlhf.models import load_causal_lm
-from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, guarded_step
-from fastrlhf.task import synthetic_pairs
+from fastrlhf.models import ModelSource, load_causal_lm
+from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, check_common, describe_data, guarded_step, resolve_data, stage_model
 
 NORM_PAIRS = 1024  # training pairs whose scores set the normalisation
+TINY_LR = 1e-3  # a model grown from the built-in `tiny`
+MODEL_LR = 9e-6  # any other model: OpenRLHF 0.11's train_rm default (--adam.lr)
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -70,23 +89,84 @@ def score_stats(model: RewardModel, enc: dict, idx: list[int], pad_id: int, devi
     return scores.mean().item(), scores.std().clamp(min=1e-6).item()
 
 
-def train(cfg: RMConfig) -> dict:
-    # 0. setup: SFT model + score head, pairs split into train / held-out, optimizer, resume
+@dataclasses.dataclass
+class RMPlan:
+    """The RM stage, checked and resolved before its model loads."""
+
+    cfg: RMConfig
+    """The configuration with every `auto`/0 default resolved (what OUT/rm/config.json records)."""
+    model: ModelSource
+    enc: dict[str, list[list[int]]]
+    """Token ids of "prompt", "chosen" and "rejected", one entry per pair."""
+    train_idx: list[int]
+    eval_idx: list[int]
+
+    @property
+    def produces(self) -> ModelSource:
+        """The reward model this stage writes (OUT/rm/final)."""
+        return self.model.descendant(Path(self.cfg.out) / "rm" / "final", self.cfg.data)
+
+
+def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: str = "") -> RMPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights.
+    `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm")
+    if not 0 < cfg.eval_fraction < 1:
+        raise ValueError(f"rm: eval_fraction must be in (0, 1), got {cfg.eval_fraction}")
+    model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")
+    cfg.model = model.spec
+    cfg.data = resolve_data(cfg.data, model, "rm", f"--{key_prefix}data")
+    builtin = cfg.data == BUILTIN
+    if builtin:
+        table = builtin_table(task.synthetic_pairs(cfg.num_pairs, cfg.seed))
+    else:
+        columns = {"prompt": cfg.prompt_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
+        table = load_table(cfg.data, columns, where="rm data")
+    rows = {k: list(table[k]) for k in ("prompt", "chosen", "rejected")}
+    ties = [i for i, (c, r) in enumerate(zip(rows["chosen"], rows["rejected"])) if c == r]
+    if ties:
+        warnings.warn(f"rm: {len(ties)} of {len(rows['prompt'])} pairs have chosen == rejected (first: row "
+                      f"{ties[0]}); they carry no preference and are dropped", stacklevel=2)
+        keep = sorted(set(range(len(rows["prompt"]))) - set(ties))
+        rows = {k: [v[i] for i in keep] for k, v in rows.items()}
+    n = len(rows["prompt"])
+    n_eval = max(1, int(n * cfg.eval_fraction))
+    if n_eval >= n:
+        raise ValueError(f"rm: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    enc = {"prompt": encoder.prompts(rows["prompt"])}
+    for k in ("chosen", "rejected"):
+        enc[k] = encoder.responses(rows["prompt"], enc["prompt"], rows[k], what=f"{k} responses",
+                                   warn_empty=not builtin)
+    if builtin:
+        cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
+        cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
+    cfg.max_prompt_len, cfg.max_response_len = auto_lengths(
+        max(map(len, enc["prompt"])), max(map(len, enc["chosen"] + enc["rejected"])), model.max_positions,
+        max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len, where="rm")
+    enc["prompt"] = truncate_prompts(enc["prompt"], cfg.max_prompt_len)
+    for k in ("chosen", "rejected"):
+        enc[k] = truncate_responses(enc[k], cfg.max_response_len, what=f"{k} responses")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
+    check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="rm")
+    log.info("rm: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %d pairs held out",
+             model.spec, describe_data(cfg.data, n), cfg.max_prompt_len, cfg.max_response_len, cfg.lr, n_eval)
+    return RMPlan(cfg, model, enc, train_idx=order[n_eval:], eval_idx=order[:n_eval])
+
+
+def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
+    plan = plan or prepare(cfg)
+    cfg = plan.cfg
+    stage_dir = Path(cfg.out) / "rm"
+    start_run_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: SFT model + score head, optimizer, resume
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    lm, tokenizer = load_causal_lm(cfg.model or Path(cfg.out) / "sft" / "final", device=device,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
     model = RewardModel(lm)
-    keys = ("prompt", "chosen", "rejected")
-    rows = read_jsonl(cfg.data, keys) if cfg.data else synthetic_pairs(cfg.num_pairs, cfg.seed)
-    enc = {"prompt": encode_prompts(tokenizer, [r["prompt"] for r in rows], cfg.max_prompt_len)}
-    for k in ("chosen", "rejected"):
-        enc[k] = encode_responses(tokenizer, [r[k] for r in rows], cfg.max_response_len)
-    n_eval = max(1, int(len(rows) * cfg.eval_fraction))
-    if n_eval >= len(rows):
-        raise ValueError(f"eval_fraction={cfg.eval_fraction} leaves no training pairs out of {len(rows)}")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    eval_idx, train_idx = order[:n_eval], order[n_eval:]
+    enc, train_idx, eval_idx = plan.enc, plan.train_idx, plan.eval_idx
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("rm", cfg, model=model, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
@@ -125,10 +205,10 @@ def train(cfg: RMConfig) -> dict:
     mean, std = score_stats(model, enc, norm_idx, pad_id, device)
     model.normalize_(mean, std)
     # 6. final model, held-out accuracy, summary, plot
-    model.save_pretrained(run.dir / "final", tokenizer)
+    model.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
     logged = run.rows()
     summary = {"accuracy": logged[-1]["accuracy"], "eval_pairs": len(eval_idx),
-               "loss_final": logged[-1]["loss"] if logged else float("nan"), "steps": step,
+               "loss_final": logged[-1]["loss"] if logged else None, "steps": step,
                "skipped_nonfinite": skipped, "seconds": run.seconds,
                "score_mean_before_normalisation": mean, "score_std_before_normalisation": std,
                "model_dir": str(run.dir / "final")}
