@@ -244,7 +244,8 @@ class PPOConfig:
 class PipelineConfig:
     """SFT -> reward model -> PPO in a row, all under one run directory. Every stage's
     configuration is checked before the first model loads. With a rule reward
-    (`--ppo.reward module:function`) the reward-model stage is skipped."""
+    (`--ppo.reward module:function`) or a reward model of your own (`--ppo.reward DIR`) the
+    reward-model stage is skipped."""
 
     out: str = "runs/default"
     """Run directory for every stage; overrides the stages' own `out`."""

@@ -5,10 +5,10 @@ from a config, trained on the built-in "echo the key letter" task (see fastrlhf.
 in a few minutes on a laptop CPU. Stage keys are set with dots: `--ppo.steps 20`.
 
 Every stage's configuration is checked before the first model loads (a missing `--ppo.data`
-is reported before SFT trains). With a rule reward (`--ppo.reward module:function`) the
-reward-model stage is skipped. `--resume` skips finished stages (their `final` folder
-exists) and resumes the unfinished one from its latest checkpoint; a fresh run in a run
-directory is refused unless `--overwrite`.
+is reported before SFT trains). With a rule reward (`--ppo.reward module:function`), or a
+reward model of your own (`--ppo.reward DIR`), the reward-model stage is skipped. `--resume`
+skips finished stages (their `final` folder exists) and resumes the unfinished one from its
+latest checkpoint; a fresh run in a run directory is refused unless `--overwrite`.
 
 Leaves OUT/config.json, OUT/{sft,rm,ppo}/, OUT/metrics.jsonl, OUT/summary.json, OUT/plots/*.png.
 """
@@ -36,14 +36,17 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     for stage in (cfg.sft, cfg.rm, cfg.ppo):
         stage.out, stage.seed, stage.resume, stage.overwrite = cfg.out, cfg.seed, cfg.resume, cfg.overwrite
     sft_plan = sft.prepare(cfg.sft, key_prefix="sft.")
-    rule = is_rule(cfg.ppo.reward)
-    rm_plan = None if rule else rm.prepare(cfg.rm, upstream=sft_plan.produces, key_prefix="rm.")
+    own_rm = str(Path(cfg.out) / "rm" / "final")
+    train_rm = cfg.ppo.reward in ("", own_rm)
+    rm_plan = rm.prepare(cfg.rm, upstream=sft_plan.produces, key_prefix="rm.") if train_rm else None
     ppo_plan = ppo.prepare(cfg.ppo, upstream=sft_plan.produces, key_prefix="ppo.",
                            reward_upstream=rm_plan.produces if rm_plan else None)
-    if rule:
-        log.info("pipeline: ppo.reward is the rule %s: the reward-model stage is skipped", cfg.ppo.reward)
+    if not train_rm:
+        kind = "the rule" if is_rule(cfg.ppo.reward) else "the reward model"
+        log.info("pipeline: ppo.reward is %s %s: the reward-model stage is skipped", kind, cfg.ppo.reward)
+    skipped = f"skipped (ppo.reward {cfg.ppo.reward})"
     resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), ppo=to_dict(ppo_plan.cfg),
-                    rm=to_dict(rm_plan.cfg) if rm_plan else "skipped (rule reward)")
+                    rm=to_dict(rm_plan.cfg) if rm_plan else skipped)
     check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline")
     stages = [("sft", sft.train, sft_plan), ("rm", rm.train, rm_plan), ("ppo", ppo.train, ppo_plan)]
     return resolved, [s for s in stages if s[2] is not None]

@@ -336,7 +336,7 @@ def test_8_a_rule_reward_skips_the_reward_model_stage(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="fastrlhf"):
         resolved, stages = pipeline.prepare(cfg)
     assert [name for name, _, _ in stages] == ["sft", "ppo"]
-    assert resolved["rm"] == "skipped (rule reward)"
+    assert resolved["rm"] == "skipped (ppo.reward fastrlhf.task:true_score)"
     assert "the reward-model stage is skipped" in caplog.text
 
 
