@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+from fastrlhf.task import true_score  # noqa: F401  (`--reward fastrlhf.data:true_score`, its name before task.py)
+
 log = logging.getLogger("fastrlhf")
 
 IGNORE_INDEX = -100  # label of a token that is not scored (the ops' `ignore_index`)
