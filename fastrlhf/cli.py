@@ -11,7 +11,7 @@ import sys
 
 COMMANDS = {
     "sft": ("fastrlhf.sft", "supervised fine-tuning on prompt/response pairs"),
-    "rm": ("fastrlhf.reward", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
+    "rm": ("fastrlhf.rm", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
     "ppo": ("fastrlhf.ppo", "PPO with a shared actor-critic and a LoRA-disabled reference"),
     "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO in a row (the embedded default with no arguments)"),
     "bench": ("fastrlhf.bench", "roofline benchmark of every kernel against PyTorch and the peers"),

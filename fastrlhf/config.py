@@ -5,7 +5,8 @@
 Precedence: dataclass default < YAML file (`--config`) < command line. Nested dataclasses
 (the pipeline's `sft`, `rm`, `ppo`) are addressed with dots: `--ppo.steps 20`, or a nested
 mapping in YAML. An unknown key, in the file or on the command line, is a ValueError that
-lists the valid keys. `--help` prints every key with its docstring.
+names the closest valid keys. `--help` prints every key with its type, default and docstring.
+A default of 0 (lengths, learning rates) or `auto` is resolved by the stage and logged.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
+import logging
+import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -27,24 +31,37 @@ class SFTConfig:
     """Supervised fine-tuning on (prompt, response) pairs; loss on response tokens only."""
 
     model: str = "tiny"
-    """Local Hugging Face causal-LM directory, or a built-in config name with random weights
-    (`tiny`, `qwen2-0.5b`, `llama-0.5b`); `tiny` also builds the embedded char tokenizer."""
-    data: str = ""
-    """JSONL file with {"prompt", "response"} per line; empty = the built-in synthetic task."""
+    """Local Hugging Face causal-LM directory (weights + tokenizer), or a built-in config with random
+    weights (`tiny`, `qwen2-0.5b`, `llama-0.5b`) and the built-in task's char tokenizer."""
+    data: str = "auto"
+    """Training pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with a prompt
+    and a response column, `builtin` (the built-in task) or `auto` (`builtin` when the model is a
+    built-in config, else an error asking for data)."""
+    prompt_key: str = "prompt"
+    """Column of the data holding the prompt text."""
+    response_key: str = "response"
+    """Column of the data holding the response text."""
     out: str = "runs/default"
-    """Run directory: metrics.jsonl, summary.json, plots/ and the stage folder `sft/`."""
+    """Run directory: metrics.jsonl, summary.json, plots/ and the stage folder `sft/` (config.json,
+    checkpoints/, final/)."""
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
     """Sequences per optimizer step."""
-    lr: float = 3e-3
-    """AdamW learning rate (constant after a short warm-up)."""
-    max_prompt_len: int = 32
-    """Prompt tokens kept (longer prompts are truncated from the left, with a warning)."""
-    max_response_len: int = 16
-    """Response tokens kept, EOS included."""
+    lr: float = 0.0
+    """AdamW learning rate (constant after a 10-step warm-up); 0 = auto: 3e-3 for the built-in `tiny`
+    model, else 5e-6 (OpenRLHF's SFT default for full fine-tuning)."""
+    max_prompt_len: int = 0
+    """Prompt tokens kept (longer prompts keep their end, with a warning and a count); 0 = auto: 32 on
+    the built-in task, else the longest prompt in the data, within max_position_embeddings."""
+    max_response_len: int = 0
+    """Response tokens kept, EOS included (longer ones keep their start, with a warning and a count);
+    0 = auto: 16 on the built-in task, else the longest response, within max_position_embeddings."""
+    chat_template: bool = True
+    """Render prompt and response with the tokenizer's chat template when it has one (a user turn and
+    the assistant's answer); false, or no template: prompt tokens then response tokens + EOS."""
     num_examples: int = 4000
-    """Synthetic task only: number of (prompt, response) pairs to make."""
+    """Built-in task only: number of (prompt, response) pairs to make."""
     seed: int = 0
     """Seed for data, initialisation and sampling."""
     log_every: int = 10
@@ -55,7 +72,11 @@ class SFTConfig:
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end.
     Used to test `--resume` and for time-boxed jobs."""
     resume: bool = False
-    """Continue from the latest checkpoint in the stage folder."""
+    """Continue from the latest checkpoint in the stage folder (the configuration must match the
+    recorded one, apart from steps, stop_after, log_every, save_every and tensorboard)."""
+    overwrite: bool = False
+    """Delete what an earlier run left in the stage folder and start over (without it, a fresh run
+    in a folder that holds a run is refused)."""
     tensorboard: bool = False
     """Also write TensorBoard event files under OUT/tb/."""
     gradient_checkpointing: bool = False
@@ -70,22 +91,36 @@ class RMConfig:
 
     model: str = ""
     """SFT model directory to start from; empty = OUT/sft/final."""
-    data: str = ""
-    """JSONL file with {"prompt", "chosen", "rejected"} per line; empty = the synthetic task."""
+    data: str = "auto"
+    """Preference pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with prompt,
+    chosen and rejected columns, `builtin` (the built-in task) or `auto` (`builtin` when the model was
+    trained on the built-in task, else an error asking for data)."""
+    prompt_key: str = "prompt"
+    """Column of the data holding the prompt text."""
+    chosen_key: str = "chosen"
+    """Column of the data holding the preferred response."""
+    rejected_key: str = "rejected"
+    """Column of the data holding the other response."""
     out: str = "runs/default"
     """Run directory shared with the other stages; the stage folder is `rm/`."""
     steps: int = 400
     """Optimizer steps."""
     batch_size: int = 32
     """Preference pairs per optimizer step."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    max_prompt_len: int = 32
-    """Prompt tokens kept (left-truncated, with a warning)."""
-    max_response_len: int = 16
-    """Response tokens kept, EOS included."""
+    lr: float = 0.0
+    """AdamW learning rate (10-step warm-up); 0 = auto: 1e-3 for a model grown from the built-in `tiny`,
+    else 9e-6 (OpenRLHF's reward-model default)."""
+    max_prompt_len: int = 0
+    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in
+    task, else the longest prompt in the data, within max_position_embeddings."""
+    max_response_len: int = 0
+    """Response tokens kept, EOS included (with a warning and a count); 0 = auto: 16 on the built-in
+    task, else the longest response, within max_position_embeddings."""
+    chat_template: bool = True
+    """Render prompt and responses with the tokenizer's chat template when it has one; false, or no
+    template: prompt tokens then response tokens + EOS."""
     num_pairs: int = 3000
-    """Synthetic task only: number of preference pairs (10% are held out for accuracy)."""
+    """Built-in task only: number of preference pairs to make."""
     eval_fraction: float = 0.1
     """Fraction of the pairs held out to measure pairwise accuracy."""
     eval_every: int = 50
@@ -99,7 +134,10 @@ class RMConfig:
     stop_after: int = 0
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
     resume: bool = False
-    """Continue from the latest checkpoint in the stage folder."""
+    """Continue from the latest checkpoint in the stage folder (the configuration must match the
+    recorded one, apart from steps, stop_after, log_every, save_every, eval_every and tensorboard)."""
+    overwrite: bool = False
+    """Delete what an earlier run left in the stage folder and start over."""
     tensorboard: bool = False
     """Also write TensorBoard event files under OUT/tb/."""
     gradient_checkpointing: bool = False
@@ -116,10 +154,15 @@ class PPOConfig:
     """Policy: a local HF causal-LM directory or a built-in config name (`tiny`, `qwen2-0.5b`,
     `llama-0.5b`; random weights); empty = OUT/sft/final."""
     reward: str = ""
-    """Reward: a reward-model directory written by `fastrlhf rm`, or a Python callable
-    `module:function` taking (prompts, responses) -> list of floats; empty = OUT/rm/final."""
-    data: str = ""
-    """JSONL file with {"prompt"} per line; empty = the synthetic task's prompts."""
+    """Reward: a reward-model directory written by `fastrlhf rm`, or a Python rule `module:function`
+    (imported with the current directory on the path) taking (prompts, responses) and returning one
+    finite number per response; empty = OUT/rm/final."""
+    data: str = "auto"
+    """Prompts: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with a prompt column,
+    `builtin` (the built-in task) or `auto` (`builtin` when the policy was trained on the built-in
+    task, else an error asking for data)."""
+    prompt_key: str = "prompt"
+    """Column of the data holding the prompt text."""
     out: str = "runs/default"
     """Run directory shared with the other stages; the stage folder is `ppo/`."""
     steps: int = 60
@@ -138,10 +181,15 @@ class PPOConfig:
     """LoRA rank; 0 = full fine-tuning with a frozen reference copy."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (scale = alpha / rank)."""
-    max_prompt_len: int = 32
-    """Prompt tokens kept (left-truncated, with a warning)."""
-    max_new_tokens: int = 12
-    """Longest sampled response, EOS included."""
+    max_prompt_len: int = 0
+    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in
+    task, else the longest prompt in the data, within max_position_embeddings."""
+    max_new_tokens: int = 0
+    """Longest sampled response, EOS included; 0 = auto: 12 on the built-in task, else
+    max_position_embeddings - max_prompt_len (generation stops earlier at EOS)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template when it has one (a user turn, then the
+    assistant's turn opened); false, or no template: the prompt's tokens as they are."""
     temperature: float = 1.0
     """Sampling temperature, also used for the log-probs."""
     kl_coef: float = 0.2
@@ -167,7 +215,7 @@ class PPOConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     eval_prompts: int = 256
-    """Synthetic task only: held-out prompts to measure the true score before and after."""
+    """Built-in task only: held-out prompts to measure the true score before and after."""
     seed: int = 0
     """Seed for data, initialisation and sampling."""
     log_every: int = 1
@@ -177,7 +225,10 @@ class PPOConfig:
     stop_after: int = 0
     """Stop (with a checkpoint) after this many iterations of this invocation; 0 = run to the end."""
     resume: bool = False
-    """Continue from the latest checkpoint in the stage folder."""
+    """Continue from the latest checkpoint in the stage folder (the configuration must match the
+    recorded one, apart from steps, stop_after, log_every, save_every and tensorboard)."""
+    overwrite: bool = False
+    """Delete what an earlier run left in the stage folder and start over."""
     tensorboard: bool = False
     """Also write TensorBoard event files under OUT/tb/."""
     gradient_checkpointing: bool = False
@@ -191,14 +242,21 @@ class PPOConfig:
 
 @dataclass
 class PipelineConfig:
-    """SFT -> reward model -> PPO in a row, all under one run directory."""
+    """SFT -> reward model -> PPO in a row, all under one run directory. Every stage's
+    configuration is checked before the first model loads. With a rule reward
+    (`--ppo.reward module:function`) or a reward model of your own (`--ppo.reward DIR`) the
+    reward-model stage is skipped."""
 
     out: str = "runs/default"
     """Run directory for every stage; overrides the stages' own `out`."""
     seed: int = 0
     """Seed for every stage; overrides the stages' own `seed`."""
     resume: bool = False
-    """Skip finished stages and resume the unfinished one from its latest checkpoint."""
+    """Skip finished stages and resume the unfinished one from its latest checkpoint (the
+    configuration must match the recorded one)."""
+    overwrite: bool = False
+    """Delete what an earlier run left in OUT and start over (without it, a fresh run in a run
+    directory is refused)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised fine-tuning stage (`--sft.KEY`)."""
     rm: RMConfig = field(default_factory=RMConfig)
@@ -222,17 +280,24 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _flat_fields(cls, prefix: str = "") -> dict[str, tuple[type, str]]:
-    """{"dotted.key": (type, docstring)} over a dataclass and its nested dataclasses."""
+class Key(typing.NamedTuple):
+    type: type
+    default: object
+    doc: str
+
+
+def flat_fields(cls, prefix: str = "") -> dict[str, Key]:
+    """{"dotted.key": Key(type, default, docstring)} over a dataclass and its nested dataclasses."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    defaults = cls()
     out = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            out.update(_flat_fields(tp, f"{prefix}{f.name}."))
+            out.update(flat_fields(tp, f"{prefix}{f.name}."))
         else:
-            out[f"{prefix}{f.name}"] = (tp, docs.get(f.name, ""))
+            out[f"{prefix}{f.name}"] = Key(tp, getattr(defaults, f.name), docs.get(f.name, ""))
     return out
 
 
@@ -269,13 +334,28 @@ def _flatten_mapping(mapping: dict, prefix: str = "") -> dict:
     return out
 
 
+def closest_keys(key: str, valid) -> list[str]:
+    """Valid keys that `key` was probably meant to be: the same name under another prefix
+    (`kl_coef` -> `ppo.kl_coef`), then the closest spellings (`stepz` -> `steps`)."""
+    valid = list(valid)
+    last = key.rsplit(".", 1)[-1]
+    same_name = [v for v in valid if v.rsplit(".", 1)[-1] == last and v != key]
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+    return list(dict.fromkeys(same_name + close))[:3]
+
+
 def _unknown(keys, valid) -> ValueError:
-    return ValueError(f"unknown config key(s) {sorted(keys)}; valid keys: {', '.join(sorted(valid))}")
+    parts = []
+    for key in sorted(keys):
+        near = closest_keys(key, valid)
+        hint = f"did you mean {' or '.join(repr(k) for k in near)}?" if near else "no key is close to it"
+        parts.append(f"{key!r} ({hint})")
+    return ValueError(f"unknown config key(s): {'; '.join(parts)}. `--help` lists every key.")
 
 
 def load_config(cls, overrides: dict | None = None, path: str | None = None):
     """Build `cls` from its defaults, then the YAML file at `path`, then `overrides` (dotted keys)."""
-    fields_ = _flat_fields(cls)
+    fields_ = flat_fields(cls)
     values = {}
     if path:
         if not Path(path).is_file():
@@ -290,16 +370,24 @@ def load_config(cls, overrides: dict | None = None, path: str | None = None):
         raise _unknown(unknown, fields_)
     cfg = cls()
     for key, value in values.items():
-        _set(cfg, key, _convert(key, fields_[key][0], value))
+        _set(cfg, key, _convert(key, fields_[key].type, value))
     return cfg
+
+
+def help_text(cls) -> str:
+    """Every key with its type, default and docstring, as `--help` prints them."""
+    lines = []
+    for name, key in flat_fields(cls).items():
+        lines.append(f"  --{name} ({key.type.__name__}, default {key.default!r})")
+        lines += textwrap.wrap(key.doc, width=96, initial_indent="      ", subsequent_indent="      ")
+    return "keys:\n" + "\n".join(lines)
 
 
 def parse_args(cls, argv: list[str], prog: str | None = None):
     """Parse `--config FILE` and `--key value` (or `--key=value`; `--flag` alone for booleans)."""
-    fields_ = _flat_fields(cls)
-    epilog = "\n".join(f"  --{k} ({tp.__name__}): {doc}" for k, (tp, doc) in fields_.items())
+    fields_ = flat_fields(cls)
     parser = argparse.ArgumentParser(
-        prog=prog, description=(cls.__doc__ or "").strip(), epilog="keys:\n" + epilog,
+        prog=prog, description=(cls.__doc__ or "").strip(), epilog=help_text(cls),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="YAML file of keys (nested mappings for dotted keys)")
@@ -308,12 +396,12 @@ def parse_args(cls, argv: list[str], prog: str | None = None):
     while i < len(rest):
         token = rest[i]
         if not token.startswith("--"):
-            raise ValueError(f"expected --key value, got {token!r}; valid keys: {', '.join(fields_)}")
+            raise ValueError(f"expected --key value, got {token!r}; `--help` lists every key")
         key = token[2:].replace("-", "_")
         if "=" in key:
             key, value = key.split("=", 1)
             i += 1
-        elif key in fields_ and fields_[key][0] is bool and (i + 1 == len(rest) or rest[i + 1].startswith("--")):
+        elif key in fields_ and fields_[key].type is bool and (i + 1 == len(rest) or rest[i + 1].startswith("--")):
             value, i = True, i + 1
         elif i + 1 < len(rest):
             value, i = rest[i + 1], i + 2
@@ -332,11 +420,10 @@ def to_dict(cfg) -> dict:
 def run_cli(cls, argv: list[str], prog: str, train) -> int:
     """Parse `argv` into `cls` and call `train(cfg)`; bad input (ValueError/TypeError) prints
     `prog: error: ...` and returns 2 instead of a traceback."""
-    import sys
-
     try:
         train(parse_args(cls, argv, prog=prog))
     except (ValueError, TypeError) as e:
+        logging.getLogger("fastrlhf").debug("error details", exc_info=True)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0

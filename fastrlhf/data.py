@@ -1,18 +1,25 @@
-"""Datasets, tokenisation and collation, plus the built-in synthetic task and its tokenizer.
+"""User data, tokenisation and collation (the built-in task lives in fastrlhf.task).
 
-The synthetic task ("echo the key letter"): a prompt is 3-6 letters from a..h followed by
-":", e.g. "cafe:". Its key is the prompt's first letter. A response is letters; its true
-score is the number of key letters among its first 8 characters over max(8, its length):
+Data (`load_table`) is read with the `datasets` library: a JSONL/JSON, parquet or CSV file, or
+a folder written by `Dataset.save_to_disk`; the stage's columns are mapped from the user's
+(`--prompt_key`, `--response_key`, `--chosen_key`, `--rejected_key`) and checked: present,
+text, not null.
 
-    true_score("cafe:", "cccccccc") = 1.0,   true_score("cafe:", "cbcahdcc") = 0.5,
-    true_score("cafe:", "cccc") = 0.5,       true_score("cafe:", "cccccccccc") = 0.8
+How a prompt and a response become one token sequence (`Encoder`):
 
-The SFT data mixes good responses (8 x key) and poor ones (the prompt's second letter
-repeated, or random letters that hit the key with probability 0.2), so the SFT policy
-scores about 0.5-0.55 (measured): clearly imperfect.
-Preference pairs are two responses drawn from that same mixture (a quarter of them cut
-short), the higher-scoring one chosen: the reward model must learn "count the key letter"
-from comparisons alone.
+- Plain (the tokenizer has no chat template, or `--chat_template false`): the prompt is
+  tokenized with the tokenizer's own special tokens (e.g. BOS), the response without them,
+  and EOS is appended to the response. The sequence is the prompt's tokens followed by the
+  response's: nothing is inserted between them, so a separator (a space, a newline,
+  "Answer:") belongs in the data.
+- Chat template: the prompt is the user turn rendered with the generation prompt
+  (`apply_chat_template(..., add_generation_prompt=True)`); the response is the tokens the
+  template adds after it when the assistant's answer is rendered too (TRL's prompt-completion
+  rule), cut after the last EOS among them, or followed by EOS if they hold none. A template
+  that renders the prompt differently alone and followed by an answer is an error.
+
+Over-long prompts keep their last tokens and over-long responses their first, each with one
+warning that counts them. Empty responses (EOS alone) are counted in a warning.
 
 Layout of a packed batch (`pack`): prompts left-padded to P tokens, responses right-padded
 to R tokens, `position_ids = cumsum(attention_mask) - 1`, so every response starts at
@@ -22,42 +29,102 @@ column P and a left-padded row gives the same positions as the unpadded sequence
 from __future__ import annotations
 
 import json
-import random
+import logging
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-TASK_LETTERS = "abcdefgh"
-TASK_RESPONSE_LEN = 8
-GOOD_FRACTION = 0.5
-POOR_KEY_PROB = 0.2
-TRUNCATE_PROB = 0.2
-EXTEND_PROB = 0.2
-CHAR_VOCAB = " abcdefghijklmnopqrstuvwxyz0123456789:.,;!?-+=*/()'\"\n"
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+from fastrlhf.task import true_score  # noqa: F401  (`--reward fastrlhf.data:true_score`, its name before task.py)
+
+log = logging.getLogger("fastrlhf")
+
+IGNORE_INDEX = -100  # label of a token that is not scored (the ops' `ignore_index`)
+BUILTIN = "builtin"  # `--data builtin`: the built-in task
+AUTO = "auto"  # `--data auto`: the built-in task where it fits the model, else an error
+TABLE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+# ---------------------------------------------------------------- reading user data
+
+
+def _first_bad_json_line(path: Path) -> str:
+    """Where a JSON-lines file stops parsing, as 'path:line: ...' (for the error message)."""
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path}:{lineno}: malformed JSON line ({e.msg})"
+    return f"{path}: not a JSON-lines file"
+
+
+def _read(path: Path, where: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    if path.is_dir():
+        try:
+            table = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"{where}: {path} is not a folder written by Dataset.save_to_disk ({e})") from None
+        if isinstance(table, datasets.DatasetDict):
+            if "train" not in table:
+                raise ValueError(f"{where}: {path} holds splits {list(table)} but no 'train' split")
+            table = table["train"]
+        return table
+    fmt = TABLE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"{where}: cannot read {path}: expected a file ending in "
+                         f"{', '.join(TABLE_FORMATS)} or a Dataset.save_to_disk folder")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()
+    try:
+        return datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in its own types
+        if fmt == "json":
+            raise ValueError(f"{where}: {_first_bad_json_line(path)}") from None
+        raise ValueError(f"{where}: cannot read {path} as {fmt} ({type(e).__name__}: {e})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def load_table(path: str, columns: dict[str, str], *, where: str):
+    """A `datasets.Dataset` with exactly the columns `columns` names (canonical name -> the
+    user's column), each a non-null string in every row. Any problem is a ValueError that
+    names `where` (e.g. "sft data"), the file and, for a bad value, the row."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{where}: {path!r} does not exist")
+    table = _read(p, where)
+    missing = [f"{user!r} (for the {name})" for name, user in columns.items() if user not in table.column_names]
+    if missing:
+        keys = ", ".join(f"--{name}_key" for name, user in columns.items() if user not in table.column_names)
+        raise ValueError(f"{where}: {path} has no column {', '.join(missing)}; its columns are "
+                         f"{table.column_names} (map yours with {keys})")
+    if len(table) == 0:
+        raise ValueError(f"{where}: {path} has no rows")
+    table = table.select_columns(list(columns.values()))
+    for user in columns.values():
+        for i, value in enumerate(table[user]):
+            if not isinstance(value, str):
+                got = "null" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+                raise ValueError(f"{where}: {path} row {i}: column {user!r} is {got}; expected text")
+    rename = {user: name for name, user in columns.items() if user != name}
+    return table.rename_columns(rename) if rename else table
+
+
+def builtin_table(rows: list[dict]):
+    """The built-in task's rows as a `datasets.Dataset`, like user data."""
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
 
 
 # ---------------------------------------------------------------- tokenizer
-
-
-def build_char_tokenizer():
-    """A character-level tokenizer (`tokenizers` WordLevel) with <pad>, <bos>, <eos>, <unk>;
-    encoding a text with special tokens prepends <bos>. Saved and reloaded with AutoTokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + list(CHAR_VOCAB))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
-    )
 
 
 def ensure_pad_token(tokenizer) -> None:
@@ -70,21 +137,97 @@ def ensure_pad_token(tokenizer) -> None:
     tokenizer.pad_token = tokenizer.eos_token
 
 
-def encode_prompts(tokenizer, prompts: list[str], max_len: int) -> list[list[int]]:
-    """Token ids per prompt (with the tokenizer's own special tokens, e.g. BOS); prompts longer
-    than `max_len` keep their last `max_len` tokens, with one warning for the lot."""
-    ids = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+class Encoder:
+    """Prompts and responses -> token ids, by the rule in this module's docstring.
+    `chat_template` asks for the tokenizer's chat template; it is used only when there is one."""
+
+    def __init__(self, tokenizer, *, chat_template: bool = True):
+        self.tokenizer = tokenizer
+        self.uses_template = bool(chat_template and getattr(tokenizer, "chat_template", None))
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                 tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def prompt(self, text: str) -> list[int]:
+        if self.uses_template:
+            return self._render([{"role": "user", "content": text}], True)
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def response(self, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
+        """The response's tokens, EOS last (unless the template put one earlier and text after it)."""
+        eos = self.tokenizer.eos_token_id
+        if not self.uses_template:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
+        full = self._render([{"role": "user", "content": prompt_text}, {"role": "assistant", "content": text}], False)
+        if full[:len(prompt_ids)] != prompt_ids:
+            raise ValueError(f"the tokenizer's chat template renders the prompt {prompt_text!r:.60} differently "
+                             "alone and followed by an answer; pass --chat_template false to join plain tokens")
+        ids = full[len(prompt_ids):]
+        if eos in ids:
+            return ids[:len(ids) - ids[::-1].index(eos)]
+        return ids + [eos]
+
+    def prompts(self, texts: list[str]) -> list[list[int]]:
+        return [self.prompt(t) for t in texts]
+
+    def responses(self, prompt_texts: list[str], prompt_ids: list[list[int]], texts: list[str],
+                  *, what: str = "responses", warn_empty: bool = True) -> list[list[int]]:
+        """Token ids per response (EOS included); warns with a count when some are empty."""
+        ids = [self.response(p, pi, t) for p, pi, t in zip(prompt_texts, prompt_ids, texts)]
+        empty = sum(not t.strip() for t in texts)
+        if empty and warn_empty:
+            warnings.warn(f"{empty} of {len(texts)} {what} are empty: the model is trained to answer with "
+                          "EOS alone there", stacklevel=2)
+        return ids
+
+
+def truncate_prompts(ids: list[list[int]], max_len: int, *, what: str = "prompts") -> list[list[int]]:
+    """Keep the last `max_len` tokens of each prompt, with one warning that counts the cut ones."""
     too_long = sum(len(x) > max_len for x in ids)
     if too_long:
-        warnings.warn(f"{too_long} of {len(ids)} prompts are longer than max_prompt_len={max_len} tokens; "
+        warnings.warn(f"{too_long} of {len(ids)} {what} are longer than max_prompt_len={max_len} tokens; "
                       "keeping their last tokens", stacklevel=2)
     return [x[-max_len:] for x in ids]
 
 
-def encode_responses(tokenizer, responses: list[str], max_len: int) -> list[list[int]]:
-    """Token ids per response followed by EOS, cut to `max_len` tokens."""
-    eos = tokenizer.eos_token_id
-    return [(tokenizer(r, add_special_tokens=False)["input_ids"] + [eos])[:max_len] for r in responses]
+def truncate_responses(ids: list[list[int]], max_len: int, *, what: str = "responses") -> list[list[int]]:
+    """Keep the first `max_len` tokens of each response (EOS included), with one warning that
+    counts the cut ones (they lose their EOS)."""
+    too_long = sum(len(x) > max_len for x in ids)
+    if too_long:
+        warnings.warn(f"{too_long} of {len(ids)} {what} are longer than max_response_len={max_len} tokens "
+                      "(EOS included); keeping their first tokens, without EOS", stacklevel=2)
+    return [x[:max_len] for x in ids]
+
+
+def auto_lengths(longest_prompt: int, longest_response: int | None, max_positions: int | None, *,
+                 max_prompt_len: int, max_response_len: int, where: str) -> tuple[int, int]:
+    """(max_prompt_len, max_response_len), where a 0 means "from the data": the longest prompt
+    and the longest response. When both cannot fit the model's `max_positions`, the prompt gets
+    at most half and the response the rest. With no responses in the data
+    (`longest_response=None`, PPO prompts) the response gets what the prompt leaves of
+    `max_positions`. Values given explicitly are kept, but prompt + response must fit."""
+    if longest_response is None and not max_response_len and not max_positions:
+        raise ValueError(f"{where}: the model states no max_position_embeddings to derive the response length "
+                         "from; set it explicitly")
+    limit = max_positions or (longest_prompt + (longest_response or max_response_len))
+    wanted_r = max_response_len or (longest_response if longest_response is not None else 1)
+    P = max_prompt_len or (longest_prompt if longest_prompt + wanted_r <= limit else max(1, min(longest_prompt,
+                                                                                               limit // 2)))
+    if max_response_len:
+        R = max_response_len
+    elif longest_response is None:
+        R = limit - P
+    else:
+        R = min(longest_response, limit - P)
+    if max_positions and P + R > max_positions:
+        raise ValueError(f"{where}: max_prompt_len {P} + response length {R} exceed the model's "
+                         f"max_position_embeddings {max_positions}")
+    if P < 1 or R < 1:
+        raise ValueError(f"{where}: prompt length {P} and response length {R} must both be at least 1")
+    return P, R
 
 
 # ---------------------------------------------------------------- collation
@@ -109,6 +252,11 @@ class Batch(NamedTuple):
     @property
     def responses(self) -> torch.Tensor:
         return self.input_ids[:, self.prompt_len:]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """[B, R] response token ids, IGNORE_INDEX where response_mask is 0."""
+        return torch.where(self.response_mask.bool(), self.responses, IGNORE_INDEX)
 
     def to(self, device) -> Batch:
         return Batch(*(t.to(device) for t in self[:4]), self.prompt_len)
@@ -140,110 +288,3 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     batch = pack(prompt_ids, [[]] * len(prompt_ids), pad_id)
     P = batch.prompt_len
     return batch.input_ids[:, :P], batch.attention_mask[:, :P]
-
-
-# ---------------------------------------------------------------- JSONL
-
-
-def read_jsonl(path: str, keys: tuple[str, ...]) -> list[dict]:
-    """Rows of a JSONL file, each an object with string values for `keys`.
-
-    A missing file, a malformed line or a row without a key is a ValueError naming the file
-    and the line number. Blank lines are skipped.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"data file {path!r} does not exist")
-    rows = []
-    with p.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with keys {list(keys)}")
-            missing = [k for k in keys if not isinstance(row.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: missing string field(s) {missing}; expected keys {list(keys)}")
-            rows.append({k: row[k] for k in keys})
-    if not rows:
-        raise ValueError(f"data file {path!r} has no rows")
-    return rows
-
-
-# ---------------------------------------------------------------- the synthetic task
-
-
-def synthetic_prompts(n: int, rng: random.Random) -> list[str]:
-    return ["".join(rng.choice(TASK_LETTERS) for _ in range(rng.randint(3, 6))) + ":" for _ in range(n)]
-
-
-def _good_response(key: str) -> str:
-    return key * TASK_RESPONSE_LEN
-
-
-def _poor_response(prompt: str, rng: random.Random) -> str:
-    """Half the time the prompt's second letter repeated (echoing the wrong letter), half the
-    time random letters, each the key with probability POOR_KEY_PROB."""
-    key = prompt[0]
-    if rng.random() < 0.5:
-        return prompt[1] * TASK_RESPONSE_LEN
-    others = TASK_LETTERS.replace(key, "")
-    return "".join(key if rng.random() < POOR_KEY_PROB else rng.choice(others) for _ in range(TASK_RESPONSE_LEN))
-
-
-def _sample_response(prompt: str, rng: random.Random) -> str:
-    return _good_response(prompt[0]) if rng.random() < GOOD_FRACTION else _poor_response(prompt, rng)
-
-
-def synthetic_sft(n: int, seed: int) -> list[dict]:
-    """(prompt, response) pairs from the good/poor mixture."""
-    rng = random.Random(f"sft-{seed}")
-    return [{"prompt": p, "response": _sample_response(p, rng)} for p in synthetic_prompts(n, rng)]
-
-
-def _pair_response(prompt: str, rng: random.Random) -> str:
-    """A response from the SFT mixture, cut short (0-7 letters) with probability TRUNCATE_PROB
-    or run on (1-4 more letters) with probability EXTEND_PROB, so the reward model also learns
-    that the length is part of the rule."""
-    response = _sample_response(prompt, rng)
-    u = rng.random()
-    if u < TRUNCATE_PROB:
-        return response[:rng.randint(0, TASK_RESPONSE_LEN - 1)]
-    if u < TRUNCATE_PROB + EXTEND_PROB:
-        return response + "".join(rng.choice(TASK_LETTERS) for _ in range(rng.randint(1, 4)))
-    return response
-
-
-def synthetic_pairs(n: int, seed: int) -> list[dict]:
-    """(prompt, chosen, rejected): two responses from the SFT mixture (some cut short), ties redrawn."""
-    rng = random.Random(f"rm-{seed}")
-    rows = []
-    while len(rows) < n:
-        (prompt,) = synthetic_prompts(1, rng)
-        a, b = _pair_response(prompt, rng), _pair_response(prompt, rng)
-        sa, sb = true_score([prompt, prompt], [a, b])
-        if sa != sb:
-            chosen, rejected = (a, b) if sa > sb else (b, a)
-            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    return rows
-
-
-def synthetic_prompt_rows(n: int, seed: int, split: str = "train") -> list[dict]:
-    rng = random.Random(f"ppo-{split}-{seed}")
-    return [{"prompt": p} for p in synthetic_prompts(n, rng)]
-
-
-def true_score(prompts: list[str], responses: list[str]) -> list[float]:
-    """The synthetic task's rule: (number of the first 8 response characters equal to the
-    prompt's first letter) / max(8, response length), in [0, 1]: 1 only for exactly 8 key
-    letters. Also usable as a rule-based reward: `--reward fastrlhf.data:true_score`."""
-    scores = []
-    for prompt, response in zip(prompts, responses):
-        key = prompt[:1]
-        hits = sum(ch == key for ch in response[:TASK_RESPONSE_LEN]) if key else 0
-        scores.append(hits / max(TASK_RESPONSE_LEN, len(response)))
-    return scores

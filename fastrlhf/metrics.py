@@ -1,26 +1,31 @@
-"""Phase timer, memory tracker, JSONL / TensorBoard logging, summary, plots, progress bars.
+"""Phase timer, memory tracker, JSONL / TensorBoard logging, summary, progress bars.
 
-Peak memory per phase: on CUDA `torch.cuda.max_memory_allocated` (reset at each phase);
-on CPU the process's peak resident set size during the phase (Linux VmHWM, reset through
-/proc/self/clear_refs; where that is not possible, the peak since the process started).
+Peak memory per phase: on CUDA `torch.cuda.max_memory_allocated`, reset when the phase
+starts. On CPU (Linux, glibc) the peak resident set size during the phase: when it starts,
+freed heap memory is handed back to the OS (`malloc_trim(0)`; otherwise glibc keeps it
+resident and every phase would report the run's high-water mark) and the kernel's peak
+(VmHWM) is reset to the current size (`/proc/self/clear_refs`); VmHWM when it ends is the
+phase's peak. Where either is unavailable, no memory figure is reported at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
-import resource
+import os
+import sys
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from fastrlhf.models import write_json_atomic
+from fastrlhf.checkpoint import json_safe, write_json_atomic
 
 log = logging.getLogger("fastrlhf")
 
@@ -28,37 +33,63 @@ PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
 
 
 def setup_logging() -> None:
+    """INFO lines with a time stamp on stderr; Python warnings go through logging too (so they
+    never land on a progress bar's line). Without a terminal, the Hugging Face libraries' own
+    progress bars are switched off and the stages' progress is logged as lines (`progress`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.captureWarnings(True)
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers on import
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 # ---------------------------------------------------------------- time and memory per phase
 
 
-def _reset_cpu_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+class CPUPeakRSS:
+    """Peak resident set size of this process during a span: `start()`, then `peak()` in bytes.
+    `available` is False off Linux/glibc or when /proc/self/clear_refs is not writable."""
 
+    def __init__(self):
+        self._malloc_trim = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            self._malloc_trim = libc.malloc_trim
+        except (OSError, AttributeError, TypeError):
+            pass
+        self.available = self._malloc_trim is not None and self._reset_peak() and self.peak() is not None
 
-def _cpu_peak_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    @staticmethod
+    def _reset_peak() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        self._malloc_trim(0)
+        self._reset_peak()
+
+    @staticmethod
+    def peak() -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
 
 
 class PhaseTimer:
     """`with timer.phase("rollout"): ...` accumulates seconds and the peak memory of each phase.
 
-    `step_stats()` returns and clears the current step's figures; `totals` keeps the sums of
-    seconds and the max of peaks over the run.
+    `step_stats()` returns and clears the current step's figures; `total_seconds` and
+    `total_peak` keep the sums of seconds and the max of peaks over the run. `memory_kind`
+    says what the peaks measure; None (and no peaks) where nothing per phase can be measured.
     """
 
     def __init__(self, device: torch.device):
@@ -67,32 +98,46 @@ class PhaseTimer:
         self.peak: dict[str, int] = defaultdict(int)
         self.total_seconds: dict[str, float] = defaultdict(float)
         self.total_peak: dict[str, int] = defaultdict(int)
+        self._cpu = CPUPeakRSS() if device.type == "cpu" else None
+        if device.type == "cuda":
+            self.memory_kind = "CUDA allocated"
+        elif self._cpu.available:
+            self.memory_kind = "peak RSS during the phase"
+        else:
+            self.memory_kind = None
+            log.info("per-phase CPU memory is not measurable here (needs Linux /proc and glibc); not reported")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _start_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.memory_kind is not None:
+            self._cpu.start()
+
+    def _peak_memory(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._cpu.peak() if self.memory_kind is not None else None
+
     @contextlib.contextmanager
     def phase(self, name: str):
         self._sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            _reset_cpu_peak()
+        self._start_memory()
         start = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
             seconds = time.perf_counter() - start
-            if self.device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(self.device)
-            else:
-                peak = _cpu_peak_bytes()
             self.seconds[name] += seconds
-            self.peak[name] = max(self.peak[name], peak)
             self.total_seconds[name] += seconds
-            self.total_peak[name] = max(self.total_peak[name], peak)
+            peak = self._peak_memory()
+            if peak is not None:
+                self.peak[name] = max(self.peak[name], peak)
+                self.total_peak[name] = max(self.total_peak[name], peak)
 
     def step_stats(self) -> dict[str, float]:
         stats = {f"time/{k}": v for k, v in self.seconds.items()}
@@ -143,7 +188,7 @@ class RunLogger:
     def log(self, step: int, stats: dict) -> dict:
         row = {"stage": self.stage, "step": step, **to_floats(stats)}
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         if self.writer is not None:
             for k, v in row.items():
                 if isinstance(v, float) and math.isfinite(v):
@@ -163,96 +208,46 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def update_summary(out: Path, stage: str, values: dict) -> dict:
-    """Merge `values` under `stage` in OUT/summary.json (written atomically)."""
+def update_summary(out: Path, stage: str, values: dict | None) -> dict:
+    """Merge `values` under `stage` in OUT/summary.json (valid JSON: NaN as null, written
+    atomically); `values=None` removes the stage's entry."""
     path = Path(out) / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
-    summary[stage] = values
+    if values is None:
+        summary.pop(stage, None)
+    else:
+        summary[stage] = values
     write_json_atomic(path, summary)
-    return summary
+    return json_safe(summary)
+
+
+class LineProgress:
+    """Progress for logs without a terminal: one log line per tenth of the run (and at the
+    end) instead of a redrawn bar. Same `update` / `set_postfix` / `close` as tqdm."""
+
+    def __init__(self, total: int, initial: int, desc: str):
+        self.total, self.n, self.desc = total, initial, desc
+        self.every = max(1, total // 10)
+        self.postfix: dict = {}
+        self._start, self._start_n = time.perf_counter(), initial
+
+    def set_postfix(self, refresh: bool = True, **values) -> None:
+        self.postfix = values
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            rate = (self.n - self._start_n) / max(1e-9, time.perf_counter() - self._start)
+            extra = "".join(f" {k}={v}" for k, v in self.postfix.items())
+            log.info("%s: %d/%d (%.0f%%)%s, %.2f it/s", self.desc, self.n, self.total,
+                     100 * self.n / max(1, self.total), extra, rate)
+
+    def close(self) -> None:
+        pass
 
 
 def progress(total: int, initial: int, desc: str):
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.5)
-
-
-# ---------------------------------------------------------------- plots
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_curves(out: Path, stage: str, keys: list[str], filename: str) -> Path | None:
-    """One panel per metric key over the steps of `stage`; OUT/plots/<filename>."""
-    rows = [r for r in read_metrics(out) if r["stage"] == stage]
-    keys = [k for k in keys if any(k in r for r in rows)]
-    if not rows or not keys:
-        return None
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".")
-        ax.set_title(f"{stage}: {key}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    return _save_figure(plt, fig, out, filename)
-
-
-def _save_figure(plt, fig, out: Path, filename: str) -> Path:
-    """Write `fig` to OUT/plots/filename and close it."""
-    fig.tight_layout()
-    path = Path(out) / "plots" / filename
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_phases(out: Path, seconds: dict[str, float], peak_bytes: dict[str, int], filename: str,
-                memory_kind: str) -> Path:
-    """Bar charts of the total time and the peak memory of each PPO phase."""
-    plt = _pyplot()
-    names = list(seconds)
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax_t.bar(names, [seconds[n] for n in names], color="tab:blue")
-    ax_t.set_title("PPO time per phase (s, whole run)")
-    ax_m.bar(names, [peak_bytes.get(n, 0) / 2**20 for n in names], color="tab:orange")
-    ax_m.set_title(f"PPO peak memory per phase (MiB, {memory_kind})")
-    for ax in (ax_t, ax_m):
-        ax.tick_params(axis="x", rotation=20)
-        ax.grid(axis="y", alpha=0.3)
-    return _save_figure(plt, fig, out, filename)
-
-
-def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
-    """True if `value` is finite; otherwise warn that this optimizer step is skipped."""
-    if bool(torch.isfinite(value).all()):
-        return True
-    warnings.warn(f"step {step}: non-finite {what} ({value.detach().float().flatten()[:1].item()}); "
-                  "skipping this optimizer step", stacklevel=2)
-    return False
-
-
-def guarded_step(optimizer, loss: torch.Tensor, params, step: int, *, lr: float, warmup_steps: int,
-                 max_grad_norm: float = 1.0) -> bool:
-    """One optimizer step with linear warm-up and gradient clipping; a non-finite loss or
-    gradient norm skips it (with a warning). Returns whether the step was applied."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
-    optimizer.zero_grad(set_to_none=True)
-    if not finite_or_warn(loss, "loss", step):
-        return False
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if not finite_or_warn(grad_norm, "gradient norm", step):
-        optimizer.zero_grad(set_to_none=True)
-        return False
-    optimizer.step()
-    return True
+    """A tqdm bar on a terminal; `LineProgress` (log lines) otherwise."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.5)
+    return LineProgress(total, initial, desc)

@@ -1,84 +1,37 @@
-"""Causal LMs, the shared actor-critic, the reward model, and checkpoints.
+"""Causal LMs: built-in configs, what a model is before its weights load (`ModelSource`:
+tokenizer, config, lineage, checked), loading, and the accessors the stages use (trunk,
+lm_head, final hidden states).
 
-- `load_causal_lm(name_or_path)`: a local Hugging Face directory (model + tokenizer), or a
-  built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
-  `llama-0.5b`: 0.5B-class models for GPU timing runs).
-- `ActorCritic`: a scalar value head on the policy's own trunk: one forward gives the
-  final hidden states (-> log-probs through the lm_head weight) and the values. With LoRA
-  the reference policy is the same model with the adapter disabled; with full fine-tuning
-  it is a frozen copy.
-- `RewardModel`: the trunk of a causal LM plus a scalar head read at the last attended token.
-- Checkpoints: trainable weights (safetensors), optimizer, RNG state and step, written to a
-  temporary folder and moved into place with `os.replace`, so a crash never leaves half a checkpoint.
+A model is a local Hugging Face directory (config.json, weights, tokenizer files), or a
+built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
+`llama-0.5b`: 0.5B-class models for GPU timing runs) and the built-in task's char tokenizer.
+Model directories written by the stages carry `fastrlhf.json`: the model they descend from
+(`origin`) and the data they were last trained on (`trained_on`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
+import dataclasses
 import json
 import logging
-import os
-import random
-import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fastrlhf.data import build_char_tokenizer, ensure_pad_token
+from fastrlhf.data import ensure_pad_token
+from fastrlhf.devices import attention_backend, cpu_threads_for
+from fastrlhf.task import build_char_tokenizer
 
 log = logging.getLogger("fastrlhf")
 
-VALUE_HEAD_FILE = "value_head.safetensors"
-SCORE_HEAD_FILE = "score_head.safetensors"
-SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one intra-op thread (see load_causal_lm)
+LINEAGE_FILE = "fastrlhf.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
-# ---------------------------------------------------------------- device, precision, attention
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} but CUDA is not available")
-    return torch.device(name)
-
-
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; nothing on CPU (the tiny default trains in float32)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def attention_backend(device: torch.device) -> str:
-    """`flash_attention_2` when flash_attn is importable on CUDA, else PyTorch `sdpa`
-    (whose CUDA flash backend is FlashAttention-2)."""
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
-
-
-def resolve_dtype(name: str, device: torch.device, *, lora: bool) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if (device.type == "cuda" and lora) else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype must be 'auto' or one of {list(dtypes)}, got {name!r}")
-    return dtypes[name]
-
-
-# ---------------------------------------------------------------- loading
+# ---------------------------------------------------------------- built-in configs
 
 
 def _tiny_config(vocab_size: int):
@@ -112,39 +65,128 @@ def _llama_05b_config(vocab_size: int):
 BUILTIN_MODELS = {"tiny": _tiny_config, "qwen2-0.5b": _qwen2_05b_config, "llama-0.5b": _llama_05b_config}
 
 
-def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtype = torch.float32,
-                   gradient_checkpointing: bool = False):
-    """(model, tokenizer) from a local HF directory or a built-in config name (random weights,
-    the embedded char tokenizer). The tokenizer always has a pad token (EOS, with a warning)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# ---------------------------------------------------------------- before loading
 
-    attn = attention_backend(device)
-    path = Path(str(name_or_path))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {str(path)!r} has no config.json (not a Hugging Face model)")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype)
-    elif str(name_or_path) in BUILTIN_MODELS:
-        tokenizer = build_char_tokenizer()
-        config = BUILTIN_MODELS[str(name_or_path)](len(tokenizer))
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    else:
-        raise ValueError(f"model {str(name_or_path)!r}: no such directory, and not a built-in config "
-                         f"({', '.join(BUILTIN_MODELS)})")
+
+@dataclasses.dataclass
+class ModelSource:
+    """A model before its weights load: what the stages check and size things by."""
+
+    spec: str
+    """A built-in config name or a model directory."""
+    tokenizer: Any
+    """Its tokenizer (checked against `config`; it always has a pad token)."""
+    config: Any
+    """Its transformers config (vocab_size, max_position_embeddings, ...)."""
+    origin: str
+    """The built-in config name or user directory the weights descend from."""
+    trained_on: str | None = None
+    """The data a fastrlhf stage last trained it on (`builtin` or a path); None if not known."""
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def descendant(self, spec, trained_on: str) -> ModelSource:
+        """What a stage that trains this model on `trained_on` and saves it at `spec` produces."""
+        return dataclasses.replace(self, spec=str(spec), trained_on=trained_on)
+
+    def lineage(self, trained_on: str) -> dict:
+        return {"origin": self.origin, "trained_on": trained_on}
+
+
+def check_tokenizer(tokenizer, config, where: str) -> None:
+    """The tokenizer can end responses (EOS), pads (EOS as pad, with a warning, when it has no
+    pad token), and every id it can produce, special ones included, indexes the model's embedding."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{where}: the tokenizer has no EOS token (responses end with one); set eos_token")
     ensure_pad_token(tokenizer)
+    rows = config.vocab_size
+    specials = {f"{name} token {getattr(tokenizer, name + '_token')!r}": getattr(tokenizer, name + "_token_id")
+                for name in ("pad", "eos", "bos", "unk")}
+    specials.update({f"special token {t!r}": i for t, i in zip(tokenizer.all_special_tokens,
+                                                               tokenizer.all_special_ids)})
+    bad = [f"{name} has id {i}" for name, i in specials.items() if i is not None and not 0 <= i < rows]
+    if bad:
+        raise ValueError(f"{where}: the tokenizer's {'; '.join(dict.fromkeys(bad))}, outside the model's "
+                         f"embedding (vocab_size {rows}); resize the embeddings "
+                         "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
+    if len(tokenizer) > rows:
+        raise ValueError(f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+                         f"{rows} rows (vocab_size); ids from {rows} on would index past it; resize the "
+                         "embeddings (model.resize_token_embeddings(len(tokenizer))) and save the model again")
+
+
+def model_source(spec, *, where: str = "model") -> ModelSource:
+    """Tokenizer, config and lineage of a built-in config name or a model directory, checked
+    (files present and parsing, special ids inside the vocabulary), without loading weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    spec = str(spec)
+    path = Path(spec)
+    if spec in BUILTIN_MODELS and not path.is_dir():
+        tokenizer = build_char_tokenizer()
+        source = ModelSource(spec, tokenizer, BUILTIN_MODELS[spec](len(tokenizer)), origin=spec)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{where}: model directory {spec!r} has no config.json (not a Hugging Face model)")
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"{where}: model directory {spec!r} has no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); save the model's tokenizer there with "
+                             "tokenizer.save_pretrained(...)")
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{where}: cannot read {path / 'config.json'} ({e})") from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{where}: cannot load the tokenizer of {spec!r} ({str(e).splitlines()[0]})") from None
+        lineage = json.loads((path / LINEAGE_FILE).read_text()) if (path / LINEAGE_FILE).is_file() else {}
+        source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", spec),
+                             trained_on=lineage.get("trained_on"))
+    else:
+        raise ValueError(f"{where}: model {spec!r}: no such directory, and not a built-in config "
+                         f"({', '.join(BUILTIN_MODELS)})")
+    check_tokenizer(source.tokenizer, source.config, f"{where} {spec!r}")
+    return source
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers map text to the same ids (same vocabulary and special ids)."""
+    ids = ("pad_token_id", "eos_token_id", "bos_token_id")
+    return a.get_vocab() == b.get_vocab() and all(getattr(a, i) == getattr(b, i) for i in ids)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_causal_lm(source, *, device: torch.device, dtype: torch.dtype = torch.float32,
+                   gradient_checkpointing: bool = False):
+    """(model, tokenizer) of a `ModelSource`, a built-in config name (random weights, the char
+    tokenizer) or a model directory."""
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(source, ModelSource):
+        source = model_source(source)
+    attn = attention_backend(device)
+    if Path(source.spec).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(source.spec, attn_implementation=attn, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(source.config, attn_implementation=attn)
+    tokenizer = source.tokenizer
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n = sum(p.numel() for p in model.parameters())
-    if device.type == "cpu" and n < SMALL_MODEL_PARAMS and "OMP_NUM_THREADS" not in os.environ:
-        # Kernels this small cost more in thread hand-offs than they gain (measured: the
-        # default PPO stage runs ~3x faster on one thread of a busy 2-core machine).
-        torch.set_num_threads(1)
+    cpu_threads_for(n, device)
     log.info("model %s: %.2fM parameters, attention=%s, dtype=%s, device=%s",
-             name_or_path, n / 1e6, attn, dtype, device)
+             source.spec, n / 1e6, attn, dtype, device)
     return model, tokenizer
+
+
+# ---------------------------------------------------------------- accessors
 
 
 def unwrap(lm):
@@ -167,215 +209,3 @@ def hidden_states(lm, input_ids, attention_mask, position_ids) -> torch.Tensor:
     out = trunk(lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=False)
     return out.last_hidden_state
-
-
-# ---------------------------------------------------------------- actor-critic
-
-
-class ActorCritic(nn.Module):
-    """Policy and critic on one trunk: `forward` returns (hidden [B,T,H], values [B,T] float32).
-
-    `lora_rank > 0` wraps the LM with peft LoRA on every linear layer (the trainable part), and
-    the reference is the same model under `disable_adapter()`; `lora_rank == 0` trains every
-    weight and keeps a frozen deep copy as the reference.
-    """
-
-    def __init__(self, lm, *, lora_rank: int = 0, lora_alpha: float = 32.0):
-        super().__init__()
-        if lora_rank < 0:
-            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
-        self.lora = lora_rank > 0
-        if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear")
-            self.policy = get_peft_model(lm, config)
-            self.reference = None
-        else:
-            self.reference = copy.deepcopy(lm).eval().requires_grad_(False)
-            self.policy = lm
-        hidden = unwrap(lm).config.hidden_size
-        device = lm_head(lm).weight.device
-        self.value_head = nn.Linear(hidden, 1, device=device, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, std=1.0 / (hidden + 1) ** 0.5)
-        nn.init.zeros_(self.value_head.bias)
-
-    @property
-    def lm_head(self) -> nn.Linear:
-        return lm_head(self.policy)
-
-    def forward(self, input_ids, attention_mask, position_ids):
-        h = hidden_states(self.policy, input_ids, attention_mask, position_ids)
-        values = self.value_head(h.float()).squeeze(-1)
-        return h, values
-
-    @torch.no_grad()
-    def reference_hidden(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """Hidden states of the reference policy (LoRA disabled, or the frozen copy) and its lm_head."""
-        if self.lora:
-            with self.policy.disable_adapter():
-                return hidden_states(self.policy, input_ids, attention_mask, position_ids)
-        return hidden_states(self.reference, input_ids, attention_mask, position_ids)
-
-    def reference_lm_head(self) -> nn.Linear:
-        return self.lm_head if self.lora else lm_head(self.reference)
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.named_parameters() if p.requires_grad}
-
-    def save_pretrained(self, path: Path, tokenizer) -> None:
-        """A plain HF directory (LoRA merged) + the value head, loadable with `--model`."""
-        lm = copy.deepcopy(self.policy).merge_and_unload() if self.lora else self.policy
-        save_model_dir(lm, tokenizer, path, {VALUE_HEAD_FILE: self.value_head.state_dict()})
-
-
-# ---------------------------------------------------------------- reward model
-
-
-class RewardModel(nn.Module):
-    """Trunk of a causal LM + a scalar head read at the last attended token of each row."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-        hidden = lm.config.hidden_size
-        self.head = nn.Linear(hidden, 1, device=lm_head(lm).weight.device, dtype=torch.float32)
-        nn.init.normal_(self.head.weight, std=1.0 / (hidden + 1) ** 0.5)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        """scores [B] float32 at the last position where attention_mask = 1 (right-padded responses)."""
-        h = hidden_states(self.lm, input_ids, attention_mask, position_ids)
-        cols = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        last = torch.where(attention_mask.bool(), cols, -1).max(-1).values.clamp(min=0)
-        h_last = h[torch.arange(h.shape[0], device=h.device), last]
-        return self.head(h_last.float()).squeeze(-1)
-
-    @torch.no_grad()
-    def normalize_(self, mean: float, std: float) -> None:
-        """Fold (score - mean) / std into the head, so the scores the stats came from get mean 0, std 1."""
-        self.head.weight.div_(std)
-        self.head.bias.sub_(mean).div_(std)
-
-    def save_pretrained(self, path: Path, tokenizer) -> None:
-        save_model_dir(self.lm, tokenizer, path, {SCORE_HEAD_FILE: self.head.state_dict()})
-
-    @classmethod
-    def from_pretrained(cls, path, *, device: torch.device, dtype: torch.dtype = torch.float32):
-        path = Path(path)
-        if not (path / SCORE_HEAD_FILE).is_file():
-            raise ValueError(f"reward model {str(path)!r} has no {SCORE_HEAD_FILE} (written by `fastrlhf rm`)")
-        lm, tokenizer = load_causal_lm(path, device=device, dtype=dtype)
-        model = cls(lm)
-        model.head.load_state_dict(load_file(path / SCORE_HEAD_FILE, device=str(device)))
-        return model.eval().requires_grad_(False), tokenizer
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def _tmp_dir(path: Path) -> Path:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _move_into_place(tmp: Path, path: Path) -> None:
-    """Atomically publish a finished folder: an existing one is renamed away first, then removed."""
-    path = Path(path)
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def save_model_dir(lm, tokenizer, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-    """A Hugging Face model directory (+ tokenizer, + extra safetensors files), published atomically."""
-    tmp = _tmp_dir(path)
-    lm.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for filename, tensors in (extra or {}).items():
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / filename)
-    _move_into_place(tmp, path)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    version, _, gauss = random.getstate()
-    random.setstate((version, tuple(state["python"]), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(stage_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer, extra: dict,
-                    keep: int = 2) -> Path:
-    """stage_dir/checkpoints/step_{step:06d}/ {model.safetensors, optimizer.pt, state.pt}, then
-    `latest` (a one-line file) points at it; only the newest `keep` checkpoints stay."""
-    root = Path(stage_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = _tmp_dir(final)
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, tmp / "model.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({"step": step, "rng": rng_state(), "extra": extra}, tmp / "state.pt")
-    _move_into_place(tmp, final)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / "latest")
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(stage_dir: Path) -> Path | None:
-    pointer = Path(stage_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
-
-
-def load_checkpoint(path: Path, module: nn.Module, optimizer) -> dict:
-    """Load weights into `module` (every saved tensor must match a parameter), the optimizer
-    state and the RNG state; returns {"step", "extra"}."""
-    path = Path(path)
-    params = dict(module.named_parameters())
-    weights = load_file(path / "model.safetensors")
-    unknown = set(weights) - set(params)
-    if unknown:
-        raise ValueError(f"checkpoint {str(path)!r} holds tensors the model does not have: {sorted(unknown)[:5]}")
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            params[name].copy_(tensor)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    set_rng_state(state["rng"])
-    return {"step": int(state["step"]), "extra": state["extra"]}
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def resume_from_checkpoint(stage_dir: Path, module: nn.Module, optimizer, enabled: bool, stage: str):
-    """(step, extra) of the stage's latest checkpoint, loaded into `module` and `optimizer`, when
-    `enabled` and one exists; None otherwise (a fresh start)."""
-    ckpt = latest_checkpoint(stage_dir) if enabled else None
-    if ckpt is None:
-        return None
-    state = load_checkpoint(ckpt, module, optimizer)
-    log.info("%s: resumed from %s (step %d)", stage, ckpt, state["step"])
-    return state["step"], state["extra"]

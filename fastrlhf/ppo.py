@@ -2,7 +2,8 @@
 
 Each iteration, top to bottom:
   1. rollout     sample responses (KV cache, left-padded prompts, stop at EOS)
-  2. reward      reward model at the last response token, or a rule `module:function`
+  2. reward      reward model at the last response token, or a rule `module:function`; every
+                 score checked (count, type, finite: fastrlhf.rewards)
   3. logprobs    one actor-critic forward -> old log-probs and values; reference log-probs
   4. advantages  KL-shaped rewards (ops.kl_shaped_rewards) and GAE (ops.gae)
   5. update      PPO epochs over minibatches with gradient accumulation: clipped policy loss
@@ -11,47 +12,42 @@ Each iteration, top to bottom:
 Then the KL coefficient is updated (fixed, or adaptive as Ziegler et al. 2019), metrics are
 logged and a checkpoint is written every `save_every` iterations.
 
-Writes OUT/ppo/final (merged HF model + value head), OUT/ppo/checkpoints, rows with
-"stage": "ppo" in OUT/metrics.jsonl, OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
+`prepare` checks the whole configuration (policy, reward, data, lengths, the run folder)
+before a model loads; `train` runs it. Writes OUT/ppo/config.json, OUT/ppo/final (merged HF
+model + value head), OUT/ppo/checkpoints, rows with "stage": "ppo" in OUT/metrics.jsonl,
+OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
-from fastrlhf import ops
-from fastrlhf.config import PPOConfig, run_cli
-from fastrlhf.data import encode_prompts, read_jsonl, synthetic_prompt_rows, true_score
-from fastrlhf.metrics import (
-    PPO_PHASES,
-    PhaseTimer,
-    RunLogger,
+from fastrlhf import ops, task
+from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf.config import PPOConfig, run_cli, to_dict
+from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_prompts
+from fastrlhf.devices import autocast, resolve_device, resolve_dtype
+from fastrlhf.heads import ActorCritic
+from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
+from fastrlhf.models import ModelSource, load_causal_lm, same_tokenizer
+from fastrlhf.plots import plot_phases
+from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
+from fastrlhf.rollout import Rollout, generate, token_logprobs
+from fastrlhf.run import (
+    EVAL_BATCH_SIZE,
+    StageRun,
+    check_common,
+    describe_data,
     finite_or_warn,
-    log,
-    plot_curves,
-    plot_phases,
-    progress,
-    setup_logging,
-    to_floats,
-    update_summary,
+    resolve_data,
+    stage_model,
 )
-from fastrlhf.models import (
-    ActorCritic,
-    autocast,
-    load_causal_lm,
-    resolve_device,
-    resolve_dtype,
-    resume_from_checkpoint,
-    save_checkpoint,
-)
-from fastrlhf.rollout import Rollout, generate, load_reward, token_logprobs
 
-NUM_TRAIN_PROMPTS = 4096
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
-EVAL_BATCH = 256
 
 
 class KLController:
@@ -112,8 +108,7 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
             finite, mini_stats = True, {}
             for m0 in range(0, len(mini), cfg.micro_batch_size):
                 idx = torch.tensor(mini[m0:m0 + cfg.micro_batch_size], device=device)
-                mask = b.response_mask[idx]
-                labels = torch.where(mask.bool(), b.responses[idx], -100)
+                mask, labels = b.response_mask[idx], b.labels[idx]
                 with autocast(device):
                     hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
                 h = hidden[:, P - 1:-1]
@@ -150,53 +145,117 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
 def evaluate_true_score(ac, tokenizer, prompt_ids, prompts, cfg: PPOConfig, device) -> float:
     """Mean true score (the synthetic task's rule) of sampled responses to held-out prompts."""
     scores = []
-    for i in range(0, len(prompts), EVAL_BATCH):
-        r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH], prompts[i:i + EVAL_BATCH],
+    for i in range(0, len(prompts), EVAL_BATCH_SIZE):
+        r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH_SIZE], prompts[i:i + EVAL_BATCH_SIZE],
                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
-        scores += true_score(r.prompts, r.responses)
+        scores += task.true_score(r.prompts, r.responses)
     return sum(scores) / len(scores)
 
 
-def train(cfg: PPOConfig) -> dict:
-    # 0. setup: actor-critic (+ reference), reward, prompts, optimizer; resume if asked
+@dataclasses.dataclass
+class PPOPlan:
+    """The PPO stage, checked and resolved before its models load."""
+
+    cfg: PPOConfig
+    """The configuration with every `auto`/0 default resolved (what OUT/ppo/config.json records)."""
+    model: ModelSource
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    eval_prompts: list[str]
+    """Built-in task only: held-out prompts for the true score (empty for user data)."""
+    eval_ids: list[list[int]]
+
+
+def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
+            key_prefix: str = "") -> PPOPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights.
+    `upstream` / `reward_upstream`: the SFT model and reward model a pipeline will have written
+    by the time this stage runs."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
+                       "log_every", "save_every", "eval_prompts"), "ppo")
+    if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
+        raise ValueError(f"ppo: rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
+                         f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
+    if cfg.temperature <= 0:
+        raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
+    resolve_dtype(cfg.dtype, resolve_device(cfg.device), lora=cfg.lora_rank > 0)
+    try:
+        ops.token_kl(torch.zeros(1), torch.zeros(1), estimator=cfg.kl_estimator)
+    except ValueError as e:
+        raise ValueError(f"ppo: kl_estimator {cfg.kl_estimator!r}: {e}") from None
+    out = Path(cfg.out)
+    model = stage_model(cfg.model, out / "sft" / "final", upstream, "ppo", "sft")
+    cfg.model = model.spec
+    cfg.reward = cfg.reward or str(out / "rm" / "final")
+    if is_rule(cfg.reward):
+        import_rule(cfg.reward)
+        reward_desc = f"rule {cfg.reward}"
+    elif reward_upstream is not None and cfg.reward == str(reward_upstream.spec):
+        reward_desc = f"reward model {cfg.reward} (trained by the pipeline's rm stage)"
+    elif Path(cfg.reward).is_dir():
+        rm_source = check_reward_model_dir(cfg.reward)
+        same = same_tokenizer(model.tokenizer, rm_source.tokenizer)
+        reward_desc = f"reward model {cfg.reward}" + ("" if same else " (another tokenizer: it re-tokenizes the text)")
+    else:
+        raise ValueError(f"ppo: reward {cfg.reward!r} is neither a reward-model directory (train one with "
+                         "`fastrlhf rm`) nor a rule 'module:function'")
+    cfg.data = resolve_data(cfg.data, model, "ppo", f"--{key_prefix}data")
+    builtin = cfg.data == BUILTIN
+    if builtin:
+        prompts = [r["prompt"] for r in task.synthetic_prompt_rows(task.NUM_PPO_PROMPTS, cfg.seed)]
+        eval_prompts = [r["prompt"] for r in task.synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
+        cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
+        cfg.max_new_tokens = cfg.max_new_tokens or task.MAX_NEW_TOKENS
+    else:
+        prompts = list(load_table(cfg.data, {"prompt": cfg.prompt_key}, where="ppo data")["prompt"])
+        eval_prompts = []
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    prompt_ids = encoder.prompts(prompts)
+    cfg.max_prompt_len, cfg.max_new_tokens = auto_lengths(
+        max(map(len, prompt_ids)), None, model.max_positions, max_prompt_len=cfg.max_prompt_len,
+        max_response_len=cfg.max_new_tokens, where="ppo")
+    prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
+    eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
+    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="ppo")
+    log.info("ppo: policy %s; %s; data %s; prompts <= %d tokens, responses <= %d; %s", model.spec, reward_desc,
+             describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_new_tokens,
+             "chat template" if encoder.uses_template else "plain prompt tokens")
+    return PPOPlan(cfg, model, prompts, prompt_ids, eval_prompts, eval_ids)
+
+
+def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
+    plan = plan or prepare(cfg)
+    cfg = plan.cfg
+    out = Path(cfg.out)
+    start_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: actor-critic (+ reference), reward, optimizer; resume if asked
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
-        raise ValueError(f"rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
-                         f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
-    out, stage_dir = Path(cfg.out), Path(cfg.out) / "ppo"
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
-    lm, tokenizer = load_causal_lm(cfg.model or out / "sft" / "final", device=device, dtype=dtype,
+    lm, tokenizer = load_causal_lm(plan.model, device=device, dtype=dtype,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
-    reward_fn = load_reward(cfg.reward or str(out / "rm" / "final"), device=device)
-    synthetic = not cfg.data
-    rows = read_jsonl(cfg.data, ("prompt",)) if cfg.data else synthetic_prompt_rows(NUM_TRAIN_PROMPTS, cfg.seed)
-    prompts = [r["prompt"] for r in rows]
-    prompt_ids = encode_prompts(tokenizer, prompts, cfg.max_prompt_len)
-    eval_prompts = [r["prompt"] for r in synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
-    eval_ids = encode_prompts(tokenizer, eval_prompts, cfg.max_prompt_len)
+    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
+    builtin = cfg.data == BUILTIN
+    prompts, prompt_ids, eval_prompts, eval_ids = plan.prompts, plan.prompt_ids, plan.eval_prompts, plan.eval_ids
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-    step, skipped, true_before = 0, 0, None
     timer = PhaseTimer(device)
-    resumed = resume_from_checkpoint(stage_dir, ac, optimizer, cfg.resume, "ppo")
-    if resumed is not None:
-        step, extra = resumed
+    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer)
+    step, skipped, true_before = run.step, 0, None
+    if run.resumed:
+        extra = run.extra
         kl_ctl.coef, skipped, true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
         timer.total_seconds.update(extra["phase_seconds"])
         timer.total_peak.update(extra["phase_peak_memory_bytes"])
-    elif synthetic:
+    elif builtin:
         true_before = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
         log.info("ppo: true score before PPO %.3f", true_before)
-    logger = RunLogger(out, "ppo", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
-    stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
-    bar = progress(cfg.steps, step, "ppo")
-    start = time.perf_counter()
     ac.train()
 
-    while step < stop:
+    while step < run.stop:
         t0 = time.perf_counter()
         # 1. rollout: sample one response per prompt
         with timer.phase("rollout"):
@@ -232,45 +291,45 @@ def train(cfg: PPOConfig) -> dict:
                  "explained_variance": explained_variance(old_values, returns, mask).item(),
                  "tokens_per_s": n_tokens / (time.perf_counter() - t0),
                  "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
-        if synthetic:
-            stats["true_score"] = sum(true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
-        bar.update(1)
-        bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
-        if step % cfg.log_every == 0 or step == stop:
-            logger.log(step, stats)
-        if step % cfg.save_every == 0 or step == stop:
-            save_checkpoint(stage_dir, step, ac.trainable_state(), optimizer,
-                            {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
-                             "phase_seconds": dict(timer.total_seconds),
-                             "phase_peak_memory_bytes": dict(timer.total_peak)})
+        if builtin:
+            stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
+        run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
+        if run.due(step, cfg.log_every):
+            run.log(step, stats)
+        if run.due(step, cfg.save_every):
+            run.save(step, ac.trainable_state(),
+                     {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
+                      "phase_seconds": dict(timer.total_seconds),
+                      "phase_peak_memory_bytes": dict(timer.total_peak)})
 
-    bar.close()
-    logger.close()
-    if step < cfg.steps:
-        log.info("ppo: stopped after step %d of %d (resume with --resume)", step, cfg.steps)
+    if not run.finish(step):
         return {"stopped_at": step}
     # 7. final policy, true score after, summary, plots
-    ac.save_pretrained(stage_dir / "final", tokenizer)
-    logged = logger.rows()
+    ac.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
+    logged = run.rows()
     summary = {
-        "steps": step, "seconds": time.perf_counter() - start, "skipped_nonfinite": skipped,
+        "steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
         "reward_first": logged[0]["reward"] if logged else None,
         "reward_final": logged[-1]["reward"] if logged else None,
         "kl_final": logged[-1]["kl"] if logged else None,
         "phase_seconds": {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES},
-        "phase_peak_memory_bytes": {k: int(timer.total_peak.get(k, 0)) for k in PPO_PHASES},
+        "phase_peak_memory_bytes": {k: int(timer.total_peak[k]) for k in PPO_PHASES if k in timer.total_peak},
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
-        "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(stage_dir / "final"),
+        "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(run.dir / "final"),
     }
-    if synthetic:
+    if builtin:
         summary["true_score_before"] = true_before
         summary["true_score_after"] = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
-    update_summary(out, "ppo", summary)
-    plot_curves(out, "ppo", ["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
-    plot_phases(out, summary["phase_seconds"], summary["phase_peak_memory_bytes"], "ppo_phases.png",
-                "CUDA allocated" if device.type == "cuda" else "process peak RSS")
-    log.info("ppo: done, true score %s -> %s, final KL %.4f", summary.get("true_score_before"),
-             summary.get("true_score_after"), summary["kl_final"] or 0.0)
+    run.write_summary(summary)
+    run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
+    plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
+                timer.memory_kind)
+    if builtin:
+        log.info("ppo: done, true score %.3f -> %.3f, final KL %.3f", summary["true_score_before"],
+                 summary["true_score_after"], summary["kl_final"])
+    else:
+        log.info("ppo: done, reward %.3f (first step) -> %.3f (last step), final KL %.3f", summary["reward_first"],
+                 summary["reward_final"], summary["kl_final"])
     return summary
 
 

@@ -1,17 +1,15 @@
-"""Generation and scoring: prompts -> a `Rollout` of sampled responses and their scores."""
+"""Generation: prompts -> a `Rollout` of sampled responses; log-probs of response tokens."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from fastrlhf import ops
-from fastrlhf.data import Batch, left_pad, position_ids_from_mask
-from fastrlhf.models import RewardModel, autocast, lm_head
+from fastrlhf.data import IGNORE_INDEX, Batch, left_pad, position_ids_from_mask
+from fastrlhf.devices import autocast
+from fastrlhf.models import lm_head
 
 
 class Rollout(NamedTuple):
@@ -73,39 +71,5 @@ def token_logprobs(lm, batch: Batch, hidden: torch.Tensor, *, temperature: float
     head = lm_head(lm) if head is None else head
     P = batch.prompt_len
     h = hidden[:, P - 1:-1]
-    labels = torch.where(batch.response_mask.bool(), batch.responses, -100)
-    return ops.linear_logprobs(h, head.weight.to(h.dtype), labels, bias=head.bias, temperature=temperature,
-                               return_entropy=return_entropy)
-
-
-# ---------------------------------------------------------------- scoring
-
-
-def load_reward(spec: str, *, device: torch.device) -> Callable[[Rollout], torch.Tensor]:
-    """A reward function Rollout -> scores [B]: a reward-model directory (scored at the last
-    response token), or `module:function` taking (prompts, responses) -> list of floats."""
-    if Path(spec).is_dir():
-        model, _ = RewardModel.from_pretrained(spec, device=device)
-
-        @torch.no_grad()
-        def score_with_model(rollout: Rollout) -> torch.Tensor:
-            b = rollout.batch
-            with autocast(device):
-                return model(b.input_ids, b.attention_mask, b.position_ids).float()
-
-        return score_with_model
-    if ":" in spec:
-        module_name, _, fn_name = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {spec!r}: cannot import {fn_name!r} from {module_name!r} ({e})") from None
-
-        def score_with_rule(rollout: Rollout) -> torch.Tensor:
-            scores = fn(rollout.prompts, rollout.responses)
-            if len(scores) != len(rollout.prompts):
-                raise ValueError(f"reward {spec!r} returned {len(scores)} scores for {len(rollout.prompts)} responses")
-            return torch.tensor(scores, dtype=torch.float32, device=device)
-
-        return score_with_rule
-    raise ValueError(f"reward {spec!r}: expected a reward-model directory or a Python callable 'module:function'")
+    return ops.linear_logprobs(h, head.weight.to(h.dtype), batch.labels, bias=head.bias, temperature=temperature,
+                               return_entropy=return_entropy, ignore_index=IGNORE_INDEX)

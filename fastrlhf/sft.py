@@ -2,57 +2,108 @@
 
     loss = -mean over response tokens of log p(token | prefix)   (fastrlhf.ops.linear_logprobs)
 
-Writes OUT/sft/final (a Hugging Face model directory with its tokenizer), OUT/sft/checkpoints,
-rows with "stage": "sft" in OUT/metrics.jsonl, OUT/summary.json["sft"] and OUT/plots/sft_loss.png.
+`prepare` checks the whole configuration before the model loads (model files, tokenizer,
+data, lengths, the run folder); `train` runs it. Writes OUT/sft/config.json, OUT/sft/final
+(a Hugging Face model directory with its tokenizer), OUT/sft/checkpoints, rows with
+"stage": "sft" in OUT/metrics.jsonl, OUT/summary.json["sft"] and OUT/plots/sft_loss.png.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from fastrlhf.config import SFTConfig, run_cli
-from fastrlhf.data import encode_prompts, encode_responses, pack, read_jsonl, synthetic_sft
-from fastrlhf.metrics import RunLogger, guarded_step, log, plot_curves, progress, setup_logging, update_summary
-from fastrlhf.models import (
-    autocast,
-    hidden_states,
-    load_causal_lm,
-    resolve_device,
-    resume_from_checkpoint,
-    save_checkpoint,
-    save_model_dir,
+from fastrlhf import task
+from fastrlhf.checkpoint import check_run_dir, save_model_dir, start_run_dir
+from fastrlhf.config import SFTConfig, run_cli, to_dict
+from fastrlhf.data import (
+    BUILTIN,
+    Encoder,
+    auto_lengths,
+    builtin_table,
+    load_table,
+    pack,
+    truncate_prompts,
+    truncate_responses,
 )
+from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.metrics import log, setup_logging
+from fastrlhf.models import ModelSource, hidden_states, load_causal_lm, model_source
 from fastrlhf.rollout import token_logprobs
+from fastrlhf.run import StageRun, check_common, describe_data, guarded_step, resolve_data
 
-WARMUP_STEPS = 10
+TINY_LR = 3e-3  # the built-in `tiny` model (random init, 0.9M parameters)
+MODEL_LR = 5e-6  # any other model: OpenRLHF 0.11's train_sft default (--adam.lr)
 
 
-def train(cfg: SFTConfig) -> dict:
-    # 0. setup: device, model, data, optimizer; resume from the latest checkpoint if asked
+@dataclasses.dataclass
+class SFTPlan:
+    """The SFT stage, checked and resolved before its model loads."""
+
+    cfg: SFTConfig
+    """The configuration with every `auto`/0 default resolved (what OUT/sft/config.json records)."""
+    model: ModelSource
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+
+    @property
+    def produces(self) -> ModelSource:
+        """The model this stage writes (OUT/sft/final), as the next stages will see it."""
+        return self.model.descendant(Path(self.cfg.out) / "sft" / "final", self.cfg.data)
+
+
+def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "num_examples"), "sft")
+    model = model_source(cfg.model, where="sft model")
+    cfg.data = resolve_data(cfg.data, model, "sft", f"--{key_prefix}data")
+    builtin = cfg.data == BUILTIN
+    if builtin:
+        table = builtin_table(task.synthetic_sft(cfg.num_examples, cfg.seed))
+    else:
+        table = load_table(cfg.data, {"prompt": cfg.prompt_key, "response": cfg.response_key}, where="sft data")
+    prompts, responses = list(table["prompt"]), list(table["response"])
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    prompt_ids = encoder.prompts(prompts)
+    response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin)
+    if builtin:
+        cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
+        cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
+    cfg.max_prompt_len, cfg.max_response_len = auto_lengths(
+        max(map(len, prompt_ids)), max(map(len, response_ids)), model.max_positions,
+        max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len, where="sft")
+    prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
+    response_ids = truncate_responses(response_ids, cfg.max_response_len)
+    cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
+    check_run_dir(Path(cfg.out) / "sft", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="sft")
+    log.info("sft: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %s", model.spec,
+             describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_response_len, cfg.lr,
+             "chat template" if encoder.uses_template else "plain prompt + response tokens")
+    return SFTPlan(cfg, model, prompt_ids, response_ids)
+
+
+def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
+    plan = plan or prepare(cfg)
+    cfg = plan.cfg
+    stage_dir = Path(cfg.out) / "sft"
+    start_run_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: device, model, optimizer; resume from the latest checkpoint if asked
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    out, stage_dir = Path(cfg.out), Path(cfg.out) / "sft"
-    lm, tokenizer = load_causal_lm(cfg.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
-    rows = read_jsonl(cfg.data, ("prompt", "response")) if cfg.data else synthetic_sft(cfg.num_examples, cfg.seed)
-    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows], cfg.max_prompt_len)
-    response_ids = encode_responses(tokenizer, [r["response"] for r in rows], cfg.max_response_len)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
+    prompt_ids, response_ids = plan.prompt_ids, plan.response_ids
     optimizer = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step, skipped = 0, 0
-    resumed = resume_from_checkpoint(stage_dir, lm, optimizer, cfg.resume, "sft")
-    if resumed is not None:
-        step, skipped = resumed[0], resumed[1]["skipped_nonfinite"]
-    logger = RunLogger(out, "sft", resume_step=step if resumed else None, tensorboard=cfg.tensorboard)
-    stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, step + cfg.stop_after)
-    bar = progress(cfg.steps, step, "sft")
-    window, start = [], time.perf_counter()
+    run = StageRun("sft", cfg, model=lm, optimizer=optimizer)
+    step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
+    window = []
     lm.train()
 
-    while step < stop:
+    while step < run.stop:
         # 1. batch: random (prompt, response) pairs, prompts left-padded, responses right-padded
-        idx = torch.randint(len(rows), (cfg.batch_size,)).tolist()
+        idx = torch.randint(len(prompt_ids), (cfg.batch_size,)).tolist()
         batch = pack([prompt_ids[i] for i in idx], [response_ids[i] for i in idx], tokenizer.pad_token_id)
         batch = batch.to(device)
         # 2. forward: log-probs of the response tokens straight from the hidden states
@@ -62,35 +113,29 @@ def train(cfg: SFTConfig) -> dict:
         # 3. loss: mean negative log-likelihood over response tokens
         loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
         # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
-        if not guarded_step(optimizer, loss, lm.parameters(), step, lr=cfg.lr, warmup_steps=WARMUP_STEPS):
+        if not guarded_step(optimizer, loss, lm.parameters(), step, lr=cfg.lr):
             skipped += 1
         step += 1
         window.append(loss.item())
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        run.advance(loss=f"{loss.item():.3f}")
         # 5. log and checkpoint
-        if step % cfg.log_every == 0 or step == stop:
-            logger.log(step, {"loss": sum(window) / len(window), "lr": optimizer.param_groups[0]["lr"],
-                              "skipped_nonfinite": skipped})
+        if run.due(step, cfg.log_every):
+            run.log(step, {"loss": sum(window) / len(window), "lr": optimizer.param_groups[0]["lr"],
+                           "skipped_nonfinite": skipped})
             window = []
-        if step % cfg.save_every == 0 or step == stop:
-            save_checkpoint(stage_dir, step, dict(lm.named_parameters()), optimizer,
-                            {"skipped_nonfinite": skipped})
+        if run.due(step, cfg.save_every):
+            run.save(step, dict(lm.named_parameters()), {"skipped_nonfinite": skipped})
 
-    bar.close()
-    logger.close()
-    if step < cfg.steps:
-        log.info("sft: stopped after step %d of %d (resume with --resume)", step, cfg.steps)
+    if not run.finish(step):
         return {"stopped_at": step}
     # 6. final model, summary, plot
-    save_model_dir(lm, tokenizer, stage_dir / "final")
-    logged = logger.rows()
-    summary = {"loss_final": logged[-1]["loss"] if logged else float("nan"), "steps": step,
-               "skipped_nonfinite": skipped, "seconds": time.perf_counter() - start,
-               "model_dir": str(stage_dir / "final")}
-    update_summary(out, "sft", summary)
-    plot_curves(out, "sft", ["loss"], "sft_loss.png")
-    log.info("sft: done, final loss %.4f, model in %s", summary["loss_final"], stage_dir / "final")
+    save_model_dir(lm, tokenizer, stage_dir / "final", lineage=plan.model.lineage(cfg.data))
+    logged = run.rows()
+    summary = {"loss_final": logged[-1]["loss"] if logged else None, "steps": step,
+               "skipped_nonfinite": skipped, "seconds": run.seconds, "model_dir": str(stage_dir / "final")}
+    run.write_summary(summary)
+    run.plot(["loss"], "sft_loss.png")
+    log.info("sft: done, final loss %.4f, model in %s", summary["loss_final"] or float("nan"), stage_dir / "final")
     return summary
 
 

@@ -6,16 +6,10 @@ import pytest
 import torch
 
 from fastrlhf import ops
+from fastrlhf.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fastrlhf.data import pack
-from fastrlhf.models import (
-    ActorCritic,
-    RewardModel,
-    hidden_states,
-    latest_checkpoint,
-    load_causal_lm,
-    load_checkpoint,
-    save_checkpoint,
-)
+from fastrlhf.heads import ActorCritic, RewardModel
+from fastrlhf.models import hidden_states, load_causal_lm
 from fastrlhf.rollout import generate, response_mask_after_eos, token_logprobs
 
 CPU = torch.device("cpu")

@@ -1,11 +1,13 @@
 """Smoke runs of the real CLI (`python -m fastrlhf ...`) for a few steps at tiny sizes."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,10 +22,11 @@ def _cli(*args, timeout=180):
 
 def test_pipeline_smoke(tmp_path):
     out = tmp_path / "run"
-    r = _cli("pipeline", "--out", str(out), "--sft.steps", "6", "--sft.save_every", "3", "--rm.steps", "4",
-             "--rm.num_pairs", "120", "--ppo.steps", "3", "--ppo.rollout_batch_size", "16",
-             "--ppo.mini_batch_size", "8", "--ppo.micro_batch_size", "4", "--ppo.eval_prompts", "16",
-             "--ppo.max_new_tokens", "6", "--ppo.tensorboard")
+    args = ["--out", str(out), "--sft.steps", "6", "--sft.save_every", "3", "--rm.steps", "4",
+            "--rm.num_pairs", "120", "--ppo.steps", "3", "--ppo.rollout_batch_size", "16",
+            "--ppo.mini_batch_size", "8", "--ppo.micro_batch_size", "4", "--ppo.eval_prompts", "16",
+            "--ppo.max_new_tokens", "6", "--ppo.tensorboard"]
+    r = _cli("pipeline", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "attention=sdpa" in r.stderr  # the attention backend is logged
     summary = json.loads((out / "summary.json").read_text())
@@ -56,10 +59,11 @@ def test_pipeline_smoke(tmp_path):
         assert (out / stage / "final" / "config.json").is_file(), stage
 
     # a finished pipeline resumes to a no-op that keeps every result
-    r = _cli("pipeline", "--out", str(out), "--resume")
+    r = _cli("pipeline", *args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 3
     assert json.loads((out / "summary.json").read_text())["ppo"] == ppo
+    # (a changed configuration or a fresh run there is refused: tests/test_user_inputs.py, finding 3)
 
 
 def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):
@@ -84,15 +88,32 @@ def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):
     assert summary["ppo"]["lora_rank"] == 0 and (out / "ppo" / "final" / "value_head.safetensors").is_file()
 
 
-def test_bad_input_gives_a_clear_error(tmp_path):
-    r = _cli("ppo", "--model", str(tmp_path / "missing"), "--reward", "fastrlhf.data:true_score")
-    assert r.returncode == 2 and "no such directory, and not a built-in config" in r.stderr
-    assert "Traceback" not in r.stderr
-    r = _cli("sft", "--stepz", "3")
-    assert r.returncode == 2 and "unknown config key(s) ['stepz']; valid keys:" in r.stderr
+@pytest.fixture
+def no_captured_warnings():
+    """cli.main sends Python warnings into logging; give them back to pytest afterwards."""
+    yield
+    logging.captureWarnings(False)
+
+
+def test_bad_input_gives_a_clear_error(tmp_path, capsys, no_captured_warnings):
+    """Bad input is `fastrlhf CMD: error: ...` and exit status 2, never a traceback (in-process:
+    each of these fails before a model loads)."""
+    from fastrlhf import cli
+
+    def run(*args):
+        code = cli.main(list(args))
+        return code, capsys.readouterr().err
+
+    code, err = run("ppo", "--model", str(tmp_path / "missing"), "--reward", "fastrlhf.task:true_score")
+    assert code == 2 and "no such directory, and not a built-in config" in err and "Traceback" not in err
+    code, err = run("sft", "--stepz", "3")
+    assert code == 2 and "unknown config key(s): 'stepz' (did you mean 'steps'?)" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\nnot json\n')
-    r = _cli("sft", "--out", str(tmp_path / "o"), "--data", str(bad), "--steps", "1")
-    assert r.returncode == 2 and f"{bad}:2: malformed JSON line" in r.stderr
-    r = _cli("ppo", "--model", "tiny", "--reward", "no_such_module:fn", "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and "cannot import 'fn' from 'no_such_module'" in r.stderr
+    code, err = run("sft", "--out", str(tmp_path / "o"), "--data", str(bad), "--steps", "1")
+    assert code == 2 and f"sft data: {bad}:2: malformed JSON line" in err
+    code, err = run("ppo", "--model", "tiny", "--reward", "no_such_module:fn", "--out", str(tmp_path / "o"))
+    assert code == 2 and "cannot import 'fn' from 'no_such_module'" in err
+    code, err = run("pipeline", "--ppo.kl_estimator", "k9", "--out", str(tmp_path / "p"))
+    assert code == 2 and "ppo: kl_estimator 'k9': estimator must be one of" in err
+    assert not (tmp_path / "p").exists()  # found before SFT trained

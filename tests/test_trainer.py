@@ -15,10 +15,10 @@ from fastrlhf import ops
 from fastrlhf.config import PPOConfig
 from fastrlhf.ppo import KLController
 from fastrlhf.ppo import train as ppo_train
-from fastrlhf.reward import bradley_terry_loss
+from fastrlhf.rm import bradley_terry_loss
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_PPO = dict(model="tiny", reward="fastrlhf.data:true_score", rollout_batch_size=8, mini_batch_size=4,
+TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=8, mini_batch_size=4,
                 micro_batch_size=2, eval_prompts=8, max_new_tokens=5, save_every=1)
 
 
@@ -120,10 +120,11 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
 
 def test_gradient_accumulation_does_not_change_the_update():
     """One minibatch of 8 as one micro-batch or as four micro-batches of 2: the same step."""
-    from fastrlhf.data import synthetic_prompt_rows
-    from fastrlhf.models import ActorCritic, load_causal_lm
+    from fastrlhf.heads import ActorCritic
+    from fastrlhf.models import load_causal_lm
     from fastrlhf.ppo import forward_logprobs_values, ppo_update
     from fastrlhf.rollout import generate
+    from fastrlhf.task import synthetic_prompt_rows
 
     cpu = torch.device("cpu")
     lm, tok = load_causal_lm("tiny", device=cpu)
@@ -146,3 +147,20 @@ def test_gradient_accumulation_does_not_change_the_update():
         torch.testing.assert_close(params_a[k], params_b[k], rtol=1e-5, atol=1e-6, msg=k)
     for k in ("pg_loss", "value_loss", "clipfrac", "approx_kl", "entropy"):
         assert stats_a[k] == pytest.approx(stats_b[k], rel=1e-4, abs=1e-6), k
+
+
+def test_cpu_phase_memory_is_per_phase():
+    """Each phase reports the peak RSS during that phase, not the process's lifetime peak."""
+    from fastrlhf.metrics import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cpu"))
+    if timer.memory_kind is None:
+        pytest.skip("per-phase CPU memory needs Linux /proc and glibc")
+    with timer.phase("big"):
+        x = torch.ones(32 * 2**20)  # 128 MiB, touched
+        del x
+    with timer.phase("small"):
+        torch.ones(1024)
+    stats = timer.step_stats()
+    assert stats["memory/big"] - stats["memory/small"] > 100 * 2**20
+    assert set(stats) == {"time/big", "time/small", "memory/big", "memory/small"}

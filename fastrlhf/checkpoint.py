@@ -1,0 +1,275 @@
+"""Checkpoints, resume and atomic writes.
+
+A stage's folder, OUT/<stage>/:
+
+    config.json                the stage's configuration, defaults resolved (written when it starts)
+    checkpoints/step_000050/   model.safetensors (trainable weights), optimizer.pt, state.pt (step, RNG, extra)
+    checkpoints/latest         one line: the folder name of the newest complete checkpoint
+    final/                     a Hugging Face model directory (+ tokenizer, + head files, + fastrlhf.json)
+
+Resume safety (`check_run_dir`, before any model loads): a fresh run in a folder that holds a
+run is refused unless `--overwrite` (which deletes it) or `--resume`; `--resume` refuses a
+configuration that differs from the recorded one (apart from `RESUME_FREE_KEYS`) and says so
+when there is no checkpoint to resume from.
+
+Every folder and JSON file is first written under a temporary name beside its destination
+and then moved into place with `os.replace`, so a crash never leaves half a checkpoint and
+`latest` only ever names a complete one.
+
+What a checkpoint holds is written and read by `_write_state` / `_read_state` alone; the
+rest (folders, the `latest` pointer, pruning, resume) does not look inside. Sharded
+checkpoints (torch.distributed.checkpoint: every rank writes its shards into the same
+temporary folder, rank 0 publishes it once all are done) replace those two functions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+log = logging.getLogger("fastrlhf")
+
+LATEST = "latest"
+CONFIG_FILE = "config.json"
+RESUME_FREE_KEYS = ("steps", "stop_after", "resume", "overwrite", "log_every", "save_every", "eval_every",
+                    "tensorboard")  # keys a resumed run may change
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float (NaN, inf) replaced by None: valid JSON (NaN -> null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """`obj` as indented, valid JSON at `path` (NaN/inf as null), via a temporary file and `os.replace`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(json_safe(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def staging_dir(path: Path) -> Path:
+    """An empty temporary folder beside `path`, to be published with `publish_dir`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, path: Path) -> None:
+    """Atomically publish a finished folder: an existing one is renamed away first, then removed."""
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model_dir(lm, tokenizer, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None,
+                   lineage: dict | None = None) -> None:
+    """A Hugging Face model directory (+ tokenizer, + extra safetensors files, + `lineage` as
+    fastrlhf.json: see fastrlhf.models), published atomically."""
+    tmp = staging_dir(path)
+    lm.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for filename, tensors in (extra or {}).items():
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / filename)
+    if lineage is not None:
+        write_json_atomic(tmp / "fastrlhf.json", lineage)
+    publish_dir(tmp, path)
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, _, gauss = random.getstate()
+    random.setstate((version, tuple(state["python"]), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _write_state(folder: Path, weights: dict[str, torch.Tensor], optimizer, meta: dict) -> None:
+    """Single process: weights as safetensors, optimizer and meta (step, RNG, extra) as torch files."""
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, folder / "model.safetensors")
+    torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+    torch.save(meta, folder / "state.pt")
+
+
+def _read_state(folder: Path, module: nn.Module, optimizer) -> dict:
+    """Load the weights into `module` (every saved tensor must match a parameter) and the
+    optimizer state; returns the meta dict."""
+    params = dict(module.named_parameters())
+    weights = load_file(folder / "model.safetensors")
+    unknown = set(weights) - set(params)
+    if unknown:
+        raise ValueError(f"checkpoint {str(folder)!r} holds tensors the model does not have: {sorted(unknown)[:5]}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+    return torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+
+
+def save_checkpoint(stage_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer, extra: dict,
+                    keep: int = 2) -> Path:
+    """stage_dir/checkpoints/step_{step:06d}/, then `latest` points at it. Only this checkpoint
+    and the newest `keep - 1` before it stay; any with a later step (from a run this one
+    replaces) are removed, so `latest` always names the newest checkpoint on disk."""
+    root = Path(stage_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = staging_dir(final)
+    _write_state(tmp, weights, optimizer, {"step": step, "rng": rng_state(), "extra": extra})
+    publish_dir(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    older = sorted(p for p in root.glob("step_*") if p.name < final.name)
+    newer = [p for p in root.glob("step_*") if p.name > final.name]
+    for old in older[:max(0, len(older) - (keep - 1))] + newer:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(stage_dir: Path) -> Path | None:
+    """The checkpoint `latest` names; None when there is none. A `latest` that names a missing
+    folder is an error, never a silent fresh start."""
+    pointer = Path(stage_dir) / "checkpoints" / LATEST
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not path.is_dir():
+        raise ValueError(f"{pointer} names {path.name}, which does not exist; the checkpoints in "
+                         f"{pointer.parent} are inconsistent (start over with --overwrite)")
+    return path
+
+
+def load_checkpoint(path: Path, module: nn.Module, optimizer) -> dict:
+    """Load weights into `module`, the optimizer state and the RNG state; returns {"step", "extra"}."""
+    state = _read_state(Path(path), module, optimizer)
+    set_rng_state(state["rng"])
+    return {"step": int(state["step"]), "extra": state["extra"]}
+
+
+def resume_from_checkpoint(stage_dir: Path, module: nn.Module, optimizer, enabled: bool, stage: str):
+    """(step, extra) of the stage's latest checkpoint, loaded into `module` and `optimizer`, when
+    `enabled` and one exists; None otherwise (a fresh start, said in the log when resuming)."""
+    if not enabled:
+        return None
+    ckpt = latest_checkpoint(stage_dir)
+    if ckpt is None:
+        log.warning("%s: --resume, but %s holds no checkpoint: starting from step 0", stage,
+                    Path(stage_dir) / "checkpoints")
+        return None
+    state = load_checkpoint(ckpt, module, optimizer)
+    log.info("%s: resumed from %s (step %d)", stage, ckpt, state["step"])
+    return state["step"], state["extra"]
+
+
+# ---------------------------------------------------------------- run folders: resume safety
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(recorded: dict, current: dict, free=RESUME_FREE_KEYS) -> list[str]:
+    """'key: recorded -> current' for every key that differs, keys in `free` (at any depth) aside."""
+    a, b = _flat(recorded), _flat(current)
+    keys = [k for k in sorted(set(a) | set(b)) if k.rsplit(".", 1)[-1] not in free]
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def describe_run(folder: Path) -> str | None:
+    """What an earlier run left in a stage folder ("checkpoints up to step 120, a final model"), or None."""
+    folder = Path(folder)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return None
+    parts = []
+    steps = sorted(p.name for p in (folder / "checkpoints").glob("step_*"))
+    if steps:
+        parts.append(f"checkpoints up to step {int(steps[-1][5:])}")
+    if (folder / "final").is_dir():
+        parts.append("a final model")
+    if (folder / CONFIG_FILE).is_file():
+        parts.append("a recorded configuration")
+    return ", ".join(parts) or "files"
+
+
+def check_run_dir(folder: Path, config: dict, *, resume: bool, overwrite: bool, what: str) -> None:
+    """Refuse, before any model loads, a run that would silently mix with an earlier one in
+    `folder` (a stage folder, or the pipeline's OUT): a fresh run where one exists (unless
+    `overwrite`), or `resume` with a configuration that differs from the recorded one."""
+    if resume and overwrite:
+        raise ValueError(f"{what}: --resume and --overwrite contradict each other; pass one")
+    found = describe_run(folder)
+    if found is None or overwrite:
+        return
+    if not resume:
+        raise ValueError(f"{what}: {folder} already holds a run ({found}); pass --resume to continue it, or "
+                         "--overwrite to delete it and start over")
+    recorded = Path(folder) / CONFIG_FILE
+    if recorded.is_file():
+        changes = config_changes(json.loads(recorded.read_text()), config)
+        if changes:
+            raise ValueError(f"{what}: --resume with a configuration that differs from the one recorded in "
+                             f"{recorded}: {'; '.join(changes)}. Restore those values, or start over with "
+                             "--overwrite")
+
+
+def start_run_dir(folder: Path, config: dict, *, resume: bool, overwrite: bool,
+                  remove: tuple[str, ...] | None = None) -> None:
+    """After `check_run_dir`: delete the earlier run when `overwrite` (the entries `remove`
+    names, or the whole folder), then record `config` in folder/config.json."""
+    folder = Path(folder)
+    if overwrite and folder.exists():
+        if remove is None:
+            shutil.rmtree(folder)
+        else:
+            for name in remove:
+                path = folder / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+        log.info("deleted the earlier run in %s (--overwrite)", folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / CONFIG_FILE, config)

@@ -1,0 +1,178 @@
+"""Reward functions for the PPO stage: `load_reward(spec)` turns `--reward` into a function
+Rollout -> scores [B] float32, every score checked.
+
+- a reward-model directory written by `fastrlhf rm` (`RewardModel`, scored at the last
+  response token). When its tokenizer differs from the policy's, it is given the texts and
+  re-tokenizes them (the rule of fastrlhf.data, with EOS after each response).
+- a rule `module:function`, imported with the current directory on the path (so
+  `--reward myreward:score` finds ./myreward.py), called as function(prompts, responses)
+  with two lists of B strings. It returns one real number per response: a list/tuple of
+  floats or ints (bools count as 0/1), or a 1-D numpy array or torch tensor (used detached).
+
+Scores are checked at every call: their count, their type, and finiteness (a NaN or inf is
+an error naming the reward and the sample). Scores far from order 1 get one warning: PPO's KL
+coefficient and value targets assume rewards of that scale (the reward model's are
+normalised to mean 0, std 1).
+
+The reward-model *training* stage is `fastrlhf rm` (fastrlhf/rm.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import numbers
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fastrlhf.data import Encoder, pack
+from fastrlhf.devices import autocast
+from fastrlhf.heads import SCORE_HEAD_FILE, RewardModel
+from fastrlhf.models import model_source, same_tokenizer
+from fastrlhf.rollout import Rollout
+
+log = logging.getLogger("fastrlhf")
+
+RewardFn = Callable[[Rollout], torch.Tensor]
+LARGE_SCORE = 100.0  # |score| above this gets a warning about the reward's scale
+
+
+def is_rule(spec: str) -> bool:
+    """`module:function` (and not a directory)."""
+    return ":" in spec and not Path(spec).is_dir()
+
+
+def import_rule(spec: str) -> Callable:
+    """The callable `module:function` names, imported with the current directory on sys.path."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise ValueError(f"reward {spec!r}: expected 'module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {spec!r}: cannot import {fn_name!r} from {module_name!r} ({e}; looked in "
+                         f"the current directory {cwd} and on sys.path)") from None
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {fn_name!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _sample(rollout: Rollout, i: int) -> str:
+    return f"sample {i} (prompt {rollout.prompts[i]!r:.80}, response {rollout.responses[i]!r:.80})"
+
+
+def check_scores(scores, rollout: Rollout, name: str, *, device) -> torch.Tensor:
+    """`scores` from reward `name` as a float32 tensor [B] on `device`, after checking their
+    count, type and finiteness (a clear TypeError / ValueError otherwise)."""
+    n = len(rollout.prompts)
+    if isinstance(scores, torch.Tensor) or type(scores).__module__ == "numpy":
+        shape = tuple(scores.shape)
+        if shape != (n,):
+            raise ValueError(f"reward {name} returned an array of shape {shape}; expected ({n},): one score "
+                             "per response")
+        real = not scores.is_complex() if isinstance(scores, torch.Tensor) else scores.dtype.kind in "biuf"
+        if not real:
+            raise TypeError(f"reward {name} returned an array of {scores.dtype}; expected real numbers")
+        values = torch.as_tensor(scores).detach().to(device=device, dtype=torch.float32)
+    elif isinstance(scores, list | tuple):
+        if len(scores) != n:
+            raise ValueError(f"reward {name} returned {len(scores)} scores for {n} responses; expected one each")
+        for i, s in enumerate(scores):
+            if not isinstance(s, numbers.Real):
+                raise TypeError(f"reward {name} returned {type(s).__name__} {s!r:.40} for {_sample(rollout, i)}; "
+                                "expected a real number")
+        values = torch.tensor([float(s) for s in scores], dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"reward {name} returned {type(scores).__name__}; expected a list of {n} floats "
+                        "(one per response), or a 1-D array / tensor")
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        i = int((~finite).nonzero()[0])
+        raise ValueError(f"reward {name} returned a non-finite score ({values[i].item()}) for {_sample(rollout, i)}; "
+                         "scores must be finite numbers")
+    return values
+
+
+class _ScaleWarning:
+    """One warning per run when scores stray far from order 1."""
+
+    def __init__(self, name: str):
+        self.name, self.warned = name, False
+
+    def __call__(self, scores: torch.Tensor) -> None:
+        top = scores.abs().max().item() if scores.numel() else 0.0
+        if not self.warned and top > LARGE_SCORE:
+            self.warned = True
+            warnings.warn(f"reward {self.name} returns scores up to {top:.3g} in magnitude; PPO's KL coefficient and "
+                          "value targets assume rewards of order 1: rescale them", stacklevel=3)
+
+
+def _rule_reward(spec: str, device) -> RewardFn:
+    fn = import_rule(spec)
+    scale = _ScaleWarning(spec)
+    said = []
+
+    def score_with_rule(rollout: Rollout) -> torch.Tensor:
+        raw = fn(list(rollout.prompts), list(rollout.responses))
+        if not said:
+            kinds = sorted({type(s).__name__ for s in raw}) if isinstance(raw, list | tuple) else []
+            log.info("ppo: reward %s returns a %s%s; used as float32", spec, type(raw).__name__,
+                     f" of {'/'.join(kinds)}" if kinds else "")
+            said.append(True)
+        scores = check_scores(raw, rollout, spec, device=device)
+        scale(scores)
+        return scores
+
+    return score_with_rule
+
+
+def check_reward_model_dir(spec: str, *, where: str = "ppo reward"):
+    """The reward model's ModelSource (tokenizer, config), after checking its files."""
+    if not (Path(spec) / SCORE_HEAD_FILE).is_file():
+        raise ValueError(f"{where}: {spec!r} has no {SCORE_HEAD_FILE}: not a reward model written by `fastrlhf rm`")
+    return model_source(spec, where=where)
+
+
+def _model_reward(spec: str, device, policy_tokenizer, chat_template: bool) -> RewardFn:
+    model, rm_tokenizer = RewardModel.from_pretrained(spec, device=device)
+    name = f"model {spec}"
+    scale = _ScaleWarning(name)
+    retokenize = policy_tokenizer is not None and not same_tokenizer(policy_tokenizer, rm_tokenizer)
+    encoder = Encoder(rm_tokenizer, chat_template=chat_template)
+    if retokenize:
+        log.info("ppo: the reward model's tokenizer differs from the policy's: it scores the re-tokenized text")
+
+    @torch.no_grad()
+    def score_with_model(rollout: Rollout) -> torch.Tensor:
+        if retokenize:
+            prompt_ids = encoder.prompts(rollout.prompts)
+            response_ids = encoder.responses(rollout.prompts, prompt_ids, rollout.responses)
+            b = pack(prompt_ids, response_ids, rm_tokenizer.pad_token_id).to(device)
+        else:
+            b = rollout.batch
+        with autocast(device):
+            scores = model(b.input_ids, b.attention_mask, b.position_ids).float()
+        scores = check_scores(scores, rollout, name, device=device)
+        scale(scores)
+        return scores
+
+    return score_with_model
+
+
+def load_reward(spec: str, *, device: torch.device, policy_tokenizer=None, chat_template: bool = True) -> RewardFn:
+    """A reward function Rollout -> checked scores [B]: a reward-model directory (scored at
+    the last response token), or a rule `module:function` taking (prompts, responses)."""
+    if Path(spec).is_dir():
+        return _model_reward(spec, device, policy_tokenizer, chat_template)
+    if is_rule(spec):
+        return _rule_reward(spec, device)
+    raise ValueError(f"reward {spec!r}: expected a reward-model directory or a Python callable 'module:function'")
+

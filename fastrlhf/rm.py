@@ -1,0 +1,223 @@
+"""`fastrlhf rm`: a Bradley-Terry reward model on (prompt, chosen, rejected), initialised from SFT.
+
+    loss = -mean log sigmoid(r(prompt, chosen) - r(prompt, rejected))
+
+r is a scalar head on the SFT model's trunk, read at the last response token (EOS).
+Reports the held-out pairwise accuracy: the fraction of pairs with r(chosen) > r(rejected).
+Pairs whose chosen and rejected responses are equal carry no preference: they are dropped,
+with a warning that counts them.
+
+`prepare` checks the whole configuration before the model loads; `train` runs it. Writes
+OUT/rm/config.json, OUT/rm/final (model + tokenizer + score head), rows with "stage": "rm"
+in OUT/metrics.jsonl, OUT/summary.json["rm"] and OUT/plots/rm_curves.png. The reward
+functions PPO uses (this model, or a rule) are in fastrlhf/rewards.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fastrlhf import task
+from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf.config import RMConfig, run_cli, to_dict
+from fastrlhf.data import (
+    BUILTIN,
+    Encoder,
+    auto_lengths,
+    builtin_table,
+    load_table,
+    pack,
+    truncate_prompts,
+    truncate_responses,
+)
+from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.heads import RewardModel
+from fastrlhf.metrics import log, setup_logging
+from fastrlhf.models import ModelSource, load_causal_lm
+from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, check_common, describe_data, guarded_step, resolve_data, stage_model
+
+NORM_PAIRS = 1024  # training pairs whose scores set the normalisation
+TINY_LR = 1e-3  # a model grown from the built-in `tiny`
+MODEL_LR = 9e-6  # any other model: OpenRLHF 0.11's train_rm default (--adam.lr)
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """-mean log sigmoid(chosen - rejected) over pairs [B] (log-sigmoid, stable for large margins)."""
+    if chosen.shape != rejected.shape:
+        raise ValueError(f"chosen {tuple(chosen.shape)} and rejected {tuple(rejected.shape)} must match")
+    return -F.logsigmoid(chosen.float() - rejected.float()).mean()
+
+
+def _pair_batch(enc: dict, idx: list[int], pad_id: int):
+    """One batch of 2B sequences: the B chosen responses, then the B rejected ones."""
+    prompts = [enc["prompt"][i] for i in idx]
+    responses = [enc["chosen"][i] for i in idx] + [enc["rejected"][i] for i in idx]
+    return pack(prompts + prompts, responses, pad_id)
+
+
+def _pair_scores(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device):
+    batch = _pair_batch(enc, idx, pad_id).to(device)
+    with autocast(device):
+        scores = model(batch.input_ids, batch.attention_mask, batch.position_ids)
+    return scores[: len(idx)], scores[len(idx):]
+
+
+@torch.no_grad()
+def accuracy(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device) -> float:
+    """Fraction of pairs with r(chosen) > r(rejected)."""
+    was_training = model.training
+    model.eval()
+    hits = 0
+    for i in range(0, len(idx), EVAL_BATCH_SIZE):
+        chosen, rejected = _pair_scores(model, enc, idx[i:i + EVAL_BATCH_SIZE], pad_id, device)
+        hits += int((chosen > rejected).sum())
+    model.train(was_training)
+    return hits / max(1, len(idx))
+
+
+@torch.no_grad()
+def score_stats(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device) -> tuple[float, float]:
+    """Mean and standard deviation of the scores of the chosen and rejected responses of `idx`."""
+    model.eval()
+    scores = torch.cat([torch.cat(_pair_scores(model, enc, idx[i:i + EVAL_BATCH_SIZE], pad_id, device))
+                        for i in range(0, len(idx), EVAL_BATCH_SIZE)])
+    return scores.mean().item(), scores.std().clamp(min=1e-6).item()
+
+
+@dataclasses.dataclass
+class RMPlan:
+    """The RM stage, checked and resolved before its model loads."""
+
+    cfg: RMConfig
+    """The configuration with every `auto`/0 default resolved (what OUT/rm/config.json records)."""
+    model: ModelSource
+    enc: dict[str, list[list[int]]]
+    """Token ids of "prompt", "chosen" and "rejected", one entry per pair."""
+    train_idx: list[int]
+    eval_idx: list[int]
+
+    @property
+    def produces(self) -> ModelSource:
+        """The reward model this stage writes (OUT/rm/final)."""
+        return self.model.descendant(Path(self.cfg.out) / "rm" / "final", self.cfg.data)
+
+
+def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: str = "") -> RMPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights.
+    `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm")
+    if not 0 < cfg.eval_fraction < 1:
+        raise ValueError(f"rm: eval_fraction must be in (0, 1), got {cfg.eval_fraction}")
+    model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")
+    cfg.model = model.spec
+    cfg.data = resolve_data(cfg.data, model, "rm", f"--{key_prefix}data")
+    builtin = cfg.data == BUILTIN
+    if builtin:
+        table = builtin_table(task.synthetic_pairs(cfg.num_pairs, cfg.seed))
+    else:
+        columns = {"prompt": cfg.prompt_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
+        table = load_table(cfg.data, columns, where="rm data")
+    rows = {k: list(table[k]) for k in ("prompt", "chosen", "rejected")}
+    ties = [i for i, (c, r) in enumerate(zip(rows["chosen"], rows["rejected"])) if c == r]
+    if ties:
+        warnings.warn(f"rm: {len(ties)} of {len(rows['prompt'])} pairs have chosen == rejected (first: row "
+                      f"{ties[0]}); they carry no preference and are dropped", stacklevel=2)
+        keep = sorted(set(range(len(rows["prompt"]))) - set(ties))
+        rows = {k: [v[i] for i in keep] for k, v in rows.items()}
+    n = len(rows["prompt"])
+    n_eval = max(1, int(n * cfg.eval_fraction))
+    if n_eval >= n:
+        raise ValueError(f"rm: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    enc = {"prompt": encoder.prompts(rows["prompt"])}
+    for k in ("chosen", "rejected"):
+        enc[k] = encoder.responses(rows["prompt"], enc["prompt"], rows[k], what=f"{k} responses",
+                                   warn_empty=not builtin)
+    if builtin:
+        cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
+        cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
+    cfg.max_prompt_len, cfg.max_response_len = auto_lengths(
+        max(map(len, enc["prompt"])), max(map(len, enc["chosen"] + enc["rejected"])), model.max_positions,
+        max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len, where="rm")
+    enc["prompt"] = truncate_prompts(enc["prompt"], cfg.max_prompt_len)
+    for k in ("chosen", "rejected"):
+        enc[k] = truncate_responses(enc[k], cfg.max_response_len, what=f"{k} responses")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
+    check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="rm")
+    log.info("rm: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %d pairs held out",
+             model.spec, describe_data(cfg.data, n), cfg.max_prompt_len, cfg.max_response_len, cfg.lr, n_eval)
+    return RMPlan(cfg, model, enc, train_idx=order[n_eval:], eval_idx=order[:n_eval])
+
+
+def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
+    plan = plan or prepare(cfg)
+    cfg = plan.cfg
+    stage_dir = Path(cfg.out) / "rm"
+    start_run_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: SFT model + score head, optimizer, resume
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
+    model = RewardModel(lm)
+    enc, train_idx, eval_idx = plan.enc, plan.train_idx, plan.eval_idx
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    run = StageRun("rm", cfg, model=model, optimizer=optimizer)
+    step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
+    window = []
+    pad_id = tokenizer.pad_token_id
+    model.train()
+
+    while step < run.stop:
+        # 1. batch of pairs: chosen and rejected for the same prompts, scored in one forward
+        idx = [train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,)).tolist()]
+        chosen, rejected = _pair_scores(model, enc, idx, pad_id, device)
+        # 2. Bradley-Terry loss
+        loss = bradley_terry_loss(chosen, rejected)
+        # 3. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
+        if not guarded_step(optimizer, loss, model.parameters(), step, lr=cfg.lr):
+            skipped += 1
+        step += 1
+        window.append((loss.item(), (chosen > rejected).float().mean().item()))
+        run.advance(loss=f"{loss.item():.3f}")
+        # 4. log (with the held-out accuracy every eval_every steps) and checkpoint
+        if run.due(step, cfg.log_every):
+            stats = {"loss": sum(w[0] for w in window) / len(window),
+                     "train_accuracy": sum(w[1] for w in window) / len(window), "skipped_nonfinite": skipped}
+            if run.due(step, cfg.eval_every):
+                stats["accuracy"] = accuracy(model, enc, eval_idx, pad_id, device)
+            run.log(step, stats)
+            window = []
+        if run.due(step, cfg.save_every):
+            run.save(step, dict(model.named_parameters()), {"skipped_nonfinite": skipped})
+
+    if not run.finish(step):
+        return {"stopped_at": step}
+    # 5. normalise the scores to mean 0, std 1 on training responses (Ziegler et al. 2019), so the
+    #    PPO stage's KL coefficient and value targets have a known scale; pairwise order is unchanged
+    norm_idx = train_idx[:NORM_PAIRS]
+    mean, std = score_stats(model, enc, norm_idx, pad_id, device)
+    model.normalize_(mean, std)
+    # 6. final model, held-out accuracy, summary, plot
+    model.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
+    logged = run.rows()
+    summary = {"accuracy": logged[-1]["accuracy"], "eval_pairs": len(eval_idx),
+               "loss_final": logged[-1]["loss"] if logged else None, "steps": step,
+               "skipped_nonfinite": skipped, "seconds": run.seconds,
+               "score_mean_before_normalisation": mean, "score_std_before_normalisation": std,
+               "model_dir": str(run.dir / "final")}
+    run.write_summary(summary)
+    run.plot(["loss", "accuracy"], "rm_curves.png")
+    log.info("rm: done, held-out accuracy %.3f on %d pairs", summary["accuracy"], len(eval_idx))
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    setup_logging()
+    return run_cli(RMConfig, argv, "fastrlhf rm", train)

@@ -1,0 +1,191 @@
+"""What every stage shares around its training loop: the checks of its configuration before
+a model loads (`check_common`, `resolve_data`, `stage_model`), resume, the metrics logger,
+the progress bar, checkpoints, the summary and the guarded optimizer step. The loop body
+stays in the stage, top to bottom:
+
+    run = StageRun("sft", cfg, model=lm, optimizer=optimizer)   # resumes when cfg.resume
+    step = run.step
+    while step < run.stop:
+        ...                                                      # the stage's numbered steps
+        step += 1
+        run.advance(loss=f"{loss:.3f}")
+        if run.due(step, cfg.log_every):
+            run.log(step, stats)
+        if run.due(step, cfg.save_every):
+            run.save(step, weights, extra)
+    if not run.finish(step):                                     # stopped early (--stop_after)
+        return {"stopped_at": step}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from fastrlhf.checkpoint import resume_from_checkpoint, save_checkpoint
+from fastrlhf.data import AUTO, BUILTIN
+from fastrlhf.devices import resolve_device
+from fastrlhf.metrics import LineProgress, RunLogger, progress, update_summary
+from fastrlhf.models import BUILTIN_MODELS, ModelSource, model_source
+from fastrlhf.plots import plot_curves
+
+log = logging.getLogger("fastrlhf")
+
+WARMUP_STEPS = 10  # linear learning-rate warm-up of the SFT and RM stages
+EVAL_BATCH_SIZE = 256  # sequences per forward pass when evaluating (RM accuracy, PPO true score)
+
+
+# ---------------------------------------------------------------- checks before a model loads
+
+
+def check_common(cfg, counts: tuple[str, ...], stage: str) -> None:
+    """What every stage's configuration needs: each key in `counts` an int >= 1, a device
+    that exists, TensorBoard installed when asked for."""
+    for name in counts:
+        value = getattr(cfg, name)
+        if value < 1:
+            raise ValueError(f"{stage}: {name} must be >= 1, got {value}")
+    resolve_device(cfg.device)
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{stage}: --tensorboard needs the tensorboard package: "
+                             "pip install 'fastrlhf[tensorboard]'") from None
+
+
+def stage_model(spec: str, default: Path, upstream: ModelSource | None, stage: str, made_by: str) -> ModelSource:
+    """The model a stage starts from: `spec` when given; else `upstream` (what the previous
+    stage of a pipeline will write at `default`), else the model already at `default`."""
+    if spec:
+        return model_source(spec, where=f"{stage} model")
+    if upstream is not None:
+        return upstream
+    if not Path(default).is_dir():
+        raise ValueError(f"{stage}: no model given and {default} does not exist; run `fastrlhf {made_by}` "
+                         "with the same --out first, or pass --model")
+    return model_source(default, where=f"{stage} model")
+
+
+def resolve_data(data: str, model: ModelSource, stage: str, key: str = "--data") -> str:
+    """`builtin`, or the user's data path. `auto` is `builtin` only when the model is a built-in
+    config or was trained on the built-in task; otherwise it is an error: the built-in task is
+    never a silent substitute for data the user forgot."""
+    if data == BUILTIN:
+        return BUILTIN
+    if data != AUTO:
+        return data
+    builtin_model = model.trained_on is None and model.origin in BUILTIN_MODELS
+    if model.trained_on == BUILTIN or builtin_model:
+        return BUILTIN
+    trained = f", trained on {model.trained_on}" if model.trained_on else ""
+    raise ValueError(f"{stage}: no data given ({key} auto), and the model {model.spec}{trained} is neither a "
+                     f"built-in config nor trained on the built-in task; pass {key} FILE (JSONL/JSON/parquet/CSV "
+                     f"or a save_to_disk folder), or {key} builtin to train on the built-in task on purpose")
+
+
+def describe_data(data: str, rows: int) -> str:
+    if data == BUILTIN:
+        return f"the built-in task (fastrlhf.task, --data builtin), {rows} rows"
+    return f"{data}, {rows} rows"
+
+
+# ---------------------------------------------------------------- the run
+
+
+class StageRun:
+    """One stage's run in OUT/<stage>/: `step` and `extra` (from the latest checkpoint when
+    resuming, else 0 and {}), `stop` (the step this invocation ends at), the logger and the bar."""
+
+    def __init__(self, stage: str, cfg, *, model: torch.nn.Module, optimizer):
+        self.stage, self.cfg, self.optimizer = stage, cfg, optimizer
+        self.out = Path(cfg.out)
+        self.dir = self.out / stage
+        resumed = resume_from_checkpoint(self.dir, model, optimizer, cfg.resume, stage)
+        self.resumed = resumed is not None
+        self.step, self.extra = resumed if self.resumed else (0, {})
+        self.logger = RunLogger(self.out, stage, resume_step=self.step if self.resumed else None,
+                                tensorboard=cfg.tensorboard)
+        if not self.resumed:
+            update_summary(self.out, stage, None)  # a fresh run's summary must not show an earlier run's
+        self.stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, self.step + cfg.stop_after)
+        self._context = contextlib.ExitStack()
+        self.bar = progress(cfg.steps, self.step, stage)
+        if not isinstance(self.bar, LineProgress):
+            self._context.enter_context(logging_redirect_tqdm())  # log lines above the bar, not on it
+        self.start = time.perf_counter()
+
+    def due(self, step: int, every: int) -> bool:
+        """Every `every` steps, and at the last step of this invocation."""
+        return step % every == 0 or step == self.stop
+
+    def advance(self, **postfix) -> None:
+        self.bar.set_postfix(refresh=False, **postfix)
+        self.bar.update(1)
+
+    def log(self, step: int, stats: dict) -> dict:
+        return self.logger.log(step, stats)
+
+    def save(self, step: int, weights: dict[str, torch.Tensor], extra: dict) -> Path:
+        return save_checkpoint(self.dir, step, weights, self.optimizer, extra)
+
+    def finish(self, step: int) -> bool:
+        """Close the bar and the logger. False (and a log line) when this invocation stopped
+        before the last step; the stage then returns without a final model."""
+        self.bar.close()
+        self._context.close()
+        self.logger.close()
+        if step < self.cfg.steps:
+            log.info("%s: stopped after step %d of %d (resume with --resume)", self.stage, step, self.cfg.steps)
+            return False
+        return True
+
+    def rows(self) -> list[dict]:
+        """This stage's metrics rows, oldest first."""
+        return self.logger.rows()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def write_summary(self, summary: dict) -> dict:
+        return update_summary(self.out, self.stage, summary)
+
+    def plot(self, keys: list[str], filename: str) -> Path | None:
+        return plot_curves(self.rows(), self.stage, keys, self.out / "plots" / filename)
+
+
+# ---------------------------------------------------------------- the optimizer step
+
+
+def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
+    """True if `value` is finite; otherwise warn that this optimizer step is skipped."""
+    if bool(torch.isfinite(value).all()):
+        return True
+    warnings.warn(f"step {step}: non-finite {what} ({value.detach().float().flatten()[:1].item()}); "
+                  "skipping this optimizer step", stacklevel=2)
+    return False
+
+
+def guarded_step(optimizer, loss: torch.Tensor, params, step: int, *, lr: float,
+                 warmup_steps: int = WARMUP_STEPS, max_grad_norm: float = 1.0) -> bool:
+    """One optimizer step with linear warm-up and gradient clipping; a non-finite loss or
+    gradient norm skips it (with a warning). Returns whether the step was applied."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
+    optimizer.zero_grad(set_to_none=True)
+    if not finite_or_warn(loss, "loss", step):
+        return False
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not finite_or_warn(grad_norm, "gradient norm", step):
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    return True
