@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 import torch
 
-from fastrlhf.task import true_score  # noqa: F401  (`--reward fastrlhf.data:true_score`, its name before task.py)
 
 log = logging.getLogger("fastrlhf")
 
