@@ -154,9 +154,8 @@ def test_triton_reads_the_view_without_copy(monkeypatch):
     assert seen == [(full.data_ptr(), full.stride())]
 
 
-def test_inplace_backward_writes_into_logits_storage(monkeypatch):
+def test_inplace_backward_writes_into_logits_storage(backend):
     """inplace_backward=True: d(logits) lands in the storage of the (non-contiguous) logits view."""
-    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
     B, T, V = 2, 9, 301
     full = torch.randn(B, T + 1, V, dtype=torch.bfloat16)
     last_column = full[:, -1].clone()
@@ -172,3 +171,27 @@ def test_inplace_backward_writes_into_logits_storage(monkeypatch):
     assert torch.equal(dx, expected)
     assert torch.equal(full.detach()[:, :-1], expected), "the logits' storage now holds d(logits)"
     assert torch.equal(full.detach()[:, -1], last_column), "outside the view nothing is written"
+
+
+def test_inplace_backward_bumps_the_version_counter(backend):
+    """Another node that saved the logits for its backward raises after the in-place backward has
+    overwritten them, instead of computing its gradient from d(logits)."""
+    B, T, V = 2, 5, 33
+    labels = torch.randint(0, V, (B, T))
+    leaf = torch.randn(B, T, V, requires_grad=True)
+    logits = leaf * 1.0
+    version = logits._version
+    square = (logits * logits).sum()  # MulBackward saves `logits`
+    logp = ops.logprobs(logits, labels, inplace_backward=True)  # created later: its backward runs first
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (logp.sum() + square).backward()
+    assert logits._version > version
+
+    # without the in-place backward the same graph is fine: 2 x logits plus d(logp)/d(logits)
+    logits = leaf * 1.0
+    square = (logits * logits).sum()
+    logp = ops.logprobs(logits, labels)
+    (logp.sum() + square).backward()
+    p = torch.softmax(leaf.detach(), -1)
+    d_logp = torch.nn.functional.one_hot(labels, V) - p
+    torch.testing.assert_close(leaf.grad, 2 * leaf.detach() + d_logp, rtol=1e-5, atol=1e-6)

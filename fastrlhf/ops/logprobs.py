@@ -106,7 +106,7 @@ def _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index
     y, lse = y.reshape(-1), lse.reshape(-1)
     entropy = None if entropy is None else entropy.reshape(-1)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out_rows = out.view(-1, V)
+    out_rows = None if inplace else out.view(-1, V)
     g_lp = None
     if g_logp is not None:  # ignored and out-of-range labels have no log-prob, hence no gradient through it
         takes_grad = (y >= 0) & (y < V) & (y != ignore_index)
