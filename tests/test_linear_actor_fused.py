@@ -208,6 +208,10 @@ def test_three_matmuls_per_chunk(backend, dtype):
     h, w, b = leaves(True, True, True)
     assert _count(lambda: torch.nan_to_num(ops.linear_logprobs(h, w, labels, bias=b, chunk_size=7))
                   .sum().backward()) == 4 * chunks
+    # one chunk for all tokens: linear_logprobs keeps its logits for the backward, 3 matmuls
+    h, w, b = leaves(True, True, True)
+    assert _count(lambda: torch.nan_to_num(ops.linear_logprobs(h, w, labels, bias=b, chunk_size=40))
+                  .sum().backward()) == 3
 
     for trainable, per_chunk in (((True, False, False), 2), ((False, True, True), 2), ((False, False, True), 1)):
         h, w, b = leaves(*trainable)

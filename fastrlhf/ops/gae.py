@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from fastrlhf import reference as ref
-from fastrlhf.constants import MASK_MODES
+from fastrlhf.constants import MASK_MODES, WHITEN_EPS
 from fastrlhf.ops._common import (
     as_rows,
     check_choice,
@@ -28,6 +28,20 @@ def _math(x: Tensor) -> Tensor:
     return x.to(out_dtype(x))
 
 
+def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+    """reference.whiten without its host sync (an empty selection gives 0 without a branch)."""
+    m = selected.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    centered = x - mean
+    var = (centered * centered * m).sum()
+    var = var / (torch.where(n > 1, n - 1, n.clamp(min=1)) if unbiased else n.clamp(min=1))
+    out = centered.mul_(torch.rsqrt(var + WHITEN_EPS))
+    if not shift_mean:
+        out = out.add_(mean)
+    return out.mul_(m)
+
+
 # ---------------------------------------------------------------- fastrlhf::whiten
 
 
@@ -37,7 +51,7 @@ def _whiten_op(x: Tensor, mask: Tensor, unbiased: bool, shift_mean: bool, use_tr
     if x.numel() == 0:
         return torch.zeros(x.shape, dtype=out_dtype(x), device=x.device)
     if not use_triton:
-        return ref.whiten(_math(x), selected, unbiased=unbiased, shift_mean=shift_mean)
+        return _whiten_torch(_math(x), selected, unbiased, shift_mean)
     from fastrlhf.kernels import gae as kernels
 
     out = kernels.whiten_fwd(as_rows(x).contiguous(), as_rows(selected).contiguous(), unbiased=unbiased,

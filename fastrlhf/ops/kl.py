@@ -30,37 +30,39 @@ from fastrlhf.ops._common import (
 
 
 def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
-    """The per-token estimate in out_dtype(logp); `estimator` is a canonical name (k1, k2, k3, abs)."""
+    """The per-token estimate in out_dtype(logp); `estimator` is a canonical name (k1, k2, k3, abs).
+    (In-place steps on fresh tensors: on CPU each new buffer of a small op costs as much as its math.)"""
     dtype = out_dtype(logp)
     r = logp.to(dtype) - ref_logp.to(dtype)
-    if estimator == "k1":
-        kl = r
-    elif estimator == "k2":
-        kl = 0.5 * r * r
+    if estimator == "k2":
+        kl = r.square_().mul_(0.5)
     elif estimator == "k3":
-        kl = torch.exp(-r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + r
+        kl = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).neg_().exp_().sub_(1).add_(r)
+    elif estimator == "abs":
+        kl = r.abs_()
     else:
-        kl = r.abs()
-    return kl if clamp is None else kl.clamp(-clamp, clamp)
+        kl = r
+    return kl if clamp is None else kl.clamp_(-clamp, clamp)
 
 
 def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
     """d(kl)/d(logp) per token (= -d(kl)/d(ref_logp)), written out with the tie rules:
-    dk1 = 1, dk2 = r, dk3 = 1 - exp(-r) [|r| <= 20], dabs = sign(r) (0 at 0), times [|kl| <= clamp]."""
+    dk1 = 1, dk2 = r, dk3 = 1 - exp(-r) [|r| <= 20], dabs = sign(r) (0 at 0), times [|kl| <= clamp].
+    (A clamp returns its input itself inside its bounds, so `x == clamp(x)` tests inside, bounds included.)"""
     dtype = out_dtype(logp)
     r = logp.to(dtype) - ref_logp.to(dtype)
-    if estimator == "k1":
-        d = torch.ones_like(r)
-    elif estimator == "k2":
+    if estimator == "k2":
         d = r
     elif estimator == "k3":
-        inside = (r >= -LOG_RATIO_CLAMP) & (r <= LOG_RATIO_CLAMP)
-        d = 1 - torch.where(inside, torch.exp(-r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), 0.0)
+        r_in = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        inside = r_in == r
+        d = r_in.neg_().exp_().mul_(inside).neg_().add_(1)
+    elif estimator == "abs":
+        d = r.sign()
     else:
-        d = torch.sign(r)
+        d = torch.ones_like(r)
     if clamp is not None:
-        kl = kl_value(logp, ref_logp, estimator, None)
-        d = torch.where((kl >= -clamp) & (kl <= clamp), d, 0.0)
+        d = d.mul_(kl_value(logp, ref_logp, estimator, None).abs_() <= clamp)
     return d
 
 
@@ -87,7 +89,7 @@ def _token_kl_backward_op(logp: Tensor, ref_logp: Tensor, grad: Tensor, estimato
                           use_triton: bool) -> Tensor:
     """grad * d(kl)/d(logp), out_dtype(logp)."""
     if not use_triton:
-        return grad.to(out_dtype(logp)) * kl_grad(logp, ref_logp, estimator, clamp)
+        return kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
     from fastrlhf.kernels import kl as kernels
 
     return kernels.token_kl_bwd(logp.contiguous(), ref_logp.contiguous(), grad.float().contiguous(),
@@ -107,7 +109,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     logp, ref_logp = ctx.saved_tensors
-    d = _token_kl_backward_op(logp, ref_logp, grad, *ctx.args)
+    estimator, clamp, triton = ctx.args
+    if triton:
+        d = _token_kl_backward_op(logp, ref_logp, grad, estimator, clamp, triton)
+    else:  # torch ops, traced as they are (a custom op would only add its dispatch cost)
+        d = kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
     d_logp = d.to(logp.dtype) if ctx.needs_input_grad[0] else None
     d_ref = (-d).to(ref_logp.dtype) if ctx.needs_input_grad[1] else None
     return d_logp, d_ref, None, None, None

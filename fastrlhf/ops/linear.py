@@ -11,7 +11,9 @@ fused kernel, or the torch path); d(logits) overwrites the chunk's logits, and
 Extra memory is O(chunk_size x V) plus the d(weight) accumulator, never O(N x V).
 
 `linear_logprobs` takes any upstream gradient, so its forward keeps only logp, entropy and lse
-per token and its backward recomputes each chunk's logits: 4 matmuls per chunk.
+per token and its backward recomputes each chunk's logits: 4 matmuls per chunk. When all tokens
+fit one chunk (chunk_size >= N: the logits are within the chunk budget), the forward keeps that
+chunk's logits for the backward instead: 3 matmuls, as the materialised expression.
 
 `linear_ppo_actor_loss` is a scalar whose every term is token-local once the aggregation
 weights w = row_scale * mask are known, and they are known before the forward:
@@ -118,10 +120,10 @@ def _chunk_fwd(logits, labels, temperature, ignore_index, return_entropy, triton
                         ignore_index=ignore_index, return_entropy=return_entropy, use_triton=triton)
 
 
-def _chunk_bwd(logits, labels, lse, entropy, g_logp, g_ent, temperature, ignore_index, triton):
-    """d(logits) [n, V] of one chunk, written over its logits."""
+def _chunk_bwd(logits, labels, lse, entropy, g_logp, g_ent, temperature, ignore_index, triton, inplace=True):
+    """d(logits) [n, V] of one chunk, written over its logits (inplace) or into a new tensor."""
     return logprobs_bwd(logits.unsqueeze(0), labels.unsqueeze(0), lse, entropy, g_logp, g_ent,
-                        temperature=temperature, ignore_index=ignore_index, inplace=True,
+                        temperature=temperature, ignore_index=ignore_index, inplace=inplace,
                         use_triton=triton).squeeze(0)
 
 
@@ -145,13 +147,14 @@ def _or_empty(t, like: Tensor) -> Tensor:
 @torch.library.custom_op("fastrlhf::linear_logprobs", mutates_args=())
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
                         ignore_index: int, return_entropy: bool, chunk_size: int, accum_dtype: torch.dtype | None,
-                        use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+                        keep_logits: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V], labels [N] int64 -> (logp, entropy ([0] unless
-    return_entropy), lse), each [N]."""
+    return_entropy), lse, each [N]; the logits [N, V] with keep_logits (one chunk), else [0])."""
     N = hidden.shape[0]
     logp = torch.empty(N, dtype=out_dtype(hidden), device=hidden.device)
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if return_entropy else logp.new_empty(0)
+    kept = hidden.new_empty(0)
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
         logits = chunk_logits(hidden[s:e], weight, bias)
@@ -159,24 +162,28 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
         logp[s:e], lse[s:e] = lp, ls
         if return_entropy:
             entropy[s:e] = ent
-        del logits
-    return logp, entropy, lse
+        if keep_logits:
+            kept = logits
+    return logp, entropy, lse, kept
 
 
 @_linear_logprobs_op.register_fake
-def _(hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size, accum_dtype, use_triton):
+def _(hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size, accum_dtype, keep_logits,
+      use_triton):
     N, dtype = hidden.shape[0], out_dtype(hidden)
     new = lambda n: hidden.new_empty(n, dtype=dtype)  # noqa: E731
-    return new(N), new(N if return_entropy else 0), new(N)
+    logits = hidden.new_empty((N, weight.shape[0]) if keep_logits else (0,))
+    return new(N), new(N if return_entropy else 0), new(N), logits
 
 
 @torch.library.custom_op("fastrlhf::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, lse: Tensor,
-                                 entropy: Tensor, grad_logp: Tensor | None, grad_entropy: Tensor | None,
-                                 temperature: float, ignore_index: int, chunk_size: int,
+                                 entropy: Tensor, logits: Tensor, grad_logp: Tensor | None,
+                                 grad_entropy: Tensor | None, temperature: float, ignore_index: int, chunk_size: int,
                                  accum_dtype: torch.dtype | None, need_hidden: bool, need_weight: bool,
                                  need_bias: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(d_hidden, d_weight, d_bias), each [0] unless asked for; recomputes each chunk's logits."""
+    """(d_hidden, d_weight, d_bias), each [0] unless asked for; recomputes each chunk's logits unless
+    the forward kept them (`logits` [N, V], one chunk; [0] otherwise)."""
     acc = weight_accum_dtype(weight, accum_dtype)
     need_bias = need_bias and bias is not None
     g_logp = None if grad_logp is None else grad_logp.to(lse.dtype)
@@ -187,19 +194,20 @@ def _linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Tensor | 
     N = hidden.shape[0]
     for s in range(0, N, chunk_size):
         e = min(s + chunk_size, N)
-        logits = chunk_logits(hidden[s:e], weight, bias)  # the recompute: this op's 4th matmul
-        d_logits = _chunk_bwd(logits, labels[s:e], lse[s:e], None if g_ent is None else entropy[s:e],
+        kept = logits.numel() > 0
+        chunk = logits if kept else chunk_logits(hidden[s:e], weight, bias)  # the recompute: a 4th matmul
+        d_logits = _chunk_bwd(chunk, labels[s:e], lse[s:e], None if g_ent is None else entropy[s:e],
                               None if g_logp is None else g_logp[s:e], None if g_ent is None else g_ent[s:e],
-                              temperature, ignore_index, use_triton)
+                              temperature, ignore_index, use_triton, inplace=not kept)
         _add_chunk_gradients(d_logits, hidden[s:e], weight, slice(s, e), d_hidden, d_weight, d_bias)
-        del logits, d_logits
+        del chunk, d_logits
     return (_or_empty(d_hidden, hidden), _or_empty(None if d_weight is None else d_weight.to(weight.dtype), weight),
             _or_empty(None if d_bias is None else d_bias.to(bias.dtype), weight))
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, chunk_size,
-      accum_dtype, need_hidden, need_weight, need_bias, use_triton):
+def _(hidden, weight, bias, labels, lse, entropy, logits, grad_logp, grad_entropy, temperature, ignore_index,
+      chunk_size, accum_dtype, need_hidden, need_weight, need_bias, use_triton):
     need_bias = need_bias and bias is not None
     return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
             weight.new_empty(weight.shape if need_weight else (0,)),
@@ -207,25 +215,26 @@ def _(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy, tempe
 
 
 def _setup_linear_logprobs(ctx, inputs, output):
-    hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size, accum_dtype, triton = inputs
-    _, entropy, lse = output
-    ctx.mark_non_differentiable(lse)
+    (hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size, accum_dtype, _keep,
+     triton) = inputs
+    _, entropy, lse, logits = output
+    ctx.mark_non_differentiable(lse, logits)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+    ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, logits)
     ctx.args = (temperature, ignore_index, return_entropy, chunk_size, accum_dtype, triton)
 
 
-def _backward_linear_logprobs(ctx, grad_logp, grad_entropy, _grad_lse):
-    hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+def _backward_linear_logprobs(ctx, grad_logp, grad_entropy, _grad_lse, _grad_logits):
+    hidden, weight, bias, labels, lse, entropy, logits = ctx.saved_tensors
     temperature, ignore_index, return_entropy, chunk_size, accum_dtype, triton = ctx.args
     needs = ctx.needs_input_grad[:3]
     if not return_entropy:
         grad_entropy = None
     if not any(needs) or (grad_logp is None and grad_entropy is None):
-        return (None,) * 10
-    grads = _linear_logprobs_backward_op(hidden, weight, bias, labels, lse, entropy, grad_logp, grad_entropy,
+        return (None,) * 11
+    grads = _linear_logprobs_backward_op(hidden, weight, bias, labels, lse, entropy, logits, grad_logp, grad_entropy,
                                          temperature, ignore_index, chunk_size, accum_dtype, *needs, triton)
-    return (*(g if need else None for g, need in zip(grads, needs)), *(None,) * 7)
+    return (*(g if need else None for g, need in zip(grads, needs)), *(None,) * 8)
 
 
 _linear_logprobs_op.register_autograd(_backward_linear_logprobs, setup_context=_setup_linear_logprobs)
@@ -364,7 +373,8 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
             outside [0, V) gives NaN.
         bias: [V] or None.
         temperature, return_entropy, ignore_index: as `logprobs`.
-        chunk_size: rows of logits that exist at a time (None: from a 64 MiB budget).
+        chunk_size: rows of logits that exist at a time (None: from a 64 MiB budget). When one
+            chunk holds all rows, the forward keeps its logits for the backward (3 matmuls, not 4).
         accum_dtype: what d(weight) accumulates in over the chunks: None = fp32 (V x H x 4 bytes),
             or e.g. the weight's own dtype (no extra buffer, one rounding per chunk).
 
@@ -376,8 +386,10 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     h, y = _flat_rows(hidden, labels)
     if chunk_size is None:
         chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size())
-    logp, entropy, _ = _linear_logprobs_op(h, weight, bias, y, temperature, int(ignore_index), bool(return_entropy),
-                                           int(chunk_size), accum_dtype, use_triton(hidden))
+    keep_logits = chunk_size >= h.shape[0] and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (hidden, weight, bias))
+    logp, entropy, *_ = _linear_logprobs_op(h, weight, bias, y, temperature, int(ignore_index), bool(return_entropy),
+                                            int(chunk_size), accum_dtype, keep_logits, use_triton(hidden))
     if return_entropy:
         return logp.view(labels.shape), entropy.view(labels.shape)
     return logp.view(labels.shape)

@@ -81,61 +81,70 @@ def check_clips(clip_low, clip_high, dual_clip):
     return clip_low, clip_high, dual_clip
 
 
-def _masked_sum(flags: Tensor, m: Tensor) -> Tensor:
-    return torch.where(flags, m, 0.0).sum()
+def _masked_sum(flags, m: Tensor) -> Tensor:
+    """sum(m) over the flagged tokens (None: no token is flagged)."""
+    return m.new_zeros(()) if flags is None else (flags * m).sum()
 
 
 # ---------------------------------------------------------------- per-token formulas (torch)
 
 
-def policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip):
+def policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip, need_grad=True):
     """verl's vanilla clipped surrogate per token, in the inputs' dtype:
-    (loss l, dl/dlogp, clipped = [l2 > l1], clipped_lower, log_ratio)."""
+    (loss l, dl/dlogp or None, clipped = [l2 > l1], clipped_lower or None, log_ratio).
+    Selections are products with masks where they can be (torch.where is slow on CPU)."""
     x = logp - old_logp
     log_ratio = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    lo, hi = 1.0 - clip_low, 1.0 + clip_high
-    l1 = -advantages * ratio
-    l2 = -advantages * ratio.clamp(lo, hi)
-    clipped = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
-    loss = torch.where(clipped, l2, l1)
-    lower = torch.zeros_like(clipped)
+    neg_adv = -advantages
+    l1 = neg_adv * torch.exp(log_ratio)
+    l2 = neg_adv * torch.exp(log_ratio).clamp_(1.0 - clip_low, 1.0 + clip_high)
+    clipped = l2 > l1  # counts as clipped only when strictly larger
+    loss = torch.maximum(l1, l2)
+    lower = None
     if dual_clip is not None:
-        l3 = -advantages * dual_clip
-        lower = (advantages < 0) & (loss > l3)  # min(loss, l3) where A < 0; a tie goes to the loss
+        l3 = neg_adv * dual_clip
+        lower = (advantages < 0) & (loss > l3)  # min(loss, l3) where A < 0
         loss = torch.where(lower, l3, loss)
-    # dl1/dratio = -A, dl2/dratio = -A [lo <= ratio <= hi], dratio/dx = ratio [|x| <= 20], l3 constant
-    d_ratio = torch.where(clipped & ~((ratio >= lo) & (ratio <= hi)), 0.0, -advantages)
-    in_range = (x >= -LOG_RATIO_CLAMP) & (x <= LOG_RATIO_CLAMP) & ~lower
-    return loss, torch.where(in_range, d_ratio * ratio, 0.0), clipped, lower, log_ratio
+    if not need_grad:
+        return loss, None, clipped, lower, log_ratio
+    # The gradient is dl1/dx = -A ratio = l1 wherever it counts, 0 elsewhere: where clipped (l2 > l1
+    # only for a ratio outside [1 - clip_low, 1 + clip_high], where the clamp passes nothing), where
+    # dual-clipped (-A c is constant) and where |x| > 20 (inside, the clamp returns x itself). At a
+    # tie (l1 == l2, or loss == -A c) the unclipped term keeps it.
+    counts = ~clipped & (x == log_ratio)
+    if lower is not None:
+        counts = counts & ~lower
+    return loss, l1 * counts, clipped, lower, log_ratio
 
 
-def value_terms(values, old_values, returns, clip):
+def value_terms(values, old_values, returns, clip, need_grad=True):
     """0.5 max((v - R)^2, (clamp(v, old - clip, old + clip) - R)^2) per token, in the inputs' dtype:
-    (loss, dloss/dv, clipped = [clipped term > plain term])."""
+    (loss, dloss/dv or None, clipped = [clipped term > plain term] or None)."""
     err1 = values - returns
     l1 = err1 * err1
     if clip is None:
-        return 0.5 * l1, err1, torch.zeros_like(l1, dtype=torch.bool)
-    lo, hi = old_values - clip, old_values + clip
-    err2 = values.clamp(lo, hi) - returns
+        return 0.5 * l1, (err1 if need_grad else None), None
+    err2 = torch.minimum(torch.maximum(values, old_values - clip), old_values + clip) - returns
     l2 = err2 * err2
-    clipped = l2 > l1  # a tie goes to the unclipped l1
-    inside = (values >= lo) & (values <= hi)
-    return 0.5 * torch.where(clipped, l2, l1), torch.where(clipped, torch.where(inside, err2, 0.0), err1), clipped
+    clipped = l2 > l1  # counts as clipped only when strictly larger
+    # l2 > l1 only where v lies outside [old - clip, old + clip] (inside, the clamp returns v itself),
+    # where the clamped term's gradient is 0: the gradient is v - R where not clipped (ties included)
+    return 0.5 * torch.maximum(l1, l2), (err1 * ~clipped if need_grad else None), clipped
 
 
 def actor_token_terms(logp, entropy, old_logp, advantages, ref_logp, weight, *, kl_coef, kl_estimator,
                       entropy_coef, clip_low, clip_high, dual_clip, need_grad):
     """The actor loss L = sum_i w_i (pg_i + kl_coef kl_i - entropy_coef H_i) per token (flat [n]
     tensors, one dtype): (TOKEN_TERMS [6, n], dL/dlogp [n] or None, dL/dH [n] or None)."""
-    pg, d_logp, clipped, lower, log_ratio = policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip)
+    pg, d_logp, clipped, lower, log_ratio = policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip,
+                                                         need_grad)
     kl = torch.zeros_like(pg)
     if ref_logp is not None:
         kl = kl_value(logp, ref_logp, kl_estimator, None)
-        if kl_coef != 0.0:
+        if kl_coef != 0.0 and need_grad:
             d_logp = d_logp + kl_coef * kl_grad(logp, ref_logp, kl_estimator, None)
-    terms = torch.stack([pg, kl, clipped.to(pg.dtype), lower.to(pg.dtype), -log_ratio, entropy])
+    lower = torch.zeros_like(pg) if lower is None else lower.to(pg.dtype)
+    terms = torch.stack([pg, kl, clipped.to(pg.dtype), lower, -log_ratio, entropy])
     if not need_grad:
         return terms, None, None
     return terms, weight * d_logp, (-entropy_coef * weight if entropy_coef != 0.0 else None)
@@ -163,7 +172,7 @@ def _policy_sums_torch(logp, old_logp, advantages, mask, scale, clip_low, clip_h
     dtype = out_dtype(logp)
     lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
     w = scale.to(dtype).unsqueeze(1) * m
-    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip)
+    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
     sums = torch.stack([(w * loss).sum(), _masked_sum(clipped, m), _masked_sum(lower, m), (-log_ratio * m).sum(),
                         m.sum()])
     return sums, (w * d_logp if need_grad else None)
@@ -270,7 +279,7 @@ def _value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
     else:
         v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
         w = row_scale.to(dtype).unsqueeze(1) * m
-        loss, d, clipped = value_terms(v, ov, ret, clip)
+        loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
         sums = torch.stack([(w * loss).sum(), _masked_sum(clipped, m), m.sum()])
         d_values = w * d if need_grad else None
     return sums.to(dtype), (d_values.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
