@@ -2,27 +2,58 @@
 
 Readable, no tricks, no fusion: each function computes in the dtype of its floating-point
 inputs (pass float64 for the ground truth; pass bf16 to measure what plain PyTorch in
-bf16 gets wrong). Conventions are those of the op contract in DESIGN.md (verl's
-`core_algos` by default, OpenRLHF's where an option says so). Imports only torch.
+bf16 gets wrong). Conventions are those of the op contract, docs/ops.md (verl's
+`core_algos` by default, OpenRLHF's where an option says so). Imports only torch (and the
+dependency-free `fastrlhf.constants`).
 
 Shapes: B sequences, T tokens, V vocab, H hidden. `mask` is bool or float [B, T].
+
+Gradient rules at ties are stated here and written out with `torch.where`, whose gradient
+goes to the branch it selects and has no tie to break, so no torch version's autograd
+convention decides them (torch 2.14 changed clamp's gradient at exactly its bound to 0):
+- clamp(x, lo, hi): the gradient passes for lo <= x <= hi, bounds included (there the
+  value is x itself), and is 0 outside: `clamped` below.
+- |x|: the gradient is sign(x), 0 at x = 0: `absolute` below.
+- max / min of an unclipped and a clipped term (the PPO losses): at a tie the unclipped term
+  takes the whole gradient, as the clip fractions count a token as clipped only when the
+  clipped term is strictly larger (strictly smaller for dual-clip): `where(l2 > l1, l2, l1)`.
+The kernels and the ops' torch path implement the same rules.
 """
 
 from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-MASK_MODES = ("skip", "zero")
-LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp, as verl
-WHITEN_EPS = 1e-8
+from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, KL_ESTIMATORS, LOG_RATIO_CLAMP, MASK_MODES, WHITEN_EPS
+
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "MASK_MODES", "absolute", "agg_loss", "clamped", "gae", "kl_shaped_rewards",
+           "linear_logprobs", "logprobs", "masked_mean", "policy_loss", "ppo_actor_loss", "token_kl",
+           "value_loss", "whiten"]
+
+
+# ---------------------------------------------------------------- gradient rules at ties
+
+
+def clamped(x, lo=None, hi=None):
+    """torch.clamp(x, lo, hi) whose gradient passes on the closed interval [lo, hi] and is 0
+    outside; `lo` / `hi` are numbers, tensors or None."""
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if lo is not None:
+        inside = inside & (x >= lo)
+    if hi is not None:
+        inside = inside & (x <= hi)
+    return torch.where(inside, x, torch.clamp(x, lo, hi).detach())
+
+
+def absolute(x):
+    """|x| with gradient sign(x), 0 at x = 0 (x * sign(x) is |x| exactly)."""
+    return x * torch.sign(x).detach()
 
 
 # ---------------------------------------------------------------- log-probs / entropy
 
 
-def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=-100):
+def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=IGNORE_INDEX):
     """logp[..] = log softmax(logits / temperature)[label]; entropy = -sum p log p.
 
     `labels == ignore_index` gives logp 0; a label outside [0, V) gives NaN.
@@ -45,7 +76,7 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
 
 
 def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False,
-                    ignore_index=-100):
+                    ignore_index=IGNORE_INDEX):
     """`logprobs(hidden @ weight.T + bias, labels, ...)` with the logits materialised."""
     logits = hidden @ weight.T
     if bias is not None:
@@ -63,6 +94,7 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
     k1 = r; k2 = r^2 / 2; k3 = exp(-r) - 1 + r with r clamped to +-20 inside exp;
     abs = |r|. Aliases: kl = k1, mse = k2, low_var_kl = k3. `clamp` clamps the output
     to [-clamp, clamp] (verl clamps low_var_kl to 10, OpenRLHF every estimator to 10).
+    Ties: both clamps pass the gradient at their bounds; d|r|/dr = 0 at r = 0.
     """
     name = KL_ESTIMATORS[estimator]
     r = logp - ref_logp
@@ -71,11 +103,11 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
     elif name == "k2":
         kl = 0.5 * r * r
     elif name == "k3":
-        kl = torch.exp(-r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + r
+        kl = torch.exp(-clamped(r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + r
     else:
-        kl = r.abs()
+        kl = absolute(r)
     if clamp is not None:
-        kl = kl.clamp(-clamp, clamp)
+        kl = clamped(kl, -clamp, clamp)
     return kl
 
 
@@ -203,21 +235,23 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     dual-clip (c > 1), for A < 0 only: l = min(l, -A * c)
     stats: clipfrac = mean(l2 > l1), clipfrac_lower = mean(l > -A c and A < 0),
     approx_kl = mean(-log_ratio), all masked means over the local tokens.
+    Ties (module docstring): the clamps pass the gradient at their bounds; max(l1, l2) at
+    l1 == l2 and min(l, -A c) at l == -A c give it to the unclipped term.
     """
     clip_high = clip_low if clip_high is None else clip_high
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = clamped(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     l1 = -advantages * ratio
-    l2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-    clipped = torch.maximum(l1, l2)
+    l2 = -advantages * clamped(ratio, 1 - clip_low, 1 + clip_high)
+    clipped = torch.where(l2 > l1, l2, l1)  # max(l1, l2); a tie goes to l1
     stats = {
         "clipfrac": masked_mean((l2 > l1).to(logp.dtype), mask),
         "approx_kl": masked_mean(-log_ratio, mask),
     }
     if dual_clip is not None:
         l3 = -advantages * dual_clip
-        losses = torch.where(advantages < 0, torch.minimum(clipped, l3), clipped)
         lower = (clipped > l3) & (advantages < 0)
+        losses = torch.where(lower, l3, clipped)  # min(clipped, l3) where A < 0; a tie goes to clipped
         stats["clipfrac_lower"] = masked_mean(lower.to(logp.dtype), mask)
     else:
         losses = clipped
@@ -230,14 +264,15 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
     (verl's form: v comes back bit-exact inside the range, so rounding never counts as clipping).
 
     `clip=None` disables clipping. stats: clipfrac = masked mean of (clipped loss > plain loss).
+    Ties: the clamp passes the gradient at its bounds; max(l1, l2) at a tie gives it to l1.
     """
     l1 = (values - returns) ** 2
     if clip is None:
         losses, frac = l1, torch.zeros_like(l1)
     else:
-        v_clipped = torch.clamp(values, old_values - clip, old_values + clip)
+        v_clipped = clamped(values, old_values - clip, old_values + clip)
         l2 = (v_clipped - returns) ** 2
-        losses, frac = torch.maximum(l1, l2), (l2 > l1).to(values.dtype)
+        losses, frac = torch.where(l2 > l1, l2, l1), (l2 > l1).to(values.dtype)
     loss = 0.5 * agg_loss(losses, mask, agg, global_num_tokens)
     return loss, {"clipfrac": masked_mean(frac, mask)}
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 from fastrlhf.kernels._masks import as_loadable
 
-WHITEN_EPS = 1e-8
-MASK_MODES = ("skip", "zero")
+from fastrlhf.constants import MASK_MODES, WHITEN_EPS
+
 _MAX_BLOCK_T = 1024
 _BLOCK = 1024
 

@@ -2,8 +2,8 @@
 
 With r = logp - ref_logp (fp32 math whatever the input dtype):
     k1 = r;  k2 = r^2 / 2;  k3 = exp(-clamp(r, -20, 20)) - 1 + r;  abs = |r|
-and, when `clamp` is given, kl = clamp(kl, -clamp, clamp). Gradients follow torch's autograd
-conventions of `fastrlhf.reference` (clamp passes the gradient at its bounds, d|r|/dr = 0 at 0).
+and, when `clamp` is given, kl = clamp(kl, -clamp, clamp). Gradients follow the tie rules stated in
+`fastrlhf.reference`: both clamps pass the gradient at their bounds (closed intervals), d|r|/dr = 0 at 0.
 
 Where fast: elementwise, memory-bound; one program per BLOCK elements (flat grid, up to 2^31-1
 programs), so any shape that fits in memory. `kl_shaped_rewards` runs one program per row and
@@ -18,8 +18,10 @@ import triton
 import triton.language as tl
 from fastrlhf.kernels._masks import as_loadable
 
+from fastrlhf.constants import LOG_RATIO_CLAMP
+
 ESTIMATOR_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
-LOG_RATIO_CLAMP = 20.0  # |r| bound inside exp for k3, as reference.py
+R_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |r| bound inside exp for k3
 _BLOCK = 1024
 _ROW_BLOCK = 1024
 
@@ -32,7 +34,7 @@ def _kl_value(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
     elif ESTIMATOR == 1:
         kl = 0.5 * r * r
     elif ESTIMATOR == 2:
-        rc = tl.minimum(tl.maximum(r, -20.0), 20.0)
+        rc = tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)
         kl = tl.exp(-rc) - 1.0 + r
     else:
         kl = tl.abs(r)
@@ -78,8 +80,8 @@ def _token_kl_bwd_kernel(
     HAS_CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # dk1/dr = 1, dk2/dr = r, dk3/dr = 1 - exp(-r) * [|r| <= 20], dabs/dr = sign(r);
-    # times [|kl| <= clamp] when clamped (torch passes the gradient at the bounds)
+    # dk1/dr = 1, dk2/dr = r, dk3/dr = 1 - exp(-r) * [|r| <= 20], dabs/dr = sign(r) (0 at 0);
+    # times [|kl| <= clamp] when clamped: the gradient passes at the bounds
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < N
     r = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
@@ -90,8 +92,8 @@ def _token_kl_bwd_kernel(
     elif ESTIMATOR == 1:
         d = r
     elif ESTIMATOR == 2:
-        inside = (r >= -20.0) & (r <= 20.0)
-        rc = tl.minimum(tl.maximum(r, -20.0), 20.0)
+        inside = (r >= -R_CLAMP) & (r <= R_CLAMP)
+        rc = tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)
         d = 1.0 - tl.where(inside, tl.exp(-rc), 0.0)
     else:
         d = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))

@@ -17,8 +17,6 @@ offset is b * stride_b + t * stride_t in int64, nothing is copied.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -146,13 +144,6 @@ def _logprobs_bwd_kernel(
 # ---------------------------------------------------------------- launchers
 
 
-def _new_output(shape, dtype, device):
-    """torch.empty, or NaN-filled when FASTRLHF_POISON=1 (tests: a value the kernel forgets stays NaN)."""
-    if os.environ.get("FASTRLHF_POISON") == "1":
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _launch_config(V):
     block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
     num_warps = 8 if block_v >= 2048 else 4
@@ -175,9 +166,9 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
     """
     _check_row_layout(logits, labels)
     B, T, V = logits.shape
-    logp = _new_output((B, T), torch.float32, logits.device)
-    lse = _new_output((B, T), torch.float32, logits.device)
-    entropy = _new_output((B, T), torch.float32, logits.device) if compute_entropy else None
+    logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
+    lse = torch.empty((B, T), dtype=torch.float32, device=logits.device)
+    entropy = torch.empty((B, T), dtype=torch.float32, device=logits.device) if compute_entropy else None
     if B * T == 0:
         return logp, entropy, lse
     block_v, num_warps = _launch_config(V)
@@ -199,7 +190,7 @@ def logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, *, tempe
     if grad_entropy is not None and entropy is None:
         raise ValueError("logprobs_bwd: grad_entropy needs the forward's entropy")
     B, T, V = logits.shape
-    dlogits = logits if inplace else _new_output((B, T, V), logits.dtype, logits.device)
+    dlogits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
     if B * T == 0:
         return dlogits
     block_v, num_warps = _launch_config(V)

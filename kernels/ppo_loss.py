@@ -12,8 +12,9 @@ Policy (verl's vanilla loss, `fastrlhf.reference.policy_loss`):
 Value: l = 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clamp(v - old, -clip, clip),
 computed as clamp(v, old - clip, old + clip) (verl's clip_by_value): equal in exact arithmetic, and
 v_clip == v bit for bit inside the range, so rounding never counts an unclipped token as clipped.
-Gradients follow torch's autograd of the reference: max/min split ties evenly between both
-sides, clamp passes the gradient at its bounds and blocks it outside.
+Gradients follow the tie rules stated in `fastrlhf.reference`: clamp passes the gradient on its
+closed interval and blocks it outside; at a tie of max(l1, l2) (or of the dual-clip min) the
+unclipped term takes the whole gradient, as the clip fractions count only strict inequalities.
 
 Where fast: elementwise and memory-bound; one program per (row, block of T), so the grid is
 B * cdiv(T, BLOCK_T) in x only (fine up to 2^31 - 1 programs). Short rows (T << BLOCK_T) leave
@@ -27,17 +28,12 @@ import triton
 import triton.language as tl
 from fastrlhf.kernels._masks import as_loadable
 
-LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp, as reference.py
+from fastrlhf.constants import LOG_RATIO_CLAMP
+
+LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024
 POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
-
-
-@triton.jit
-def _max_grad_weights(x, y):
-    # torch.maximum's backward: the larger side gets the gradient, a tie splits it in halves
-    tie = tl.where(x == y, 0.5, 0.0)
-    return tl.where(x > y, 1.0, 0.0) + tie, tl.where(y > x, 1.0, 0.0) + tie
 
 
 @triton.jit
@@ -75,39 +71,35 @@ def _policy_loss_fwd_kernel(
     lo = ratio_low
     hi = ratio_high
 
-    log_ratio = tl.minimum(tl.maximum(x, -20.0), 20.0)
+    log_ratio = tl.minimum(tl.maximum(x, -LR_CLAMP), LR_CLAMP)
     ratio = tl.exp(log_ratio)
     l1 = -a * ratio
     l2 = -a * tl.minimum(tl.maximum(ratio, lo), hi)
-    clipped = tl.maximum(l1, l2)
+    takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
+    clipped = tl.where(takes_l2, l2, l1)
     loss = clipped
-    # d(loss)/d(clipped): 1 without dual-clip
-    g_clipped = tl.full((BLOCK_T,), 1.0, tl.float32)
-    n_lower = tl.zeros((BLOCK_T,), tl.float32)
+    lower = tl.zeros((BLOCK_T,), tl.int1)
     if DUAL_CLIP:
         l3 = -a * dual_clip
-        neg = a < 0
-        loss = tl.where(neg, tl.minimum(clipped, l3), clipped)
-        w_min, _ = _max_grad_weights(l3, clipped)  # min(c, l3) = -max(-c, -l3): same tie rule
-        g_clipped = tl.where(neg, w_min, 1.0)
-        n_lower = tl.where(neg & (clipped > l3), m, 0.0)
+        lower = (a < 0) & (clipped > l3)  # min(clipped, l3) where A < 0; a tie goes to clipped
+        loss = tl.where(lower, l3, clipped)
 
     loss_sum = tl.sum(w * loss, axis=0)
-    n_clipped = tl.sum(tl.where(l2 > l1, m, 0.0), axis=0)
+    n_clipped = tl.sum(tl.where(takes_l2, m, 0.0), axis=0)
     neg_lr = tl.sum(-log_ratio * m, axis=0)
     tl.store(partial_ptr + pid, loss_sum)
     tl.store(partial_ptr + n_programs + pid, n_clipped)
-    tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(n_lower, axis=0))
+    tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(tl.where(lower, m, 0.0), axis=0))
     tl.store(partial_ptr + 3 * n_programs + pid, neg_lr)
     tl.store(partial_ptr + 4 * n_programs + pid, tl.sum(m, axis=0))
 
     if NEED_GRAD:
-        # dl1/dratio = -A; dl2/dratio = -A * [lo <= ratio <= hi]; dratio/dx = ratio * [|x| <= 20]
-        w1, w2 = _max_grad_weights(l1, l2)
+        # dl1/dratio = -A; dl2/dratio = -A * [lo <= ratio <= hi]; dratio/dx = ratio * [|x| <= 20];
+        # the dual-clip term -A c is constant
         in_clip = (ratio >= lo) & (ratio <= hi)
-        d_ratio = -a * (w1 + tl.where(in_clip, w2, 0.0))
-        in_lr = (x >= -20.0) & (x <= 20.0)
-        d = tl.where(in_lr, w * g_clipped * d_ratio * ratio, 0.0)
+        d_ratio = tl.where(takes_l2 & ~in_clip, 0.0, -a)
+        in_lr = (x >= -LR_CLAMP) & (x <= LR_CLAMP)
+        d = tl.where(in_lr & ~lower, w * d_ratio * ratio, 0.0)
         tl.store(dlogp_ptr + offs, d, mask=inb)
 
 
@@ -151,8 +143,9 @@ def _value_loss_fwd_kernel(
         v_clip = tl.minimum(tl.maximum(v, v_low), v_high)
         err2 = v_clip - ret
         l2 = err2 * err2
-        loss = tl.maximum(l1, l2)
-        n_clipped = tl.sum(tl.where(l2 > l1, m, 0.0), axis=0)
+        takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
+        loss = tl.where(takes_l2, l2, l1)
+        n_clipped = tl.sum(tl.where(takes_l2, m, 0.0), axis=0)
     else:
         loss = l1
         n_clipped = 0.0
@@ -164,16 +157,15 @@ def _value_loss_fwd_kernel(
         # d(0.5 (v - R)^2)/dv = v - R
         # d(0.5 (v_clip - R)^2)/dv = (v_clip - R) * [old - clip <= v <= old + clip]
         if HAS_CLIP:
-            w1, w2 = _max_grad_weights(l1, l2)
             in_clip = (v >= v_low) & (v <= v_high)
-            d = w1 * err1 + tl.where(in_clip, w2 * err2, 0.0)
+            d = tl.where(takes_l2, tl.where(in_clip, err2, 0.0), err1)
         else:
             d = err1
         tl.store(dvalues_ptr + offs, w * d, mask=inb)
 
 
 def _grid(B: int, T: int) -> tuple[int, int]:
-    block_t = min(triton.next_power_of_2(T), _MAX_BLOCK_T)
+    block_t = min(triton.next_power_of_2(max(T, 1)), _MAX_BLOCK_T)
     return B * triton.cdiv(T, block_t), block_t
 
 

@@ -1,5 +1,6 @@
 """Assertions and inputs shared by the op tests (import as `from helpers import ...`)."""
 
+import importlib
 import math
 
 import torch
@@ -57,11 +58,13 @@ def make_mask(B, T):
     return m
 
 
-def poison_launcher_outputs(monkeypatch, kernel_module):
-    """Make `kernel_module`'s torch.empty return NaN-filled memory: every output element
-    a launcher allocates must then be written by its kernel."""
+def poison_outputs(monkeypatch, *modules: str):
+    """Make `torch.empty` / `torch.empty_like` in each named module (kernel launchers, op modules)
+    return NaN-filled memory: every output element they allocate must then be written. Library
+    code has no test hook for this; the fixture swaps the module's `torch` for a proxy. Modules
+    are named, as `fastrlhf.ops.gae` the attribute is the function `gae`."""
 
-    class _NaNEmpty:
+    class _NaNTorch:
         def __getattr__(self, name):
             return getattr(torch, name)
 
@@ -70,4 +73,10 @@ def poison_launcher_outputs(monkeypatch, kernel_module):
             out = torch.empty(*args, **kwargs)
             return out.fill_(math.nan) if out.is_floating_point() else out
 
-    monkeypatch.setattr(kernel_module, "torch", _NaNEmpty())
+        @staticmethod
+        def empty_like(*args, **kwargs):
+            out = torch.empty_like(*args, **kwargs)
+            return out.fill_(math.nan) if out.is_floating_point() else out
+
+    for name in modules:
+        monkeypatch.setattr(importlib.import_module(name), "torch", _NaNTorch())

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from fastrlhf.kernels import gae as gae_kernels
-from helpers import assert_close_to_ref, make_mask, poison_launcher_outputs
+from helpers import assert_close_to_ref, make_mask, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
@@ -14,7 +13,7 @@ ATOL = 1e-5
 
 @pytest.fixture
 def poison(monkeypatch):
-    poison_launcher_outputs(monkeypatch, gae_kernels)
+    poison_outputs(monkeypatch, "fastrlhf.kernels.gae", "fastrlhf.ops.gae")
 
 
 def check_gae(rewards, values, mask, **kw):

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from fastrlhf.kernels import kl as kl_kernels
-from helpers import assert_close_to_ref, make_mask, poison_launcher_outputs
+from helpers import assert_close_to_ref, make_mask, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
@@ -17,7 +16,7 @@ ESTIMATORS = ["k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl"]
 
 @pytest.fixture
 def poison(monkeypatch):
-    poison_launcher_outputs(monkeypatch, kl_kernels)
+    poison_outputs(monkeypatch, "fastrlhf.kernels.kl", "fastrlhf.ops.kl")
 
 
 def make_logps(shape, dtype, spread=1.0):

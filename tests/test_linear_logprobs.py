@@ -4,17 +4,19 @@ The fused actor loss from hidden states is in test_linear_actor_fused.py."""
 
 import pytest
 import torch
-from helpers import assert_close_to_ref
+from helpers import assert_close_to_ref, poison_outputs
 
-from fastrlhf import _linear, ops
+from fastrlhf import ops
 from fastrlhf import reference as ref
+from fastrlhf.ops import linear
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)]  # (dtype, atol)
 
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setenv("FASTRLHF_POISON", "1")
+    """Kernel and torch-path outputs start as NaN: a value the op forgets to write fails the test."""
+    poison_outputs(monkeypatch, "fastrlhf.kernels.logprobs", "fastrlhf.ops.logprobs", "fastrlhf.ops.linear")
 
 
 def _inputs(lead_shape, H, V, dtype, bias=True):
@@ -75,13 +77,13 @@ def test_large_vocab(backend):
 def test_logits_are_never_materialised(backend, monkeypatch):
     """No [N, V] buffer: every logits tensor the op makes has at most chunk_size rows."""
     rows = []
-    real = _linear._chunk_logits
+    real = linear.chunk_logits
 
     def spy(h, weight, bias):
         rows.append(h.shape[0])
         return real(h, weight, bias)
 
-    monkeypatch.setattr(_linear, "_chunk_logits", spy)
+    monkeypatch.setattr(linear, "chunk_logits", spy)
     hidden, weight, bias, labels = _inputs((4, 10), 8, 64, torch.float32)
     h = hidden.requires_grad_()
     logp = ops.linear_logprobs(h, weight, labels, bias=bias, chunk_size=7)
@@ -91,11 +93,11 @@ def test_logits_are_never_materialised(backend, monkeypatch):
 
 def test_auto_chunk_size_follows_the_budget():
     V, esize = 151936, 2
-    chunk = _linear._auto_chunk_size(16384, V, esize, use_triton=True)
-    assert chunk * V * esize <= _linear.CHUNK_BUDGET_BYTES and chunk % _linear.CHUNK_MULTIPLE == 0
-    assert (chunk + _linear.CHUNK_MULTIPLE) * V * esize > _linear.CHUNK_BUDGET_BYTES
-    assert _linear._auto_chunk_size(5, 1000, 4, use_triton=False) == 5  # never more rows than N
-    assert _linear._auto_chunk_size(10, 2**40, 4, use_triton=False) == 1  # at least one row
+    chunk = linear.auto_chunk_size(16384, V, esize)
+    assert chunk * V * esize <= linear.CHUNK_BUDGET_BYTES and chunk % linear.CHUNK_MULTIPLE == 0
+    assert (chunk + linear.CHUNK_MULTIPLE) * V * esize > linear.CHUNK_BUDGET_BYTES
+    assert linear.auto_chunk_size(5, 1000, 4) == 5  # never more rows than N
+    assert linear.auto_chunk_size(10, 2**40, 4) == 1  # at least one row
 
 
 def test_frozen_weight_and_hidden_only(backend):

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from fastrlhf.kernels import ppo_loss as loss_kernels
-from helpers import assert_close_to_ref, make_mask, poison_launcher_outputs
+from helpers import assert_close_to_ref, make_mask, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
@@ -17,7 +16,7 @@ POLICY_STATS = ("clipfrac", "clipfrac_lower", "approx_kl")
 
 @pytest.fixture
 def poison(monkeypatch):
-    poison_launcher_outputs(monkeypatch, loss_kernels)
+    poison_outputs(monkeypatch, "fastrlhf.kernels.ppo_loss", "fastrlhf.ops.losses")
 
 
 def make_policy_inputs(B, T, dtype):

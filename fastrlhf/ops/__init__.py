@@ -1,0 +1,32 @@
+"""The public fastrlhf ops: input checks, `torch.library` custom ops (fake impls, registered
+autograd), dispatch. The contract (formulas, conventions, tolerances, tie rules): docs/ops.md.
+
+One module per op family, mirroring kernels/: logprobs, kl, gae, losses (policy, value and the
+actor loss from logits), linear (from hidden states + lm_head). CUDA tensors run the Triton
+kernels; CPU tensors a torch path with the same conventions. `FASTRLHF_BACKEND=triton` forces
+the kernels (on CPU they need `TRITON_INTERPRET=1`), `FASTRLHF_BACKEND=torch` the torch path.
+Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile traces it whole.
+"""
+
+from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
+from fastrlhf.ops.gae import gae, whiten
+from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
+from fastrlhf.ops.linear import linear_logprobs, linear_ppo_actor_loss
+from fastrlhf.ops.logprobs import logprobs
+from fastrlhf.ops.losses import policy_loss, ppo_actor_loss, value_loss
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "MASK_MODES",
+    "gae",
+    "kl_shaped_rewards",
+    "linear_logprobs",
+    "linear_ppo_actor_loss",
+    "logprobs",
+    "policy_loss",
+    "ppo_actor_loss",
+    "token_kl",
+    "value_loss",
+    "whiten",
+]

@@ -1,0 +1,135 @@
+"""Generalised advantage estimation and masked whitening: `gae`, `whiten`
+(kernels: fastrlhf/kernels/gae.py; formulas: reference.gae / reference.whiten).
+
+Custom ops: fastrlhf::gae -> (advantages, returns), fastrlhf::whiten. No gradient: advantages
+and returns are data (the public functions detach their inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastrlhf import reference as ref
+from fastrlhf.constants import MASK_MODES, WHITEN_EPS
+from fastrlhf.ops._common import (
+    as_rows,
+    check_choice,
+    check_float,
+    check_mask,
+    check_number,
+    check_same,
+    out_dtype,
+    use_triton,
+)
+
+
+def _math(x: Tensor) -> Tensor:
+    return x.to(out_dtype(x))
+
+
+def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+    """reference.whiten without its host sync (an empty selection gives 0 without a branch)."""
+    m = selected.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    centered = x - mean
+    var = (centered * centered * m).sum()
+    var = var / (torch.where(n > 1, n - 1, n.clamp(min=1)) if unbiased else n.clamp(min=1))
+    out = centered.mul_(torch.rsqrt(var + WHITEN_EPS))
+    if not shift_mean:
+        out = out.add_(mean)
+    return out.mul_(m)
+
+
+# ---------------------------------------------------------------- fastrlhf::whiten
+
+
+@torch.library.custom_op("fastrlhf::whiten", mutates_args=())
+def _whiten_op(x: Tensor, mask: Tensor, unbiased: bool, shift_mean: bool, use_triton: bool) -> Tensor:
+    selected = mask != 0
+    if x.numel() == 0:
+        return torch.zeros(x.shape, dtype=out_dtype(x), device=x.device)
+    if not use_triton:
+        return _whiten_torch(_math(x), selected, unbiased, shift_mean)
+    from fastrlhf.kernels import gae as kernels
+
+    out = kernels.whiten_fwd(as_rows(x).contiguous(), as_rows(selected).contiguous(), unbiased=unbiased,
+                             shift_mean=shift_mean)
+    return out.view(x.shape).to(out_dtype(x))
+
+
+@_whiten_op.register_fake
+def _(x, mask, unbiased, shift_mean, use_triton):
+    return x.new_empty(x.shape, dtype=out_dtype(x))
+
+
+def whiten(x, mask, *, unbiased=True, shift_mean=True):
+    """Masked whitening over all mask=1 entries (docs/ops.md).
+
+    Args:
+        x: [...] float.
+        mask: x's shape, bool/int/float; any non-zero entry selects (it is not a weight).
+        unbiased: the variance times n / (n - 1) (when n > 1).
+        shift_mean: False adds the mean back after scaling.
+
+    Returns:
+        (x - mean) / sqrt(var + 1e-8) where mask != 0, 0 elsewhere; float32 (float64 for
+        float64 x). No gradient.
+    """
+    check_float("x", x)
+    check_mask(mask, x, "x")
+    return _whiten_op(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
+
+
+# ---------------------------------------------------------------- fastrlhf::gae
+
+
+@torch.library.custom_op("fastrlhf::gae", mutates_args=())
+def _gae_op(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, mask_mode: str, whiten: bool,
+            use_triton: bool) -> tuple[Tensor, Tensor]:
+    selected = mask != 0
+    if rewards.numel() == 0:
+        empty = torch.zeros(rewards.shape, dtype=out_dtype(rewards), device=rewards.device)
+        return empty, empty.clone()
+    if not use_triton:
+        return ref.gae(_math(rewards), _math(values), selected, gamma=gamma, lam=lam, mask_mode=mask_mode,
+                       whiten=whiten)
+    from fastrlhf.kernels import gae as kernels
+
+    adv, ret = kernels.gae_fwd(rewards.contiguous(), values.contiguous(), selected.contiguous(), gamma=gamma, lam=lam,
+                               mask_mode=mask_mode, whiten=whiten)
+    return adv.to(out_dtype(rewards)), ret.to(out_dtype(rewards))
+
+
+@_gae_op.register_fake
+def _(rewards, values, mask, gamma, lam, mask_mode, whiten, use_triton):
+    dtype = out_dtype(rewards)
+    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+
+
+def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=True):
+    """Generalised advantage estimation over [B, T] (docs/ops.md).
+
+    Args:
+        rewards, values: [B, T] float.
+        mask: [B, T] bool/int/float; any non-zero entry counts as 1 (it selects, it is not a weight).
+        gamma, lam: >= 0.
+        mask_mode: "skip" (verl): masked tokens are skipped, the recursion carries across them;
+            "zero" (OpenRLHF): rewards and values are zeroed under the mask and discounting runs
+            through gaps.
+        whiten: whiten the advantages (masked, unbiased).
+
+    Returns:
+        (advantages, returns) [B, T] float32 (float64 for float64 rewards); returns = raw
+        advantages + values; both 0 where mask = 0. No gradient.
+    """
+    check_float("rewards", rewards)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, T], got shape {tuple(rewards.shape)}")
+    check_same("rewards", rewards, values=values)
+    check_mask(mask, rewards, "rewards")
+    gamma = check_number("gamma", gamma, nonnegative=True)
+    lam = check_number("lam", lam, nonnegative=True)
+    check_choice("mask_mode", mask_mode, MASK_MODES)
+    return _gae_op(rewards.detach(), values.detach(), mask, gamma, lam, mask_mode, bool(whiten), use_triton(rewards))

@@ -1,0 +1,203 @@
+"""Token-level KL estimates and KL-shaped rewards: `token_kl`, `kl_shaped_rewards`
+(kernels: fastrlhf/kernels/kl.py).
+
+    r = logp - ref_logp;  k1 = r,  k2 = r^2 / 2,  k3 = exp(-clamp(r, -20, 20)) - 1 + r,  abs = |r|
+    then, with `clamp`, kl = clamp(kl, -clamp, clamp)
+
+Custom ops: fastrlhf::token_kl, fastrlhf::token_kl_backward (d(kl)/d(logp) times the upstream
+gradient; d(ref_logp) is its negation), fastrlhf::kl_shaped_rewards (no gradient: rewards are data).
+Gradients at ties follow reference.py: both clamps pass the gradient at their bounds, d|r|/dr = 0 at 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastrlhf.constants import KL_ESTIMATORS, LOG_RATIO_CLAMP
+from fastrlhf.ops._common import (
+    check_choice,
+    check_device,
+    check_float,
+    check_mask,
+    check_number,
+    check_same,
+    out_dtype,
+    use_triton,
+)
+
+# ---------------------------------------------------------------- torch path (also used by ops.losses, ops.linear)
+
+
+def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
+    """The per-token estimate in out_dtype(logp); `estimator` is a canonical name (k1, k2, k3, abs).
+    (In-place steps on fresh tensors: on CPU each new buffer of a small op costs as much as its math.)"""
+    dtype = out_dtype(logp)
+    r = logp.to(dtype) - ref_logp.to(dtype)
+    if estimator == "k2":
+        kl = r.square_().mul_(0.5)
+    elif estimator == "k3":
+        kl = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).neg_().exp_().sub_(1).add_(r)
+    elif estimator == "abs":
+        kl = r.abs_()
+    else:
+        kl = r
+    return kl if clamp is None else kl.clamp_(-clamp, clamp)
+
+
+def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
+    """d(kl)/d(logp) per token (= -d(kl)/d(ref_logp)), written out with the tie rules:
+    dk1 = 1, dk2 = r, dk3 = 1 - exp(-r) [|r| <= 20], dabs = sign(r) (0 at 0), times [|kl| <= clamp].
+    (A clamp returns its input itself inside its bounds, so `x == clamp(x)` tests inside, bounds included.)"""
+    dtype = out_dtype(logp)
+    r = logp.to(dtype) - ref_logp.to(dtype)
+    if estimator == "k2":
+        d = r
+    elif estimator == "k3":
+        r_in = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        inside = r_in == r
+        d = r_in.neg_().exp_().mul_(inside).neg_().add_(1)
+    elif estimator == "abs":
+        d = r.sign()
+    else:
+        d = torch.ones_like(r)
+    if clamp is not None:
+        d = d.mul_(kl_value(logp, ref_logp, estimator, None).abs_() <= clamp)
+    return d
+
+
+# ---------------------------------------------------------------- fastrlhf::token_kl
+
+
+@torch.library.custom_op("fastrlhf::token_kl", mutates_args=())
+def _token_kl_op(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None, use_triton: bool) -> Tensor:
+    if not use_triton:
+        return kl_value(logp, ref_logp, estimator, clamp)
+    from fastrlhf.kernels import kl as kernels
+
+    return kernels.token_kl_fwd(logp.contiguous(), ref_logp.contiguous(), estimator=estimator,
+                                clamp=clamp).to(out_dtype(logp))
+
+
+@_token_kl_op.register_fake
+def _(logp, ref_logp, estimator, clamp, use_triton):
+    return logp.new_empty(logp.shape, dtype=out_dtype(logp))
+
+
+@torch.library.custom_op("fastrlhf::token_kl_backward", mutates_args=())
+def _token_kl_backward_op(logp: Tensor, ref_logp: Tensor, grad: Tensor, estimator: str, clamp: float | None,
+                          use_triton: bool) -> Tensor:
+    """grad * d(kl)/d(logp), out_dtype(logp)."""
+    if not use_triton:
+        return kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
+    from fastrlhf.kernels import kl as kernels
+
+    return kernels.token_kl_bwd(logp.contiguous(), ref_logp.contiguous(), grad.float().contiguous(),
+                                estimator=estimator, clamp=clamp).to(out_dtype(logp))
+
+
+@_token_kl_backward_op.register_fake
+def _(logp, ref_logp, grad, estimator, clamp, use_triton):
+    return logp.new_empty(logp.shape, dtype=out_dtype(logp))
+
+
+def _setup_context(ctx, inputs, output):
+    logp, ref_logp, estimator, clamp, triton = inputs
+    ctx.save_for_backward(logp, ref_logp)
+    ctx.args = (estimator, clamp, triton)
+
+
+def _backward(ctx, grad):
+    logp, ref_logp = ctx.saved_tensors
+    estimator, clamp, triton = ctx.args
+    if triton:
+        d = _token_kl_backward_op(logp, ref_logp, grad, estimator, clamp, triton)
+    else:  # torch ops, traced as they are (a custom op would only add its dispatch cost)
+        d = kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
+    d_logp = d.to(logp.dtype) if ctx.needs_input_grad[0] else None
+    d_ref = (-d).to(ref_logp.dtype) if ctx.needs_input_grad[1] else None
+    return d_logp, d_ref, None, None, None
+
+
+_token_kl_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
+    """Per-token KL estimate of the policy against a reference (docs/ops.md).
+
+    Args:
+        logp, ref_logp: [...] log-probs of the same tokens, any float dtype.
+        estimator: with r = logp - ref_logp: "k1" / "kl" = r; "k2" / "mse" = r^2 / 2;
+            "k3" / "low_var_kl" = exp(-r) - 1 + r (r clamped to +-20 inside exp); "abs" = |r|.
+        clamp: bounds the output to [-clamp, clamp] (verl: low_var_kl with clamp=10; OpenRLHF: 10).
+
+    Returns:
+        kl [...] float32 (float64 for float64 inputs); gradients to logp and ref_logp.
+    """
+    check_float("logp", logp)
+    check_same("logp", logp, ref_logp=ref_logp)
+    check_choice("estimator", estimator, KL_ESTIMATORS)
+    clamp = None if clamp is None else check_number("clamp", clamp, positive=True)
+    return _token_kl_op(logp, ref_logp, KL_ESTIMATORS[estimator], clamp, use_triton(logp))
+
+
+# ---------------------------------------------------------------- fastrlhf::kl_shaped_rewards
+
+
+def _kl_shaped_rewards_torch(scores, logp, ref_logp, mask, kl_coef, estimator, clamp):
+    m = mask.to(out_dtype(logp)) if mask.dtype != torch.bool else mask
+    rewards = -kl_coef * kl_value(logp, ref_logp, estimator, clamp) * m
+    T = logp.shape[1]
+    positions = torch.arange(T, device=logp.device).expand(logp.shape)
+    last = torch.where(m != 0, positions, -1).amax(-1)  # the last mask=1 token, -1 for an empty row
+    add = torch.where(last >= 0, scores.to(rewards.dtype), 0.0)
+    return rewards.scatter_add(1, last.clamp(min=0).unsqueeze(1), add.unsqueeze(1))
+
+
+@torch.library.custom_op("fastrlhf::kl_shaped_rewards", mutates_args=())
+def _kl_shaped_rewards_op(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, kl_coef: float,
+                          estimator: str, clamp: float | None, use_triton: bool) -> Tensor:
+    if logp.numel() == 0:
+        return torch.zeros(logp.shape, dtype=out_dtype(logp), device=logp.device)
+    if not use_triton:
+        return _kl_shaped_rewards_torch(scores, logp, ref_logp, mask, kl_coef, estimator, clamp)
+    from fastrlhf.kernels import kl as kernels
+
+    return kernels.kl_shaped_rewards_fwd(scores.contiguous(), logp.contiguous(), ref_logp.contiguous(),
+                                         mask.contiguous(), kl_coef=kl_coef, estimator=estimator,
+                                         clamp=clamp).to(out_dtype(logp))
+
+
+@_kl_shaped_rewards_op.register_fake
+def _(scores, logp, ref_logp, mask, kl_coef, estimator, clamp, use_triton):
+    return logp.new_empty(logp.shape, dtype=out_dtype(logp))
+
+
+def kl_shaped_rewards(scores, logp, ref_logp, mask, *, kl_coef, estimator="k1", clamp=None):
+    """Per-token rewards: -kl_coef * KL on every response token, plus the sequence score on its
+    last mask=1 token (docs/ops.md).
+
+    Args:
+        scores: [B] sequence scores (e.g. a reward model's).
+        logp, ref_logp: [B, T] log-probs of the policy and the reference.
+        mask: [B, T] bool/int/float, non-zero = a response token.
+        kl_coef, estimator, clamp: the KL penalty (see `token_kl`).
+
+    Returns:
+        rewards [B, T] float32 (float64 for float64 logp), 0 where mask = 0. No gradient
+        (rewards are data).
+    """
+    check_float("logp", logp)
+    check_float("scores", scores)
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    check_same("logp", logp, ref_logp=ref_logp)
+    check_mask(mask, logp, "logp")
+    if tuple(scores.shape) != (logp.shape[0],):
+        raise ValueError(f"scores must have shape [B] = ({logp.shape[0]},), got {tuple(scores.shape)}")
+    check_device("scores", scores, "logp", logp)
+    kl_coef = check_number("kl_coef", kl_coef)
+    check_choice("estimator", estimator, KL_ESTIMATORS)
+    clamp = None if clamp is None else check_number("clamp", clamp, positive=True)
+    return _kl_shaped_rewards_op(scores.detach(), logp.detach(), ref_logp.detach(), mask, kl_coef,
+                                 KL_ESTIMATORS[estimator], clamp, use_triton(logp))

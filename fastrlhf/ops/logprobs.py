@@ -1,0 +1,295 @@
+"""Per-token log-probs and entropy from logits: `logprobs` (kernels: fastrlhf/kernels/logprobs.py).
+
+    z = logits / temperature,  lse = logsumexp(z),  logp = z[label] - lse,  entropy = -sum_j p_j log p_j
+    d(logits) = (g_logp (onehot(label) - p) - g_entropy p (log p + entropy)) / temperature
+
+Custom ops (torch.compile sees one node each):
+    fastrlhf::logprobs                   -> (logp, entropy, lse)
+    fastrlhf::logprobs_backward          -> d(logits)
+    fastrlhf::logprobs_backward_inplace  d(logits) written over the logits (mutates them)
+`logprobs_fwd` / `logprobs_bwd` below are the ops' bodies on [B, T, V] views, also used by
+`ops.losses.ppo_actor_loss` and `ops.linear`: the Triton kernels, or the torch path.
+
+The torch path runs the kernel's algorithm a few rows at a time (blocks of BLOCK_BYTES_PER_THREAD
+of float32 work per intra-op thread, which stay in the cores' L2 caches): the forward keeps only lse
+(and entropy) per row, the backward recomputes p block by block and writes d(logits) once. No
+[N, V] float32 temporary is ever held, and on CPU it is faster than `log_softmax(x).gather(...)`
+(docs/ops.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastrlhf.constants import IGNORE_INDEX
+from fastrlhf.ops._common import check_device, check_float, check_int, check_number, out_dtype, use_triton
+
+# float32 (float64) work per block of rows on the torch path, per intra-op thread: a block stays in L2.
+# Measured on a 2-core Xeon (4 MiB L2 per core), 1 thread: 0.5-1 MiB blocks are fastest, 8 MiB ~20% slower.
+BLOCK_BYTES_PER_THREAD = 2**20
+# log p is floored here on the torch path: exp() of anything lower is exactly 0 in fp32 and fp64, so
+# 0 * log 0 stays 0 (a -inf logit) and never becomes 0 * -inf = NaN
+LOG_P_FLOOR = -1.0e4
+
+
+# ---------------------------------------------------------------- layout
+
+
+def as_3d(logits: Tensor) -> Tensor:
+    """[B, T, V] view of logits[..., V] without copying (dims 0 and 1 may have any stride,
+    e.g. logits[:, :-1]); only a non-unit vocab stride forces a copy."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if logits.dim() == 1:
+        return logits.view(1, 1, -1)
+    if logits.dim() == 2:
+        return logits.unsqueeze(0)
+    if logits.dim() == 3:
+        return logits
+    return logits.flatten(0, -3)
+
+
+def _row_blocks(x: Tensor, rows: int):
+    """(block [n, V] view, flat start, flat end) covering x [B, T, V] in blocks of <= `rows` rows;
+    flat positions index the row-major [B * T] outputs."""
+    B, T, V = x.shape
+    try:
+        spans = [(x.view(B * T, V), 0)]
+    except RuntimeError:  # e.g. logits[:, :-1]: one span per sequence, still no copy
+        spans = [(x[b], b * T) for b in range(B)]
+    for block, base in spans:
+        for s in range(0, block.shape[0], rows):
+            e = min(s + rows, block.shape[0])
+            yield block[s:e], base + s, base + e
+
+
+def _block_rows(vocab: int, dtype: torch.dtype) -> int:
+    block_bytes = BLOCK_BYTES_PER_THREAD * torch.get_num_threads()
+    return max(block_bytes // (vocab * torch.finfo(dtype).bits // 8), 1)
+
+
+# ---------------------------------------------------------------- torch path
+
+
+def _scaled(block: Tensor, temperature: float, dtype: torch.dtype, copy: bool) -> Tensor:
+    """block / temperature in `dtype`; a fresh tensor when `copy` (the caller writes into it)."""
+    z = block.to(dtype, copy=copy and temperature == 1.0)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _label_logp(z: Tensor, labels: Tensor, lse: Tensor, ignore_index: int) -> Tensor:
+    """z[label] - lse per row: 0 where label == ignore_index, NaN where it is outside [0, V)."""
+    valid = (labels >= 0) & (labels < z.shape[1])
+    z_label = z.gather(1, torch.where(valid, labels, 0).unsqueeze(1)).squeeze(1)
+    logp = torch.where(valid, z_label - lse, float("nan"))
+    return torch.where(labels == ignore_index, 0.0, logp)
+
+
+def _forward_torch(x, y, temperature, ignore_index, return_entropy):
+    B, T, V = x.shape
+    dtype = out_dtype(x)
+    y = y.reshape(-1)
+    logp = torch.empty(B * T, dtype=dtype, device=x.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if return_entropy else None
+    for block, s, e in _row_blocks(x, _block_rows(V, dtype)):
+        z = _scaled(block, temperature, dtype, copy=False)
+        lse_b = torch.logsumexp(z, dim=-1)
+        lse[s:e] = lse_b
+        logp[s:e] = _label_logp(z, y[s:e], lse_b, ignore_index)
+        if return_entropy:
+            log_p = torch.sub(z, lse_b.unsqueeze(1)).clamp_(min=LOG_P_FLOOR)
+            entropy[s:e] = -log_p.exp().mul_(log_p).sum(-1)
+    return logp, entropy, lse
+
+
+def _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index, inplace):
+    B, T, V = x.shape
+    dtype = lse.dtype
+    y, lse = y.reshape(-1), lse.reshape(-1)
+    entropy = None if entropy is None else entropy.reshape(-1)
+    out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out_rows = None if inplace else out.view(-1, V)
+    g_lp = None
+    if g_logp is not None:  # ignored and out-of-range labels have no log-prob, hence no gradient through it
+        takes_grad = (y >= 0) & (y < V) & (y != ignore_index)
+        g_lp = torch.where(takes_grad, g_logp.reshape(-1).to(dtype), 0.0)
+        index = torch.where(takes_grad, y, 0)
+    if g_ent is not None:
+        g_ent = g_ent.reshape(-1).to(dtype)
+    for block, s, e in _row_blocks(x, _block_rows(V, dtype)):
+        log_p = _scaled(block, temperature, dtype, copy=True).sub_(lse[s:e].unsqueeze(1))
+        p = log_p.exp()
+        if g_ent is not None:  # dz = -p (g_logp + g_ent (log p + H))
+            t = log_p.clamp_(min=LOG_P_FLOOR).add_(entropy[s:e].unsqueeze(1)).mul_(g_ent[s:e].unsqueeze(1))
+            if g_lp is not None:
+                t.add_(g_lp[s:e].unsqueeze(1))
+            dz = t.mul_(p).neg_()
+        else:  # dz = -p g_logp
+            dz = p.mul_(g_lp[s:e].unsqueeze(1)).neg_()
+        if g_lp is not None:  # + g_logp onehot(label)
+            dz.scatter_add_(1, index[s:e].unsqueeze(1), g_lp[s:e].unsqueeze(1))
+        if temperature != 1.0:
+            dz.div_(temperature)
+        (block if inplace else out_rows[s:e]).copy_(dz)
+    return out
+
+
+# ---------------------------------------------------------------- the ops' bodies: kernel or torch
+
+
+def logprobs_fwd(x: Tensor, y: Tensor, *, temperature: float, ignore_index: int, return_entropy: bool,
+                 use_triton: bool):
+    """x [B, T, V] (stride(-1) == 1), y [B, T] int64 -> flat [B * T] (logp, entropy or None, lse)
+    in out_dtype(x)."""
+    if not use_triton:
+        return _forward_torch(x, y, temperature, ignore_index, return_entropy)
+    from fastrlhf.kernels import logprobs as kernels
+
+    logp, entropy, lse = kernels.logprobs_fwd(x, y.contiguous(), temperature=temperature,
+                                              ignore_index=ignore_index, compute_entropy=return_entropy)
+    dtype = out_dtype(x)
+    flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
+    return flat(logp), flat(entropy), flat(lse)
+
+
+def logprobs_bwd(x: Tensor, y: Tensor, lse: Tensor, entropy, g_logp, g_ent, *, temperature: float,
+                 ignore_index: int, inplace: bool, use_triton: bool) -> Tensor:
+    """d(logits) [B, T, V] in x.dtype from the forward's lse (and entropy, needed with g_ent) and
+    upstream gradients [B * T] (None = 0); inplace=True writes it over x and returns x."""
+    if not use_triton:
+        return _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index, inplace)
+    from fastrlhf.kernels import logprobs as kernels
+
+    rows = lambda t: None if t is None else t.reshape(y.shape).float().contiguous()  # noqa: E731
+    return kernels.logprobs_bwd(x, y.contiguous(), rows(lse), rows(entropy) if g_ent is not None else None,
+                                rows(g_logp), rows(g_ent), temperature=temperature, ignore_index=ignore_index,
+                                inplace=inplace)
+
+
+def _labels_3d(labels: Tensor, x: Tensor) -> Tensor:
+    return labels.reshape(x.shape[:2]).long()
+
+
+# ---------------------------------------------------------------- fastrlhf::logprobs
+
+
+@torch.library.custom_op("fastrlhf::logprobs", mutates_args=())
+def _logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int, return_entropy: bool,
+                 inplace_backward: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy (shape [0] unless return_entropy), lse), each logits.shape[:-1]."""
+    x = as_3d(logits)
+    logp, entropy, lse = logprobs_fwd(x, _labels_3d(labels, x), temperature=temperature, ignore_index=ignore_index,
+                                      return_entropy=return_entropy, use_triton=use_triton)
+    shape = logits.shape[:-1]
+    entropy = entropy.view(shape) if return_entropy else logp.new_empty(0)
+    return logp.view(shape), entropy, lse.view(shape)
+
+
+@_logprobs_op.register_fake
+def _(logits, labels, temperature, ignore_index, return_entropy, inplace_backward, use_triton):
+    shape, dtype = logits.shape[:-1], out_dtype(logits)
+    return (logits.new_empty(shape, dtype=dtype), logits.new_empty(shape if return_entropy else (0,), dtype=dtype),
+            logits.new_empty(shape, dtype=dtype))
+
+
+@torch.library.custom_op("fastrlhf::logprobs_backward", mutates_args=())
+def logprobs_backward_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor | None,
+                          grad_entropy: Tensor | None, temperature: float, ignore_index: int,
+                          use_triton: bool) -> Tensor:
+    """d(logits), contiguous, logits.shape and dtype; a None gradient counts as 0."""
+    x = as_3d(logits)
+    d = logprobs_bwd(x, _labels_3d(labels, x), lse, entropy, grad_logp, grad_entropy, temperature=temperature,
+                     ignore_index=ignore_index, inplace=False, use_triton=use_triton)
+    return d.view(logits.shape)
+
+
+@logprobs_backward_op.register_fake
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, use_triton):
+    return logits.new_empty(logits.shape)
+
+
+@torch.library.custom_op("fastrlhf::logprobs_backward_inplace", mutates_args=("logits",))
+def _logprobs_backward_inplace_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
+                                  grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float,
+                                  ignore_index: int, use_triton: bool) -> None:
+    """d(logits) written over the logits (their version counter is bumped: a node that saved them
+    for its own backward then raises instead of reading gradients)."""
+    if logits.stride(-1) != 1:  # as_3d would copy: write the result back instead
+        logits.copy_(logprobs_backward_op(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
+                                           ignore_index, use_triton))
+        return
+    x = as_3d(logits)
+    logprobs_bwd(x, _labels_3d(labels, x), lse, entropy, grad_logp, grad_entropy, temperature=temperature,
+                 ignore_index=ignore_index, inplace=True, use_triton=use_triton)
+
+
+@_logprobs_backward_inplace_op.register_fake
+def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, use_triton):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    logits, labels, temperature, ignore_index, return_entropy, inplace_backward, triton = inputs
+    _, entropy, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: less work in the kernel
+    ctx.save_for_backward(logits, labels, lse, entropy)
+    ctx.args = (temperature, ignore_index, return_entropy, inplace_backward, triton)
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+    logits, labels, lse, entropy = ctx.saved_tensors
+    temperature, ignore_index, return_entropy, inplace_backward, triton = ctx.args
+    if not return_entropy:
+        grad_entropy = None
+    if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
+        return (None,) * 7
+    args = (logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, triton)
+    if inplace_backward:
+        _logprobs_backward_inplace_op(*args)
+        return logits.detach(), None, None, None, None, None, None
+    return logprobs_backward_op(*args), None, None, None, None, None, None
+
+
+_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=IGNORE_INDEX,
+             inplace_backward=False):
+    """Per-token log softmax(logits / temperature)[labels], optionally with the entropy.
+
+    The contract (formulas, conventions, tolerances, dtypes): docs/ops.md.
+
+    Args:
+        logits: [..., V] bf16/fp16/fp32/fp64, any strides but the vocab one (`logits[:, :-1]`
+            is read in place, never copied).
+        labels: [...] = logits.shape[:-1], any integer dtype. `labels == ignore_index` gives
+            logp 0 and no gradient; a label outside [0, V) gives NaN.
+        temperature: > 0; the softmax is of logits / temperature.
+        return_entropy: also return the entropy of softmax(logits / temperature).
+        ignore_index: the label value that is ignored (-100, as PyTorch's cross-entropy).
+        inplace_backward: the backward writes d(logits) into the logits' own storage and bumps
+            their version counter; only when nothing reads the logits after the backward (any
+            other node that saved them then raises instead of using wrong values).
+
+    Returns:
+        logp [...] float32 (float64 for float64 logits), and entropy [...] with return_entropy.
+        `logits` is never modified, except by the backward with `inplace_backward=True`.
+    """
+    check_float("logits", logits)
+    check_int("labels", labels)
+    if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+                         f"got {tuple(labels.shape)}")
+    check_device("labels", labels, "logits", logits)
+    temperature = check_number("temperature", temperature, positive=True)
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty vocab dimension, got V = 0")
+    if labels.numel() == 0:
+        empty = logits.sum(-1).to(out_dtype(logits))
+        return (empty, empty.clone()) if return_entropy else empty
+    logp, entropy, _ = _logprobs_op(logits, labels, temperature, int(ignore_index), bool(return_entropy),
+                                    bool(inplace_backward), use_triton(logits))
+    return (logp, entropy) if return_entropy else logp

@@ -1,0 +1,280 @@
+"""Every public op is a graph citizen: torch.compile(fullgraph=True) traces it with no graph break,
+forward and backward, on both backends, and gives the eager numbers; the `fastrlhf::` custom ops
+pass torch.library.opcheck (schema, fake impl, autograd registration, AOT dispatch) and, on the
+torch path in float64, torch.autograd.gradcheck. Tiny shapes, one compile per op and backend.
+
+The compile tests use the "aot_eager" backend: Dynamo and AOTAutograd trace the whole graph with
+fake tensors exactly as for inductor (that is where graph breaks and fake-impl errors appear);
+one test also runs inductor end to end.
+"""
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch.library import opcheck
+
+from fastrlhf import ops
+
+B, T, V, H = 3, 5, 13, 8
+
+
+def _mask():
+    m = torch.rand(B, T) > 0.3
+    m[0] = True
+    m[2] = False  # an all-masked row
+    return m
+
+
+def _lp(*shape, requires_grad=False, dtype=torch.float32):
+    return (-torch.rand(*shape, dtype=dtype) * 3).requires_grad_(requires_grad)
+
+
+# Each case: build(dtype) -> (fn, leaves); fn(*leaves) runs the public op and returns its tensors
+# (losses, stats, per-token outputs) as a list; the leaves are the inputs that get gradients.
+
+
+def _logprobs(dtype, inplace=False):
+    labels = torch.randint(0, V, (B, T))
+    labels[0, 1] = -100
+
+    def fn(full):
+        logits = full * 1.0 if inplace else full  # the in-place backward writes into an intermediate
+        return list(ops.logprobs(logits[:, :-1], labels, temperature=0.9, return_entropy=True,
+                                 inplace_backward=inplace))
+
+    return fn, [torch.randn(B, T + 1, V, dtype=dtype, requires_grad=True)]
+
+
+def _token_kl(dtype):
+    return (lambda logp, ref_logp: [ops.token_kl(logp, ref_logp, estimator="k3", clamp=10.0)]), \
+        [_lp(B, T, requires_grad=True, dtype=dtype), _lp(B, T, requires_grad=True, dtype=dtype)]
+
+
+def _kl_shaped_rewards(dtype):
+    scores, logp, ref_logp, mask = torch.randn(B, dtype=dtype), _lp(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
+    return (lambda: [ops.kl_shaped_rewards(scores, logp, ref_logp, mask, kl_coef=0.1, estimator="k2")]), []
+
+
+def _gae(dtype):
+    rewards, values, mask = torch.randn(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _mask()
+    return (lambda: list(ops.gae(rewards, values, mask, gamma=0.99, lam=0.95))), []
+
+
+def _whiten(dtype):
+    x, mask = torch.randn(B, T, dtype=dtype), _mask()
+    return (lambda: [ops.whiten(x, mask)]), []
+
+
+def _policy_loss(dtype):
+    old, adv, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _mask()
+
+    def fn(logp):
+        loss, stats = ops.policy_loss(logp, old, adv, mask, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean")
+        return [loss, *stats.values()]
+
+    return fn, [_lp(B, T, requires_grad=True, dtype=dtype)]
+
+
+def _value_loss(dtype):
+    values = torch.randn(B, T, dtype=dtype)
+    old, ret, mask = values + 0.3 * torch.randn(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _mask()
+
+    def fn(v):
+        loss, stats = ops.value_loss(v, old, ret, mask, clip=0.2)
+        return [loss, *stats.values()]
+
+    return fn, [values.requires_grad_()]
+
+
+def _ppo_actor_loss(dtype):
+    labels = torch.randint(0, V, (B, T))
+    old, adv, ref_logp, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
+
+    def fn(logits):
+        loss, stats = ops.ppo_actor_loss(logits, labels, old, adv, mask, ref_logp=ref_logp, kl_coef=0.1,
+                                         entropy_coef=0.01, temperature=0.8, dual_clip=3.0)
+        return [loss, *stats.values()]
+
+    return fn, [torch.randn(B, T, V, dtype=dtype, requires_grad=True)]
+
+
+def _linear_leaves(dtype):
+    return [torch.randn(B, T, H, dtype=dtype).requires_grad_(),
+            (torch.randn(V, H, dtype=dtype) / H**0.5).requires_grad_(), torch.randn(V, dtype=dtype).requires_grad_()]
+
+
+def _linear_logprobs(dtype):
+    labels = torch.randint(0, V, (B, T))
+
+    def fn(hidden, weight, bias):
+        return list(ops.linear_logprobs(hidden, weight, labels, bias=bias, return_entropy=True, chunk_size=4,
+                                        temperature=1.1))
+
+    return fn, _linear_leaves(dtype)
+
+
+def _linear_ppo_actor_loss(dtype):
+    labels = torch.randint(0, V, (B, T))
+    old, adv, ref_logp, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
+
+    def fn(hidden, weight, bias):
+        loss, stats = ops.linear_ppo_actor_loss(hidden, weight, labels, old, adv, mask, bias=bias, chunk_size=4,
+                                                ref_logp=ref_logp, kl_coef=0.1, entropy_coef=0.01,
+                                                agg="seq-mean-token-sum")
+        return [loss, *stats.values()]
+
+    return fn, _linear_leaves(dtype)
+
+
+CASES = {
+    "logprobs": _logprobs,
+    "logprobs-inplace_backward": lambda dtype: _logprobs(dtype, inplace=True),
+    "token_kl": _token_kl,
+    "kl_shaped_rewards": _kl_shaped_rewards,
+    "gae": _gae,
+    "whiten": _whiten,
+    "policy_loss": _policy_loss,
+    "value_loss": _value_loss,
+    "ppo_actor_loss": _ppo_actor_loss,
+    "linear_logprobs": _linear_logprobs,
+    "linear_ppo_actor_loss": _linear_ppo_actor_loss,
+}
+
+
+def test_every_public_op_has_a_case():
+    assert {name.split("-")[0] for name in CASES} == set(ops.__all__) - {"AGG_MODES", "KL_ESTIMATORS", "MASK_MODES"}
+
+
+def _run(fn, leaves, upstream):
+    """The op's outputs and the gradients of sum(upstream_i * output_i) (a random upstream)."""
+    outs = fn(*leaves)
+    grads = []
+    if leaves:
+        total = sum((u * o.double()).sum() for u, o in zip(upstream, outs) if o.requires_grad)
+        grads = list(torch.autograd.grad(total, leaves))
+    return [o.detach() for o in outs], grads
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_compile_fullgraph_matches_eager(backend, name):
+    torch._dynamo.reset()  # one fresh compile per op and backend: dispatch depends on FASTRLHF_BACKEND
+    fn, leaves = CASES[name](torch.float32)
+    upstream = [torch.randn(o.shape, dtype=torch.float64) for o in fn(*leaves)]
+    eager_outs, eager_grads = _run(fn, leaves, upstream)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    outs, grads = _run(torch.compile(fn, fullgraph=True, backend=counter), leaves, upstream)
+    assert counter.frame_count == 1, f"{name}: {counter.frame_count} graphs"
+    for got, want in zip(outs + grads, eager_outs + eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_inductor_end_to_end():
+    """The real compiler on the trainer's two losses in one graph: Dynamo, AOTAutograd, inductor."""
+    torch._dynamo.reset()
+    actor, actor_leaves = _linear_ppo_actor_loss(torch.float32)
+    value, value_leaves = _value_loss(torch.float32)
+
+    def fn(hidden, weight, bias, values):
+        return [actor(hidden, weight, bias)[0] + value(values)[0]]
+
+    leaves = actor_leaves + value_leaves
+    upstream = [torch.randn((), dtype=torch.float64)]
+    eager_outs, eager_grads = _run(fn, leaves, upstream)
+    outs, grads = _run(torch.compile(fn, fullgraph=True), leaves, upstream)
+    for got, want in zip(outs + grads, eager_outs + eager_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- gradcheck, float64, torch path
+
+
+@pytest.mark.parametrize("name", ["logprobs", "token_kl", "policy_loss", "value_loss", "ppo_actor_loss",
+                                  "linear_logprobs"])
+def test_gradcheck_float64(monkeypatch, name):
+    monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
+    fn, leaves = CASES[name](torch.float64)
+    assert torch.autograd.gradcheck(lambda *xs: tuple(o for o in fn(*xs) if o.requires_grad), tuple(leaves))
+
+
+def test_linear_ppo_actor_loss_directional_derivatives_float64(monkeypatch):
+    """gradcheck backprops twice (a reentrancy check) and this loss allows one backward (its gradients
+    are formed in the forward and handed over once): the same check, written out. Central differences
+    of the float64 loss along random directions equal <gradient, direction>."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
+    fn, leaves = CASES["linear_ppo_actor_loss"](torch.float64)
+    grads = torch.autograd.grad(fn(*leaves)[0], leaves)
+    eps = 1e-6
+    with torch.no_grad():
+        for _ in range(3):
+            directions = [torch.randn_like(leaf) for leaf in leaves]
+            up = fn(*(x + eps * d for x, d in zip(leaves, directions)))[0]
+            down = fn(*(x - eps * d for x, d in zip(leaves, directions)))[0]
+            numeric = (up - down) / (2 * eps)
+            analytic = sum((g * d).sum() for g, d in zip(grads, directions))
+            torch.testing.assert_close(numeric, analytic, rtol=1e-6, atol=1e-8)
+
+
+# ---------------------------------------------------------------- opcheck on the custom ops
+
+
+def _opcheck_samples(dtype, triton):
+    """(op, args) for every fastrlhf custom op, inputs requiring grad where the op has a gradient."""
+    x = torch.randn(B, T, V, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, V, (B, T))
+    lp, ref_lp, adv = _lp(B, T, requires_grad=True, dtype=dtype), _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype)
+    mask = _mask()
+    scale = torch.rand(B, dtype=dtype)
+    w = torch.rand(B, T, dtype=dtype)
+    lse, ent = torch.logsumexp(x.detach(), -1), torch.rand(B, T, dtype=dtype)
+    g = torch.randn(B, T, dtype=dtype)
+    hidden = torch.randn(B * T, H, dtype=dtype, requires_grad=True)
+    weight = torch.randn(V, H, dtype=dtype, requires_grad=True)
+    bias = torch.randn(V, dtype=dtype, requires_grad=True)
+    flat = lambda t: t.detach().reshape(-1)  # noqa: E731
+    fl = torch.ops.fastrlhf
+    return {
+        "logprobs": (fl.logprobs, (x, y, 0.9, -100, True, False, triton)),
+        "logprobs_backward": (fl.logprobs_backward, (x.detach(), y, lse, ent, g, g, 0.9, -100, triton)),
+        "logprobs_backward_inplace": (fl.logprobs_backward_inplace,
+                                      (x.detach().clone(), y, lse, ent, g, None, 0.9, -100, triton)),
+        "token_kl": (fl.token_kl, (lp, ref_lp, "k3", 10.0, triton)),
+        "token_kl_backward": (fl.token_kl_backward, (lp.detach(), ref_lp, g, "abs", None, triton)),
+        "kl_shaped_rewards": (fl.kl_shaped_rewards, (g[:, 0], lp.detach(), ref_lp, mask, 0.1, "k1", None, triton)),
+        "gae": (fl.gae, (g, ref_lp, mask, 0.99, 0.95, "skip", True, triton)),
+        "whiten": (fl.whiten, (g, mask, True, True, triton)),
+        "policy_loss": (fl.policy_loss, (lp, ref_lp, adv, mask, scale, 0.2, 0.28, 3.0, True, triton)),
+        "value_loss": (fl.value_loss, (lp, ref_lp, adv, mask, scale, 0.2, True, triton)),
+        "ppo_actor_loss": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, ref_lp, 0.9, 0.1, "k3", 0.01, 0.2, 0.2,
+                                               None, True, triton)),
+        "linear_logprobs": (fl.linear_logprobs, (hidden, weight, bias, flat(y), 1.0, -100, True, 4, None, False,
+                                                 triton)),
+        "linear_logprobs-keep_logits": (fl.linear_logprobs, (hidden, weight, bias, flat(y), 1.0, -100, True, B * T,
+                                                             None, True, triton)),
+        "linear_logprobs_backward": (fl.linear_logprobs_backward,
+                                     (hidden.detach(), weight.detach(), bias.detach(), flat(y), flat(lse), flat(ent),
+                                      hidden.new_empty(0), flat(g), flat(g), 1.0, -100, 4, None, True, True, True,
+                                      triton)),
+        "linear_ppo_actor_loss": (fl.linear_ppo_actor_loss,
+                                  (hidden, weight, bias, flat(y), flat(ref_lp), flat(adv), flat(mask).to(dtype),
+                                   flat(w), flat(ref_lp), 1.0, 0.1, "k2", 0.01, 0.2, 0.2, 3.0, 4, None, True, True,
+                                   True, triton)),
+    }
+
+
+def test_opcheck_covers_every_custom_op():
+    registered = {name for name in dir(torch.ops.fastrlhf) if not name.startswith("_")}
+    assert {n.split("-")[0] for n in _opcheck_samples(torch.float64, False)} >= {n for n in registered if hasattr(torch.ops.fastrlhf, n)
+                                                          and isinstance(getattr(torch.ops.fastrlhf, n),
+                                                                         torch._ops.OpOverloadPacket)}
+
+
+@pytest.mark.parametrize("name", list(_opcheck_samples(torch.float64, False)))
+def test_opcheck(backend, name):
+    """Torch path in float64; the Triton path computes in fp32, so it is checked with fp32 inputs."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    op, args = _opcheck_samples(dtype, backend == "triton")[name]
+    # linear_ppo_actor_loss allows one backward, which opcheck's AOT test takes several times
+    skip = ("test_aot_dispatch_dynamic",) if name == "linear_ppo_actor_loss" else ()
+    utils = tuple(u for u in ("test_schema", "test_autograd_registration", "test_faketensor",
+                              "test_aot_dispatch_dynamic") if u not in skip)
+    opcheck(op, args, test_utils=utils)
