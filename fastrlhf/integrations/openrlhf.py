@@ -3,14 +3,17 @@
 What `patch()` replaces (module functions are rebound in every loaded openrlhf module that
 imported them by name, e.g. `openrlhf.models.actor`, `openrlhf.trainer.ray.ppo_actor`):
 
-| OpenRLHF                                                 | fastrlhf op              | falls back to OpenRLHF's own when        |
-| -------------------------------------------------------- | ------------------------ | ---------------------------------------- |
-| models.utils.log_probs_from_logits                       | logprobs                 | never                                    |
-| models.utils.compute_entropy                             | logprobs(return_entropy) | never                                    |
-| models.utils.compute_approx_kl                           | token_kl                 | unbiased_gradient=True, unknown estimator |
-| models.loss.PolicyLoss.forward                           | policy_loss              | gspo, train/rollout IS correction, dp_size > 1 with a global count, per-sample loss with global_batch_size, no action_mask |
-| models.loss.ValueLoss.forward                            | value_loss               | the same aggregation cases               |
-| trainer.ppo_utils.experience_maker.RemoteExperienceMaker.get_advantages_and_returns | gae | never               |
+OpenRLHF                                      fastrlhf op               OpenRLHF's own still runs for
+models.utils.log_probs_from_logits            logprobs                  -
+models.utils.compute_entropy                  logprobs(return_entropy)  -
+models.utils.compute_approx_kl                token_kl                  unbiased_gradient=True, unknown estimators
+models.loss.PolicyLoss.forward                policy_loss               gspo, the train/rollout IS correction,
+                                                                        dp_size > 1 with batch_num_tokens, the
+                                                                        per-sample loss with global_batch_size,
+                                                                        action_mask=None
+models.loss.ValueLoss.forward                 value_loss                the same aggregation cases
+trainer.ppo_utils.experience_maker            gae                       -
+  .RemoteExperienceMaker.get_advantages_and_returns
 
 Not replaced: `models.utils.compute_reward` (it takes an already computed KL and is one
 elementwise pass; fastrlhf's kl_shaped_rewards zeroes the KL term off the mask and gives

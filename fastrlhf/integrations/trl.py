@@ -3,12 +3,13 @@
 What `patch()` replaces (rebound in every loaded trl module that imported it by name or
 alias, e.g. `trl.experimental.*` trainers, and TRL 1.12's `trl.experimental.ppo.ppo_trainer`):
 
-| TRL (trl.trainer.utils)               | fastrlhf op              | falls back to TRL's own when                   |
-| ------------------------------------- | ------------------------ | ---------------------------------------------- |
-| selective_log_softmax                 | logprobs                 | an index of shape (..., K)                     |
-| entropy_from_logits                   | logprobs(return_entropy) | never                                          |
-| selective_log_softmax_and_entropy     | logprobs(return_entropy) | an index of shape (..., K)                     |
-| _ChunkedLogProbFunction (the fused LM head that GRPO, RLOO, DPO, KTO and SFT trainers add with add_fused_lm_head) | linear_logprobs | softcapping, logit_scale != 1, outputs other than log_probs / entropy |
+trl.trainer.utils                             fastrlhf op               TRL's own still runs for
+selective_log_softmax                         logprobs                  an index of shape (..., K)
+entropy_from_logits                           logprobs(return_entropy)  -
+selective_log_softmax_and_entropy             logprobs(return_entropy)  an index of shape (..., K)
+_ChunkedLogProbFunction: the fused LM head    linear_logprobs           softcapping, logit_scale != 1, outputs
+  that the GRPO, RLOO, DPO, KTO and SFT                                 other than log_probs / entropy
+  trainers add with add_fused_lm_head
 
 Not replaced: TRL 1.12 PPO's `masked_whiten` (it returns whitened values off the mask too,
 which fastrlhf's whiten zeroes; the trainer zeroes them right after, but the function's own

@@ -3,14 +3,17 @@
 What `patch()` replaces (module attributes are rebound in every loaded verl module that
 imported them by name, e.g. `verl.workers.utils.losses`, `verl.workers.engine.fsdp.transformer_impl`):
 
-| verl function                                         | fastrlhf op              | falls back to verl's own when            |
-| ----------------------------------------------------- | ------------------------ | ---------------------------------------- |
-| utils.torch_functional.logprobs_from_logits           | logprobs                 | torch_npu cross-entropy path             |
-| utils.torch_functional.entropy_from_logits            | logprobs(return_entropy) | never                                    |
-| trainer.ppo.core_algos.kl_penalty                     | token_kl                 | "+" straight-through names, "full", unknown names, broadcast shapes |
-| core_algos.compute_gae_advantage_return (+ ADV_ESTIMATOR_REGISTRY["gae"]) | gae | non-binary float mask           |
-| core_algos.compute_policy_loss_vanilla (+ POLICY_LOSS_REGISTRY["vanilla"]) | policy_loss | rollout_is_weights, dp_size > 1, token-sum / seq-mean-token-sum(-norm), seq-mean with global_batch_size |
-| core_algos.compute_value_loss                         | value_loss               | the same aggregation cases               |
+verl function                                 fastrlhf op               verl's own still runs for
+utils.torch_functional.logprobs_from_logits   logprobs                  the torch_npu cross-entropy path
+utils.torch_functional.entropy_from_logits    logprobs(return_entropy)  -
+trainer.ppo.core_algos.kl_penalty             token_kl                  "+" names (but k2+ / mse+), "full", unknown
+                                                                        names, broadcast shapes
+core_algos.compute_gae_advantage_return       gae                       a non-binary (weighting) mask
+  and ADV_ESTIMATOR_REGISTRY["gae"]
+core_algos.compute_policy_loss_vanilla        policy_loss               rollout_is_weights, dp_size > 1, token-sum,
+  and POLICY_LOSS_REGISTRY["vanilla"]                                   seq-mean-token-sum(-norm), seq-mean modes
+                                                                        with global_batch_size
+core_algos.compute_value_loss                 value_loss                the same aggregation cases
 
 Not replaced yet: `core_algos.agg_loss` (needs a public fastrlhf agg_loss).
 Call `patch()` before verl builds its workers: the engines keep `entropy_from_logits` in an
