@@ -1,66 +1,10 @@
-"""Fixtures for the integration tests: the real peers, with their heavy runtime imports stubbed.
+"""Fixtures for the integration tests: the real peers (skipped when not installed), with their
+heavy runtime imports stubbed by peer_stubs (test fixtures only, never library code)."""
 
-verl and OpenRLHF are installed with `--no-deps` (.ci/install_peers.sh): their loss and
-log-prob modules import ray, deepspeed, vllm, flash-attn's padding helpers and serving
-libraries at module level without using them on these paths. A finder at the END of
-sys.meta_path serves empty stand-ins for those names only when no real package is found;
-it lives here, in the test fixtures, never in library code. `flash_attn.ops` is never
-stubbed: the peers probe it to choose their cross-entropy path, and must find it missing.
-"""
-
-import importlib.abc
-import importlib.machinery
-import sys
-import types
-
+import peer_stubs
 import pytest
 
-STUB_PACKAGES = {"ray", "vllm", "deepspeed", "aiohttp", "fastapi", "uvicorn", "torchdata"}
-STUB_MODULES = {"flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed"}
-
-
-class _Anything:
-    """Stands for any attribute of a stubbed module: callable, subclassable, decorating."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and callable(args[0]) and not kwargs:  # used as a decorator
-            return args[0]
-        return _Anything()
-
-    def __getattr__(self, name):
-        return _Anything()
-
-    def __mro_entries__(self, bases):
-        return (object,)
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Anything()
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in STUB_PACKAGES or name in STUB_MODULES:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-    sys.meta_path.append(_StubFinder())
+peer_stubs.install()
 
 
 def _peer(module: str, integration: str):
