@@ -7,6 +7,13 @@ import pytest
 peer_stubs.install()
 
 
+@pytest.fixture(autouse=True)
+def _forget_stubs():
+    """The stand-ins never outlive a test: other code probing for vllm / deepspeed finds none."""
+    yield
+    peer_stubs.forget()
+
+
 def _peer(module: str, integration: str):
     pytest.importorskip(module, reason=f"{module} is not installed (.ci/install_peers.sh installs it)")
     integ = __import__(f"fastrlhf.integrations.{integration}", fromlist=["patch"])

@@ -4,7 +4,10 @@ verl and OpenRLHF are installed with `--no-deps` (.ci/install_peers.sh): their l
 log-prob modules import ray, deepspeed, vllm, flash-attn's padding helpers and serving
 libraries at module level without using them on the paths tested here. `install()` adds a
 finder at the END of sys.meta_path that serves empty stand-ins for those names only when no
-real package is found. `flash_attn.ops` is never stubbed: the peers probe it to choose their
+real package is found AND the import comes straight from a peer's module (verl, openrlhf, or
+the `tests` package their wheels ship): TRL and transformers probing for vllm or deepspeed
+still find nothing. `forget()` drops the stand-ins from sys.modules again (the peer modules
+keep their references). `flash_attn.ops` is never stubbed: the peers probe it to choose their
 cross-entropy path, and must find it missing.
 """
 
@@ -14,6 +17,7 @@ import sys
 import types
 
 STUB_PACKAGES = {"ray", "vllm", "deepspeed", "aiohttp", "fastapi", "uvicorn", "torchdata"}
+PEER_PACKAGES = {"verl", "openrlhf", "tests"}
 STUB_MODULES = {"flash_attn", "flash_attn.bert_padding", "flash_attn.utils", "flash_attn.utils.distributed"}
 
 
@@ -42,9 +46,19 @@ class _StubModule(types.ModuleType):
         return _Anything()
 
 
+def _imported_by_peer() -> bool:
+    """Whether the code asking for the module (the first frame outside the import machinery)
+    belongs to a peer package."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith("<frozen") or "importlib" in
+                                 frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in PEER_PACKAGES
+
+
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in STUB_PACKAGES or name in STUB_MODULES:
+        if (name.split(".")[0] in STUB_PACKAGES or name in STUB_MODULES) and _imported_by_peer():
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -60,3 +74,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install():
     if not any(type(f).__name__ == "_StubFinder" for f in sys.meta_path):
         sys.meta_path.append(_StubFinder())
+
+
+def forget():
+    """Drop the stand-ins from sys.modules, so that code probing for e.g. vllm later finds none."""
+    for name, module in list(sys.modules.items()):
+        if isinstance(module, _StubModule):
+            del sys.modules[name]
