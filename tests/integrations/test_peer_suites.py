@@ -10,13 +10,11 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).parent
-SITE = Path(sysconfig.get_paths()["purelib"])
 
 SUITES = {
     "verl": ["tests/trainer/ppo/test_core_algos_on_cpu.py", "tests/trainer/ppo/test_loss_aggregation_on_cpu.py",
@@ -34,8 +32,14 @@ def test_peer_unit_tests_pass_with_patch(backend, tmp_path):
     """Both peers' suites in one subprocess per backend (one start-up of torch and the peers)."""
     import importlib.util
 
-    peers = [p for p in sorted(SUITES) if importlib.util.find_spec(MODULES[p].split(".")[0]) is not None]
-    files = [SITE / f for p in peers for f in SUITES[p] if (SITE / f).exists()]
+    peers, files = [], []
+    for peer in sorted(SUITES):
+        spec = importlib.util.find_spec(peer)
+        if spec is None:
+            continue
+        site = Path(spec.origin).parent.parent  # the wheel puts its `tests` package beside the peer's
+        peers.append(peer)
+        files += [site / f for f in SUITES[peer] if (site / f).exists()]
     if not files:
         pytest.skip("neither verl nor OpenRLHF (with the tests its wheel ships) is installed")
     env = dict(os.environ, FASTRLHF_PATCH=",".join(peers), FASTRLHF_BACKEND=backend,
