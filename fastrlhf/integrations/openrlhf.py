@@ -37,7 +37,7 @@ import importlib.util
 import torch
 
 import fastrlhf
-from fastrlhf.integrations import Patcher, peer_version
+from fastrlhf.integrations import Patcher, logger, peer_version
 
 SUPPORTED = "OpenRLHF >= 0.11"
 _PATCHER = Patcher("openrlhf", "openrlhf")
@@ -54,21 +54,23 @@ def patch() -> None:
     import openrlhf.models.loss as loss
     import openrlhf.models.utils as utils
 
-    p = _PATCHER
-    p.function(utils, "log_probs_from_logits", _log_probs_from_logits(_flash_ce_available()))
-    p.function(utils, "compute_entropy", _compute_entropy)
-    p.function(utils, "compute_approx_kl", _compute_approx_kl(utils.compute_approx_kl))
-    p.attribute(loss.PolicyLoss, "forward", _policy_loss_forward(loss.PolicyLoss.forward, utils.masked_mean))
-    p.attribute(loss.ValueLoss, "forward", _value_loss_forward(loss.ValueLoss.forward))
-    try:  # imports ray and vllm-facing modules: present in a real OpenRLHF install
-        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
-    except ImportError as e:
-        import logging
-
-        logging.getLogger("fastrlhf.integrations").warning(
-            "fastrlhf: OpenRLHF's experience maker could not be imported (%s); its GAE is not patched", e)
-    else:
-        p.attribute(RemoteExperienceMaker, "get_advantages_and_returns", _get_advantages_and_returns)
+    try:
+        p = _PATCHER
+        p.function(utils, "log_probs_from_logits", _log_probs_from_logits(_flash_ce_available()))
+        p.function(utils, "compute_entropy", _compute_entropy)
+        p.function(utils, "compute_approx_kl", _compute_approx_kl(utils.compute_approx_kl))
+        p.attribute(loss.PolicyLoss, "forward", _policy_loss_forward(loss.PolicyLoss.forward, utils.masked_mean))
+        p.attribute(loss.ValueLoss, "forward", _value_loss_forward(loss.ValueLoss.forward))
+        try:  # imports ray and vllm-facing modules: present in a real OpenRLHF install
+            from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+        except ImportError as e:
+            logger.warning("fastrlhf: OpenRLHF's experience maker could not be imported (%s); its GAE is not patched",
+                           e)
+        else:
+            p.attribute(RemoteExperienceMaker, "get_advantages_and_returns", _get_advantages_and_returns)
+    except BaseException:  # never leave a half-patched peer behind
+        _PATCHER.undo()
+        raise
 
 
 def unpatch() -> None:

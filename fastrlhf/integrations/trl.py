@@ -45,14 +45,18 @@ def patch() -> None:
     import trl.trainer.utils as utils
 
     out_dtype = _output_dtype(utils)
-    p = _PATCHER
-    p.function(utils, "selective_log_softmax", _selective_log_softmax(utils.selective_log_softmax, out_dtype))
-    p.function(utils, "entropy_from_logits", _entropy_from_logits(out_dtype))
-    if hasattr(utils, "selective_log_softmax_and_entropy"):
-        p.function(utils, "selective_log_softmax_and_entropy",
-                   _selective_log_softmax_and_entropy(utils.selective_log_softmax_and_entropy, out_dtype))
-    if hasattr(utils, "_ChunkedLogProbFunction"):
-        p.function(utils, "_ChunkedLogProbFunction", _chunked_logprob(utils._ChunkedLogProbFunction))
+    try:
+        p = _PATCHER
+        p.function(utils, "selective_log_softmax", _selective_log_softmax(utils.selective_log_softmax, out_dtype))
+        p.function(utils, "entropy_from_logits", _entropy_from_logits(out_dtype))
+        if hasattr(utils, "selective_log_softmax_and_entropy"):
+            p.function(utils, "selective_log_softmax_and_entropy",
+                       _selective_log_softmax_and_entropy(utils.selective_log_softmax_and_entropy, out_dtype))
+        if hasattr(utils, "_ChunkedLogProbFunction"):
+            p.function(utils, "_ChunkedLogProbFunction", _chunked_logprob(utils._ChunkedLogProbFunction))
+    except BaseException:  # never leave a half-patched peer behind
+        _PATCHER.undo()
+        raise
 
 
 def unpatch() -> None:

@@ -53,19 +53,23 @@ def patch() -> None:
     import verl.trainer.ppo.core_algos as core_algos
     import verl.utils.torch_functional as verl_F
 
-    p = _PATCHER
-    p.function(verl_F, "logprobs_from_logits", _logprobs_from_logits(verl_F.logprobs_from_logits, verl_F))
-    p.function(verl_F, "entropy_from_logits", _entropy_from_logits)
-    p.function(core_algos, "kl_penalty", _kl_penalty(core_algos.kl_penalty))
-    gae = _gae(core_algos.compute_gae_advantage_return, verl_F)
-    if core_algos.ADV_ESTIMATOR_REGISTRY.get("gae") is core_algos.compute_gae_advantage_return:
-        p.item(core_algos.ADV_ESTIMATOR_REGISTRY, "gae", gae, "core_algos.ADV_ESTIMATOR_REGISTRY")
-    p.function(core_algos, "compute_gae_advantage_return", gae)
-    vanilla = _policy_loss_vanilla(core_algos.compute_policy_loss_vanilla, core_algos)
-    if core_algos.POLICY_LOSS_REGISTRY.get("vanilla") is core_algos.compute_policy_loss_vanilla:
-        p.item(core_algos.POLICY_LOSS_REGISTRY, "vanilla", vanilla, "core_algos.POLICY_LOSS_REGISTRY")
-    p.function(core_algos, "compute_policy_loss_vanilla", vanilla)
-    p.function(core_algos, "compute_value_loss", _value_loss(core_algos.compute_value_loss))
+    try:
+        p = _PATCHER
+        p.function(verl_F, "logprobs_from_logits", _logprobs_from_logits(verl_F.logprobs_from_logits, verl_F))
+        p.function(verl_F, "entropy_from_logits", _entropy_from_logits)
+        p.function(core_algos, "kl_penalty", _kl_penalty(core_algos.kl_penalty))
+        gae = _gae(core_algos.compute_gae_advantage_return, verl_F)
+        if core_algos.ADV_ESTIMATOR_REGISTRY.get("gae") is core_algos.compute_gae_advantage_return:
+            p.item(core_algos.ADV_ESTIMATOR_REGISTRY, "gae", gae, "core_algos.ADV_ESTIMATOR_REGISTRY")
+        p.function(core_algos, "compute_gae_advantage_return", gae)
+        vanilla = _policy_loss_vanilla(core_algos.compute_policy_loss_vanilla, core_algos)
+        if core_algos.POLICY_LOSS_REGISTRY.get("vanilla") is core_algos.compute_policy_loss_vanilla:
+            p.item(core_algos.POLICY_LOSS_REGISTRY, "vanilla", vanilla, "core_algos.POLICY_LOSS_REGISTRY")
+        p.function(core_algos, "compute_policy_loss_vanilla", vanilla)
+        p.function(core_algos, "compute_value_loss", _value_loss(core_algos.compute_value_loss))
+    except BaseException:  # never leave a half-patched peer behind
+        _PATCHER.undo()
+        raise
 
 
 def unpatch() -> None:

@@ -78,6 +78,23 @@ def test_patch_logs_what_it_replaced(verl_integration, caplog):
         assert name in text
 
 
+def test_a_failing_patch_leaves_nothing_patched(verl_integration, monkeypatch):
+    import verl.trainer.ppo.core_algos as core_algos
+
+    from fastrlhf.integrations import is_patched
+
+    before = core_algos.kl_penalty, core_algos.POLICY_LOSS_REGISTRY["vanilla"]
+
+    def broken(original):
+        raise RuntimeError("adapter construction failed")
+
+    monkeypatch.setattr(verl_integration, "_value_loss", broken)
+    with pytest.raises(RuntimeError, match="adapter construction failed"):
+        verl_integration.patch()
+    assert (core_algos.kl_penalty, core_algos.POLICY_LOSS_REGISTRY["vanilla"]) == before
+    assert not is_patched("verl")
+
+
 def test_refuses_unsupported_version(verl_integration, monkeypatch):
     from fastrlhf.integrations import UnsupportedPeerError
 
