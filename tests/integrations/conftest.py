@@ -1,8 +1,9 @@
 """Fixtures for the integration tests: the real peers (skipped when not installed), with their
 heavy runtime imports stubbed by peer_stubs (test fixtures only, never library code)."""
 
-import peer_stubs
 import pytest
+
+from . import peer_stubs
 
 peer_stubs.install()
 

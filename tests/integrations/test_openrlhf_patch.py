@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 from helpers import make_mask
-from peer_checks import compare
+
+from .peer_checks import compare
 
 B, T, V = 6, 13, 37
 

@@ -5,7 +5,8 @@ import importlib.metadata
 
 import pytest
 import torch
-from peer_checks import compare
+
+from .peer_checks import compare
 
 B, T, V, H = 4, 11, 37, 16
 

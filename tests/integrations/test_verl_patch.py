@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 from helpers import make_mask
-from peer_checks import compare
+
+from .peer_checks import compare
 
 B, T, V = 6, 13, 37
 KL_NAMES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+", "k2+", "mse+"]
