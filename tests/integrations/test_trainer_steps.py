@@ -57,7 +57,7 @@ def _grpo_run(tmp_path, integration, use_patch, dtype=torch.float32):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastrlhf.data import build_char_tokenizer
+    from fastrlhf.task import build_char_tokenizer
 
     if use_patch:
         integration.patch()
