@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs the peers that tests/integrations runs against into a venv (default: .venv).
+#
+# verl and OpenRLHF come without their dependencies (ray, vllm, deepspeed, flash-attn, ...:
+# GPU serving stacks the tested loss / log-prob code never calls; tests/integrations/peer_stubs.py
+# stands in for their imports), plus the few light modules that importing their core_algos,
+# models and losses needs. TRL comes with its own (light) dependencies. Versions are pinned:
+# the tests compare against these releases' numbers.
+#
+# usage: .ci/install_peers.sh [VENV_DIR]   (relative to the repository root, or absolute)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-.venv}"
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+"${PIP[@]}" --no-deps verl==0.9.1 openrlhf==0.11.2
+# verl 0.9.1 pins tensordict <= 0.10.0. pip then lists the peers' other (deliberately skipped)
+# dependencies as missing: expected, and filtered from the log; a failing install still fails.
+log="$(mktemp)"
+if ! "${PIP[@]}" "tensordict==0.10.0" omegaconf codetiming pylatexenc "trl==1.16.0" >"$log" 2>&1; then
+  cat "$log"
+  exit 1
+fi
+grep -v -e "^ERROR: pip's dependency resolver" -e "^verl 0.9.1 requires" -e "^openrlhf 0.11.2 requires" \
+  -e "^WARNING: Location" "$log" || true
+rm -f "$log"
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "tensordict")))
+PY

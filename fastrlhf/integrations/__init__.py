@@ -1,0 +1,118 @@
+"""Drop fastrlhf's ops into existing trainers: one module per peer, each with `patch()` and
+`unpatch()` (in the spirit of Liger's `apply_liger_kernel_to_*`).
+
+    from fastrlhf.integrations import verl        # or openrlhf, trl
+    verl.patch()                                   # before the trainer builds its workers
+
+`patch()` swaps the peer's functions for adapters around the fastrlhf ops everywhere the
+peer holds them: the defining module, every loaded module of the peer that imported them by
+name (aliases included), registries such as verl's `POLICY_LOSS_REGISTRY`, and class
+attributes (OpenRLHF's `PolicyLoss.forward`). Modules of the peer imported later pick up the
+patched function from the defining module. Each adapter returns what the original returns
+(shapes, dtypes, metric keys, gradients, the peer's conventions off the mask); where an
+argument has no fused path it calls the original for that call. Both functions are
+idempotent; `unpatch()` restores every original.
+
+The peers are never dependencies of fastrlhf: each module imports its peer inside `patch()`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+
+logger = logging.getLogger("fastrlhf.integrations")
+
+__all__ = ["UnsupportedPeerError", "is_patched"]
+
+
+class UnsupportedPeerError(RuntimeError):
+    """The installed peer's version is outside the range an integration supports."""
+
+
+def peer_version(dist: str, *, supported: str, minimum: str, maximum: str | None = None) -> str:
+    """The installed version of distribution `dist`; raises ImportError when it is missing and
+    UnsupportedPeerError when it is outside [minimum, maximum] (`supported` names the range)."""
+    from packaging.version import Version
+
+    try:
+        found = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(f"fastrlhf.integrations needs {dist} installed ({supported}); it is not") from None
+    v = Version(found)
+    if v < Version(minimum) or (maximum is not None and v > Version(maximum)):
+        raise UnsupportedPeerError(f"fastrlhf.integrations supports {supported}; found {dist} {found}")
+    return found
+
+
+class Patcher:
+    """Swaps a peer's objects for adapters and puts them back.
+
+    `function(module, name, adapter)` rebinds every reference to the original object inside
+    the peer's loaded modules (found by identity, so `from x import f as g` is covered);
+    `item(mapping, key, adapter)` and `attribute(owner, name, adapter)` replace one slot.
+    """
+
+    def __init__(self, peer: str, package: str):
+        self.peer = peer
+        self.package = package
+        self._functions: list[tuple[object, object]] = []  # (original, adapter)
+        self._slots: list[tuple[object, str, object, object]] = []  # (owner, key, original, adapter)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._functions or self._slots)
+
+    def _peer_modules(self):
+        prefix = self.package + "."
+        return [m for name, m in list(sys.modules.items())
+                if m is not None and (name == self.package or name.startswith(prefix))]
+
+    def _rebind(self, old, new) -> list[str]:
+        where = []
+        for module in self._peer_modules():
+            for attr, value in list(vars(module).items()):
+                if value is old:
+                    setattr(module, attr, new)
+                    where.append(f"{module.__name__}.{attr}")
+        return where
+
+    def function(self, module, name: str, adapter) -> None:
+        original = getattr(module, name)
+        adapter.__wrapped__ = original
+        where = self._rebind(original, adapter)
+        self._functions.append((original, adapter))
+        logger.info("fastrlhf patched %s: %s", self.peer, ", ".join(where))
+
+    def item(self, mapping: dict, key: str, adapter, label: str) -> None:
+        original = mapping[key]
+        mapping[key] = adapter
+        self._slots.append((mapping, key, original, adapter))
+        logger.info("fastrlhf patched %s: %s[%r]", self.peer, label, key)
+
+    def attribute(self, owner, name: str, adapter) -> None:
+        original = owner.__dict__[name]
+        adapter.__wrapped__ = original
+        setattr(owner, name, adapter)
+        self._slots.append((owner, name, original, adapter))
+        logger.info("fastrlhf patched %s: %s.%s.%s", self.peer, owner.__module__, owner.__qualname__, name)
+
+    def undo(self) -> None:
+        for owner, key, original, adapter in reversed(self._slots):
+            if isinstance(owner, dict):
+                if owner.get(key) is adapter:
+                    owner[key] = original
+            elif owner.__dict__.get(key) is adapter:
+                setattr(owner, key, original)
+        for original, adapter in reversed(self._functions):
+            self._rebind(adapter, original)
+        self._slots.clear()
+        self._functions.clear()
+        logger.info("fastrlhf unpatched %s", self.peer)
+
+
+def is_patched(peer: str) -> bool:
+    """True while `fastrlhf.integrations.<peer>.patch()` is in effect."""
+    module = sys.modules.get(f"fastrlhf.integrations.{peer}")
+    return bool(module is not None and module._PATCHER.active)

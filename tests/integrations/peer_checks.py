@@ -1,0 +1,116 @@
+"""Comparison helpers for the integration tests: patched peer function vs the peer's original."""
+
+import math
+
+import torch
+from helpers import worst
+
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float64: 1e-12}
+
+
+def as_f64(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().double().requires_grad_(x.requires_grad)
+    return x
+
+
+def check_like_peer(got, peer, peer64, *, atol, name="output"):
+    """`got` (patched) has the shape and dtype of `peer` (original, same inputs) and is at
+    least as close to `peer64` (original in float64) as DESIGN.md asks: at most twice the
+    original's own error plus atol. Tuples, dicts and Python numbers are compared item by item."""
+    if isinstance(peer, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(peer), f"{name}: {type(got)} vs {type(peer)}"
+        for i, (g, p, p64) in enumerate(zip(got, peer, peer64)):
+            check_like_peer(g, p, p64, atol=atol, name=f"{name}[{i}]")
+        return
+    if isinstance(peer, dict):
+        assert isinstance(got, dict) and got.keys() == peer.keys(), f"{name}: keys {sorted(got)} vs {sorted(peer)}"
+        for k in peer:
+            check_like_peer(got[k], peer[k], peer64[k], atol=atol, name=f"{name}[{k!r}]")
+        return
+    if peer is None:
+        assert got is None, f"{name}: got {got!r}, the peer returns None"
+        return
+    if isinstance(peer, (int, float)):
+        assert type(got) is type(peer), f"{name}: {type(got).__name__} vs the peer's {type(peer).__name__}"
+        if math.isnan(peer64):
+            assert math.isnan(got), f"{name}: {got} vs NaN"
+            return
+        allowed = 2 * abs(peer - peer64) + atol + 2 * torch.finfo(torch.float32).eps * abs(peer64)
+        assert abs(got - peer64) <= allowed, f"{name}: {got} vs {peer64} (peer {peer})"
+        return
+    assert isinstance(got, torch.Tensor), f"{name}: {type(got).__name__}, the peer returns a tensor"
+    assert got.shape == peer.shape, f"{name}: shape {tuple(got.shape)} vs the peer's {tuple(peer.shape)}"
+    assert got.dtype == peer.dtype, f"{name}: dtype {got.dtype} vs the peer's {peer.dtype}"
+    assert got.device == peer.device
+    assert_close_to_peer(got, peer64, peer, atol=atol, name=name)
+
+
+def assert_close_to_peer(out, peer64, peer, *, atol, name):
+    """DESIGN.md's rule with the peer as the reference: |out - peer64| <= 2 max|peer - peer64|
+    + atol + the rounding of the output's own dtype (eps * |peer64|, at least 2 eps32 as in
+    helpers.assert_close_to_ref): a bf16 result cannot be closer than its last bit, and the
+    Triton interpreter rounds float32 -> bf16 stores toward zero (up to 1 ulp), where a GPU
+    rounds to nearest. NaN must match NaN."""
+    rounding = max(2 * torch.finfo(torch.float32).eps, torch.finfo(out.dtype).eps)
+    out, ref64, same = (x.detach().double().cpu() for x in (out, peer64, peer))
+    nan_out, nan_ref = torch.isnan(out), torch.isnan(ref64)
+    assert torch.equal(nan_out, nan_ref), f"{name}: NaN pattern differs ({int(nan_out.sum())} vs {int(nan_ref.sum())})"
+    ok = ~nan_ref
+    if not ok.any():
+        return
+    diff = (out[ok] - ref64[ok]).abs()
+    base = (same[ok] - ref64[ok]).abs().nan_to_num(0.0).max().item()
+    excess = diff - (2 * base + atol + rounding * ref64[ok].abs())
+    i = int(excess.argmax())
+    where = worst(out.masked_fill(~ok, 0), ref64.masked_fill(~ok, 0))
+    assert excess[i] <= 0, f"{name}: err {diff[i].item():.3e} > 2 x {base:.3e} (peer) + atol {atol:.1e}; {where}"
+
+
+def grads(out, inputs, upstream):
+    """d(sum(out * upstream)) / d(inputs), None for inputs that get no gradient."""
+    inputs = [x for x in inputs]
+    gs = torch.autograd.grad((out * upstream).sum(), inputs, allow_unused=True)
+    return tuple(gs)
+
+
+def compare(patched, original, args, *, diff=(), atol=None, kwargs=None, upstream=None, name="output"):
+    """Run `original` on args (input dtype and float64) and `patched` on args; compare the
+    outputs, and the gradients w.r.t. the args at indices `diff` (through output 0 when the
+    function returns a tuple) with a random upstream gradient."""
+    kwargs = kwargs or {}
+    cache = {"up": upstream}
+
+    def run(fn, a):
+        a = [x.detach().clone().requires_grad_(i in diff) if isinstance(x, torch.Tensor) else x
+             for i, x in enumerate(a)]
+        out = fn(*a, **kwargs)
+        if not diff:
+            return out, ()
+        head = out[0] if isinstance(out, (tuple, list)) else out
+        if cache["up"] is None:
+            cache["up"] = torch.randn(head.shape, dtype=torch.float64)
+        return out, grads(head, [a[i] for i in diff], cache["up"].to(head.dtype))
+
+    dtype = next(x.dtype for x in args if isinstance(x, torch.Tensor) and x.is_floating_point())
+    atol = ATOL[dtype] if atol is None else atol
+    got, g_got = run(patched, args)
+    peer, g_peer = run(original, args)
+    peer64, g_peer64 = run(original, [as_f64(x) for x in args])
+    check_like_peer(_detach(got), _detach(peer), _detach(peer64), atol=atol, name=name)
+    for i, (a, b, c) in enumerate(zip(g_got, g_peer, g_peer64)):
+        if b is None:
+            assert a is None or not a.abs().sum(), f"grad {i}: the peer gives none"
+            continue
+        check_like_peer(a, b, c, atol=atol, name=f"grad {diff[i]}")
+    return got, peer
+
+
+def _detach(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _detach(v) for k, v in x.items()}
+    return x
