@@ -125,14 +125,19 @@ def check_clips(clip_low, clip_high, dual_clip):
     return clip_low, clip_high, dual_clip
 
 
-def _masked(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """x * w where the token counts (mask != 0), exactly 0 elsewhere whatever x holds there."""
-    return torch.where(counts, x * w, 0.0)
+def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
+    """Products of per-token values with mask weights, made exactly 0 where mask == 0, even where a
+    value is NaN or inf (0 * NaN is NaN). On CPU torch.where (and the mask != 0 it needs) costs as
+    much as a dozen elementwise ops, so it is skipped when every product is finite (their sum is):
+    then the products are already 0 there."""
+    if products.device.type == "cpu" and bool(torch.isfinite(products.sum())):  # NaN and inf never sum to finite
+        return products
+    return torch.where(mask != 0, products, 0.0)
 
 
-def _flag_sum(flags, m: Tensor) -> Tensor:
-    """sum(m) over the flagged tokens (None: no token is flagged); flags are False for NaN inputs."""
-    return m.new_zeros(()) if flags is None else (flags * m).sum()
+def _flags(flags, like: Tensor) -> Tensor:
+    """A bool indicator as `like`'s dtype (None: no token is flagged)."""
+    return torch.zeros_like(like) if flags is None else flags.to(like.dtype)
 
 
 # ---------------------------------------------------------------- fastrlhf::agg_loss
@@ -143,7 +148,7 @@ def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
     """sum_b row_scale[b] sum_t mask l (0-dim), exactly 0 from tokens with mask == 0; [B, T] inputs."""
     dtype = out_dtype(loss_mat)
     m = mask.to(dtype)
-    return _masked(loss_mat.to(dtype), row_scale.to(dtype).unsqueeze(1) * m, m != 0).sum()
+    return _off_mask_zero(loss_mat.to(dtype) * (row_scale.to(dtype).unsqueeze(1) * m), m).sum()
 
 
 @_agg_loss_op.register_fake
@@ -266,16 +271,13 @@ class ActorTerms(NamedTuple):
 def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
     """The actor loss L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i) per token:
     (TOKEN_TERMS [8, n], 0 where mask == 0; dL/dlogp [n] or None; dL/dH [n] or None)."""
-    counts = a.mask != 0
     pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, a.clip_low, a.clip_high,
                                                        a.dual_clip, need_grad)
     pg_weight = a.weight if a.is_weights is None else a.weight * a.is_weights
     kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
-    zero = torch.zeros_like(pg)
     rows = torch.stack([pg * pg_weight, kl * a.weight, entropy * a.weight, clipped * a.mask,
-                        zero if lower is None else lower * a.mask, -log_ratio * a.mask, entropy * a.mask,
-                        kl * a.mask])
-    terms = torch.where(counts, rows, 0.0)
+                        _flags(lower, pg) * a.mask, -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
+    terms = _off_mask_zero(rows, a.mask)
     if not need_grad:
         return terms, None, None
     d_logp = pg_weight * d_pg
@@ -286,7 +288,7 @@ def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
             d_kl = kl_grad(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
         d_logp = d_logp + (a.kl_coef * a.weight) * d_kl
     g_ent = -a.entropy_coef * a.weight if a.entropy_coef != 0.0 else None
-    return terms, torch.where(counts, d_logp, 0.0), g_ent
+    return terms, _off_mask_zero(d_logp, a.mask), g_ent
 
 
 def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, kl_coef: float, entropy_coef: float):
@@ -311,14 +313,13 @@ def _policy_sums_torch(logp, old_logp, advantages, mask, scale, is_weights, clip
                        need_grad):
     dtype = out_dtype(logp)
     lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
-    counts = m != 0
     w = scale.to(dtype).unsqueeze(1) * m
     if is_weights is not None:
         w = w * is_weights.to(dtype)
     loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
-    sums = torch.stack([_masked(loss, w, counts).sum(), _flag_sum(clipped, m), _flag_sum(lower, m),
-                        _masked(-log_ratio, m, counts).sum(), m.sum(), _masked(olp - lp, m, counts).sum()])
-    return sums, (_masked(d_logp, w, counts) if need_grad else None)
+    terms = torch.stack([loss * w, clipped * m, _flags(lower, m) * m, -log_ratio * m, m, (olp - lp) * m])
+    sums = _off_mask_zero(terms, m).sum((1, 2))
+    return sums, (_off_mask_zero(d_logp * w, m) if need_grad else None)
 
 
 @torch.library.custom_op("fastrlhf::policy_loss", mutates_args=())
@@ -425,11 +426,10 @@ def _value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
             row_scale.float().contiguous(), clip=clip, need_grad=need_grad)
     else:
         v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
-        counts = m != 0
         w = row_scale.to(dtype).unsqueeze(1) * m
         loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
-        sums = torch.stack([_masked(loss, w, counts).sum(), _flag_sum(clipped, m), m.sum()])
-        d_values = _masked(d, w, counts) if need_grad else None
+        sums = _off_mask_zero(torch.stack([loss * w, _flags(clipped, m) * m, m]), m).sum((1, 2))
+        d_values = _off_mask_zero(d * w, m) if need_grad else None
     return sums.to(dtype), (d_values.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
 
 
