@@ -5,6 +5,8 @@ and run fused Triton kernels on CUDA tensors, a torch path on CPU.
 """
 
 from fastrlhf.ops import (
+    agg_loss,
+    entropy,
     gae,
     kl_shaped_rewards,
     linear_logprobs,
@@ -20,6 +22,8 @@ from fastrlhf.ops import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "agg_loss",
+    "entropy",
     "gae",
     "kl_shaped_rewards",
     "linear_logprobs",

@@ -26,9 +26,9 @@ import torch
 
 from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, KL_ESTIMATORS, LOG_RATIO_CLAMP, MASK_MODES, WHITEN_EPS
 
-__all__ = ["AGG_MODES", "KL_ESTIMATORS", "MASK_MODES", "absolute", "agg_loss", "clamped", "gae", "kl_shaped_rewards",
-           "linear_logprobs", "logprobs", "masked_mean", "policy_loss", "ppo_actor_loss", "token_kl",
-           "value_loss", "whiten"]
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "MASK_MODES", "absolute", "agg_loss", "clamped", "entropy", "gae",
+           "kl_shaped_rewards", "linear_logprobs", "logprobs", "masked", "masked_mean", "policy_loss", "ppo_actor_loss",
+           "token_kl", "value_loss", "whiten"]
 
 
 # ---------------------------------------------------------------- gradient rules at ties
@@ -56,23 +56,35 @@ def absolute(x):
 def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=IGNORE_INDEX):
     """logp[..] = log softmax(logits / temperature)[label]; entropy = -sum p log p.
 
+    labels [...] = logits.shape[:-1] gives logp [...]; labels [..., K] (K labels per position,
+    TRL's selective_log_softmax) gives logp [..., K]; the entropy is [...] either way.
     `labels == ignore_index` gives logp 0; a label outside [0, V) gives NaN.
     The entropy is computed for every position (ignored or not).
     """
     z = logits / temperature
     logsm = torch.log_softmax(z, dim=-1)
     V = logits.shape[-1]
-    ignored = labels == ignore_index
-    valid = (labels >= 0) & (labels < V)
-    safe = torch.where(valid, labels, torch.zeros_like(labels))
-    lp = logsm.gather(-1, safe.unsqueeze(-1).long()).squeeze(-1)
+    per_position = labels.dim() == logits.dim() - 1
+    index = labels.unsqueeze(-1) if per_position else labels
+    ignored = index == ignore_index
+    valid = (index >= 0) & (index < V)
+    safe = torch.where(valid, index, torch.zeros_like(index))
+    lp = logsm.gather(-1, safe.long())
     lp = torch.where(valid, lp, torch.full_like(lp, float("nan")))
     lp = torch.where(ignored, torch.zeros_like(lp), lp)
+    if per_position:
+        lp = lp.squeeze(-1)
     if not return_entropy:
         return lp
+    return lp, entropy(logits, temperature=temperature)
+
+
+def entropy(logits, *, temperature=1.0):
+    """-sum_j p_j log p_j of p = softmax(logits / temperature), per position; 0 log 0 = 0 (-inf logits)."""
+    logsm = torch.log_softmax(logits / temperature, dim=-1)
     p = logsm.exp()
-    entropy = -torch.where(p > 0, p * logsm, torch.zeros_like(p)).sum(-1)  # 0 log 0 = 0 (-inf logits)
-    return lp, entropy
+    # where p = 0 the log is -inf: replaced by 0 before the product, so no 0 * -inf reaches the gradient
+    return -(p * torch.where(p > 0, logsm, torch.zeros_like(logsm))).sum(-1)
 
 
 def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, return_entropy=False,
@@ -88,13 +100,17 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
 # ---------------------------------------------------------------- KL
 
 
-def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
+def token_kl(logp, ref_logp, *, estimator="k1", clamp=None, straight_through=False, grad_weight=None):
     """Per-token KL estimate with r = logp - ref_logp.
 
     k1 = r; k2 = r^2 / 2; k3 = exp(-r) - 1 + r with r clamped to +-20 inside exp;
     abs = |r|. Aliases: kl = k1, mse = k2, low_var_kl = k3. `clamp` clamps the output
     to [-clamp, clamp] (verl clamps low_var_kl to 10, OpenRLHF every estimator to 10).
     Ties: both clamps pass the gradient at their bounds; d|r|/dr = 0 at r = 0.
+
+    straight_through: the value is the estimator's, the gradient that of w * r^2 / 2, i.e.
+    d/dlogp = w * r = -d/dref_logp, w = grad_weight (detached; None = 1): verl's "k1+", "k3+", ...
+    and OpenRLHF's unbiased_gradient (w = its clamped importance weight).
     """
     name = KL_ESTIMATORS[estimator]
     r = logp - ref_logp
@@ -108,6 +124,9 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
         kl = absolute(r)
     if clamp is not None:
         kl = clamped(kl, -clamp, clamp)
+    if straight_through:
+        surrogate = 0.5 * r * r if grad_weight is None else grad_weight.detach() * (0.5 * r * r)
+        kl = kl.detach() + (surrogate - surrogate.detach())
     return kl
 
 
@@ -115,7 +134,7 @@ def kl_shaped_rewards(scores, logp, ref_logp, mask, *, kl_coef, estimator="k1", 
     """rewards[b, t] = -kl_coef * KL[b, t] on response tokens, plus scores[b] on the last
     mask=1 token of row b; 0 where mask = 0. A row with no response token gets nothing."""
     m = mask.to(logp.dtype)
-    rewards = -kl_coef * token_kl(logp, ref_logp, estimator=estimator, clamp=clamp) * m
+    rewards = -kl_coef * masked(token_kl(logp, ref_logp, estimator=estimator, clamp=clamp), m)
     T = mask.shape[-1]
     has_token = m.sum(-1) > 0
     positions = torch.arange(T, device=mask.device).expand_as(m)
@@ -190,51 +209,68 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
 # ---------------------------------------------------------------- PPO losses
 
 
-def agg_loss(loss_mat, mask, agg="token-mean", global_num_tokens=None):
-    """verl's aggregation of a [B, T] loss matrix into a scalar.
+def masked(x, mask):
+    """x * mask, exactly 0 where mask == 0 whatever x holds there (NaN, inf): what lies under
+    mask = 0 never matters, to the value or to the gradient."""
+    m = mask.to(x.dtype)
+    return torch.where(m != 0, x * m, torch.zeros_like(x))
 
-    token-mean: sum(l * m) / (global_num_tokens or sum(m)).
-    seq-mean-token-sum: mean over the B rows of sum_t(l * m).
-    seq-mean-token-mean: mean over the rows with at least one token of sum_t(l * m) / n_b.
-    seq-mean-token-sum-norm: sum(l * m) / T (Dr. GRPO).
-    An empty mask gives 0.
+
+def agg_loss(loss_mat, mask, agg="token-mean", *, global_num_tokens=None, global_num_seqs=None, dp_size=1,
+             loss_scale_factor=None):
+    """verl 0.9.1's core_algos.agg_loss of a [B, T] loss matrix l into a scalar; m = mask,
+    n_b = sum_t m[b, t], S = #{b: n_b > 0}:
+
+    token-mean:              sum(l m) / (global_num_tokens or sum(m)) * dp_size
+    token-sum:               sum(l m) * dp_size
+    seq-mean-token-sum:      sum_{b: n_b > 0} sum_t l m / (global_num_seqs or S) * dp_size
+    seq-mean-token-mean:     sum_{b: n_b > 0} (sum_t l m / n_b) / (global_num_seqs or S) * dp_size
+    seq-mean-token-sum-norm: seq-mean-token-sum / (loss_scale_factor or T)
+    Fully masked rows are excluded from every sequence mean; an empty local mask gives 0.
+    (verl divides seq-mean-token-mean by n_b + 1e-8: below fp32 resolution for n_b >= 1.)
     """
-    m = mask.to(loss_mat.dtype)
     if loss_mat.dim() == 1:
-        loss_mat, m = loss_mat.unsqueeze(0), m.unsqueeze(0)
-    masked = loss_mat * m
-    zero = masked.sum() * 0
+        loss_mat, mask = loss_mat.unsqueeze(0), mask.unsqueeze(0)
+    m = mask.to(loss_mat.dtype)
+    values = masked(loss_mat, m)
     if agg == "token-mean":
         n = m.sum() if global_num_tokens is None else torch.tensor(float(global_num_tokens), dtype=m.dtype)
-        return masked.sum() / n if n > 0 else zero
-    if agg == "seq-mean-token-sum":
-        return masked.sum(-1).mean() if masked.shape[0] > 0 else zero
+        return values.sum() / n * dp_size if n > 0 else values.sum() * 0
+    if agg == "token-sum":
+        return values.sum() * dp_size
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    n_b = m.sum(-1)
+    nonempty = n_b > 0
+    per_seq = values.sum(-1)
     if agg == "seq-mean-token-mean":
-        n_b = m.sum(-1)
-        nonempty = n_b > 0
-        if not nonempty.any():
-            return zero
-        return (masked.sum(-1)[nonempty] / n_b[nonempty]).mean()
+        per_seq = torch.where(nonempty, per_seq / torch.where(nonempty, n_b, torch.ones_like(n_b)),
+                              torch.zeros_like(per_seq))
+    n_seqs = nonempty.sum() if global_num_seqs is None else global_num_seqs
+    loss = per_seq.sum() / n_seqs * dp_size if n_seqs > 0 else per_seq.sum() * 0
     if agg == "seq-mean-token-sum-norm":
-        return masked.sum() / loss_mat.shape[-1] if loss_mat.shape[-1] > 0 else zero
-    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+        T = loss_mat.shape[-1]
+        loss = loss / (T if loss_scale_factor is None else loss_scale_factor) if T > 0 else loss * 0
+    return loss
 
 
 def masked_mean(x, mask):
     m = mask.to(x.dtype)
     n = m.sum()
-    return (x * m).sum() / n if n > 0 else (x * m).sum() * 0
+    return masked(x, m).sum() / n if n > 0 else masked(x, m).sum() * 0
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None,
-                agg="token-mean", global_num_tokens=None):
+                is_weights=None, agg="token-mean", **agg_kw):
     """verl's vanilla clipped surrogate; returns (loss, stats).
 
     log_ratio = clamp(logp - old_logp, -20, 20), ratio = exp(log_ratio)
     l1 = -A * ratio, l2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high), l = max(l1, l2)
     dual-clip (c > 1), for A < 0 only: l = min(l, -A * c)
+    is_weights (verl's rollout_is_weights, OpenRLHF's IS correction): l * is_weights; the loss is agg(l).
     stats: clipfrac = mean(l2 > l1), clipfrac_lower = mean(l > -A c and A < 0),
-    approx_kl = mean(-log_ratio), all masked means over the local tokens.
+    approx_kl = mean(-log_ratio) (verl's ppo_kl), approx_kl_unclamped = mean(old_logp - logp)
+    (OpenRLHF's ppo_kl), all masked means over the local tokens.
     Ties (module docstring): the clamps pass the gradient at their bounds; max(l1, l2) at
     l1 == l2 and min(l, -A c) at l == -A c give it to the unclipped term.
     """
@@ -247,6 +283,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     stats = {
         "clipfrac": masked_mean((l2 > l1).to(logp.dtype), mask),
         "approx_kl": masked_mean(-log_ratio, mask),
+        "approx_kl_unclamped": masked_mean((old_logp - logp).detach(), mask),
     }
     if dual_clip is not None:
         l3 = -advantages * dual_clip
@@ -256,10 +293,12 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     else:
         losses = clipped
         stats["clipfrac_lower"] = masked_mean(torch.zeros_like(logp), mask)
-    return agg_loss(losses, mask, agg, global_num_tokens), stats
+    if is_weights is not None:
+        losses = losses * is_weights.detach()
+    return agg_loss(losses, mask, agg, **agg_kw), stats
 
 
-def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None):
+def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", **agg_kw):
     """0.5 * agg(max((v - R)^2, (v_clipped - R)^2)), v_clipped = clamp(v, old - clip, old + clip)
     (verl's form: v comes back bit-exact inside the range, so rounding never counts as clipping).
 
@@ -273,29 +312,33 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
         v_clipped = clamped(values, old_values - clip, old_values + clip)
         l2 = (v_clipped - returns) ** 2
         losses, frac = torch.where(l2 > l1, l2, l1), (l2 > l1).to(values.dtype)
-    loss = 0.5 * agg_loss(losses, mask, agg, global_num_tokens)
+    loss = 0.5 * agg_loss(losses, mask, agg, **agg_kw)
     return loss, {"clipfrac": masked_mean(frac, mask)}
 
 
 def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0,
-                   kl_estimator="k3", entropy_coef=0.0, temperature=1.0, clip_low=0.2, clip_high=None,
-                   dual_clip=None, agg="token-mean", global_num_tokens=None):
+                   kl_estimator="k3", kl_clamp=None, kl_straight_through=False, entropy_coef=0.0,
+                   temperature=1.0, clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None,
+                   agg="token-mean", **agg_kw):
     """The whole actor loss from logits:
     policy_loss(logp) + kl_coef * agg(KL(logp, ref_logp)) - entropy_coef * agg(entropy).
 
-    Returns (loss, stats): the policy stats plus `pg_loss`, `entropy` (masked mean) and,
-    with a reference, `kl` (masked mean).
+    is_weights weigh the policy term only; the KL term is token_kl(estimator=kl_estimator,
+    clamp=kl_clamp, straight_through=kl_straight_through). Returns (loss, stats): clipfrac,
+    clipfrac_lower, approx_kl, `pg_loss` (the aggregated policy term), `entropy` (masked mean)
+    and, with a reference, `kl` (masked mean).
     """
-    logp, entropy = logprobs(logits, labels, temperature=temperature, return_entropy=True)
+    logp, entropy_ = logprobs(logits, labels, temperature=temperature, return_entropy=True)
     pg, stats = policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                            dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens)
+                            dual_clip=dual_clip, is_weights=is_weights, agg=agg, **agg_kw)
+    del stats["approx_kl_unclamped"]
     loss = pg
-    stats = dict(stats, pg_loss=pg, entropy=masked_mean(entropy, mask))
+    stats = dict(stats, pg_loss=pg, entropy=masked_mean(entropy_, mask))
     if entropy_coef != 0.0:
-        loss = loss - entropy_coef * agg_loss(entropy, mask, agg, global_num_tokens)
+        loss = loss - entropy_coef * agg_loss(entropy_, mask, agg, **agg_kw)
     if ref_logp is not None:
-        kl = token_kl(logp, ref_logp, estimator=kl_estimator)
+        kl = token_kl(logp, ref_logp, estimator=kl_estimator, clamp=kl_clamp, straight_through=kl_straight_through)
         stats["kl"] = masked_mean(kl, mask)
         if kl_coef != 0.0:
-            loss = loss + kl_coef * agg_loss(kl, mask, agg, global_num_tokens)
+            loss = loss + kl_coef * agg_loss(kl, mask, agg, **agg_kw)
     return loss, stats

@@ -143,7 +143,7 @@ def _kl_shaped_rewards_fwd_kernel(
         r = tl.load(logp_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         r -= tl.load(ref_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         kl = _kl_value(r, ESTIMATOR, HAS_CLAMP, c)
-        rew = -coef * kl * m + tl.where(t == last_t, score, 0.0)
+        rew = tl.where(m != 0.0, -coef * kl * m, 0.0) + tl.where(t == last_t, score, 0.0)  # NaN-proof off the mask
         tl.store(out_ptr + base + t, rew, mask=inb)
 
 

@@ -106,6 +106,7 @@ def _logprobs_bwd_kernel(
     ignore_index,
     HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    ONE_HOT: tl.constexpr,  # add g_logp at the label; False: the caller adds the one-hot part (K labels per row)
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -121,7 +122,9 @@ def _logprobs_bwd_kernel(
     takes_grad = (label >= 0) & (label < V) & (label != ignore_index)
     g_logp = tl.zeros((), tl.float32)
     if HAS_GRAD_LOGP:
-        g_logp = tl.where(takes_grad, tl.load(grad_logp_ptr + row), 0.0)
+        g_logp = tl.load(grad_logp_ptr + row)
+        if ONE_HOT:
+            g_logp = tl.where(takes_grad, g_logp, 0.0)
     g_ent = tl.zeros((), tl.float32)
     entropy = tl.zeros((), tl.float32)
     if HAS_GRAD_ENTROPY:
@@ -134,7 +137,9 @@ def _logprobs_bwd_kernel(
         log_p = tl.load(row_ptr + offs, mask=in_row, other=0.0).to(tl.float32) * inv_t - lse
         p = tl.exp(log_p)
         # d/dz logp = onehot - p
-        dz = tl.where(offs == label, g_logp, 0.0) - g_logp * p
+        dz = -g_logp * p
+        if ONE_HOT:
+            dz += tl.where(offs == label, g_logp, 0.0)
         if HAS_GRAD_ENTROPY:
             # d/dz entropy = -p (log p + entropy); 0 where p == 0 (a -inf logit)
             dz -= tl.where(p > 0.0, g_ent * p * (log_p + entropy), 0.0)
@@ -183,9 +188,10 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
 
 
 def logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, *, temperature: float,
-                 ignore_index: int, inplace: bool):
+                 ignore_index: int, inplace: bool, one_hot: bool = True):
     """d(logits) [B, T, V] in logits.dtype from the saved lse (and entropy) and fp32 [B, T] upstream
-    gradients (None = zero). inplace=True writes into the logits' own storage and returns that view."""
+    gradients (None = zero). inplace=True writes into the logits' own storage and returns that view.
+    one_hot=False leaves out the g_logp * onehot(label) part (the caller adds it: K labels per row)."""
     _check_row_layout(logits, labels)
     if grad_entropy is not None and entropy is None:
         raise ValueError("logprobs_bwd: grad_entropy needs the forward's entropy")
@@ -203,7 +209,7 @@ def logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, *, tempe
         T, V,
         logits.stride(0), logits.stride(1), dlogits.stride(0), dlogits.stride(1),
         1.0 / float(temperature), int(ignore_index),
-        HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+        HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None, ONE_HOT=one_hot,
         BLOCK_V=block_v, num_warps=num_warps,
     )
     return dlogits

@@ -2,6 +2,8 @@
 
 Every aggregation mode reduces to per-row weights (computed by `fastrlhf.ops`):
     loss = sum_b row_scale[b] * sum_t m[b, t] * l[b, t],   d_x[b, t] = row_scale[b] * m[b, t] * dl/dx
+(the policy loss optionally times per-token importance weights). A token with m = 0 adds exactly
+0 and gets gradient 0, whatever (NaN, inf) its inputs hold.
 Each program writes its partial sums to its own slot of a buffer which torch then sums, so the
 result is deterministic (no float atomics).
 
@@ -32,7 +34,7 @@ from fastrlhf.constants import LOG_RATIO_CLAMP
 
 LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024
-POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask")
+POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
 
 
@@ -44,7 +46,8 @@ def _policy_loss_fwd_kernel(
     adv_ptr,  # [B, T] fp32/bf16/fp16, contiguous
     mask_ptr,  # [B, T] bool (as int8) or float, contiguous
     scale_ptr,  # [B] fp32 per-row weight of the aggregation
-    partial_ptr,  # [5, n_programs] fp32 out: see POLICY_SUMS
+    is_weights_ptr,  # [B, T] fp32/bf16/fp16, contiguous, read only if HAS_IS_WEIGHTS
+    partial_ptr,  # [6, n_programs] fp32 out: see POLICY_SUMS
     dlogp_ptr,  # [B, T] fp32 out, written when NEED_GRAD
     # shapes
     T,
@@ -54,6 +57,7 @@ def _policy_loss_fwd_kernel(
     ratio_high,  # fp32, 1 + clip_high
     dual_clip,  # fp32, used only when DUAL_CLIP
     DUAL_CLIP: tl.constexpr,
+    HAS_IS_WEIGHTS: tl.constexpr,
     NEED_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -67,7 +71,10 @@ def _policy_loss_fwd_kernel(
     x = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     x -= tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     a = tl.load(adv_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
     w = tl.load(scale_ptr + row) * m
+    if HAS_IS_WEIGHTS:  # the policy term of each token times its importance weight
+        w = w * tl.load(is_weights_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     lo = ratio_low
     hi = ratio_high
 
@@ -84,14 +91,12 @@ def _policy_loss_fwd_kernel(
         lower = (a < 0) & (clipped > l3)  # min(clipped, l3) where A < 0; a tie goes to clipped
         loss = tl.where(lower, l3, clipped)
 
-    loss_sum = tl.sum(w * loss, axis=0)
-    n_clipped = tl.sum(tl.where(takes_l2, m, 0.0), axis=0)
-    neg_lr = tl.sum(-log_ratio * m, axis=0)
-    tl.store(partial_ptr + pid, loss_sum)
-    tl.store(partial_ptr + n_programs + pid, n_clipped)
-    tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(tl.where(lower, m, 0.0), axis=0))
-    tl.store(partial_ptr + 3 * n_programs + pid, neg_lr)
+    tl.store(partial_ptr + pid, tl.sum(tl.where(counts, w * loss, 0.0), axis=0))
+    tl.store(partial_ptr + n_programs + pid, tl.sum(tl.where(takes_l2 & counts, m, 0.0), axis=0))
+    tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(tl.where(lower & counts, m, 0.0), axis=0))
+    tl.store(partial_ptr + 3 * n_programs + pid, tl.sum(tl.where(counts, -log_ratio * m, 0.0), axis=0))
     tl.store(partial_ptr + 4 * n_programs + pid, tl.sum(m, axis=0))
+    tl.store(partial_ptr + 5 * n_programs + pid, tl.sum(tl.where(counts, -x * m, 0.0), axis=0))
 
     if NEED_GRAD:
         # dl1/dratio = -A; dl2/dratio = -A * [lo <= ratio <= hi]; dratio/dx = ratio * [|x| <= 20];
@@ -99,7 +104,7 @@ def _policy_loss_fwd_kernel(
         in_clip = (ratio >= lo) & (ratio <= hi)
         d_ratio = tl.where(takes_l2 & ~in_clip, 0.0, -a)
         in_lr = (x >= -LR_CLAMP) & (x <= LR_CLAMP)
-        d = tl.where(in_lr & ~lower, w * d_ratio * ratio, 0.0)
+        d = tl.where(in_lr & ~lower & counts, w * d_ratio * ratio, 0.0)
         tl.store(dlogp_ptr + offs, d, mask=inb)
 
 
@@ -132,6 +137,7 @@ def _value_loss_fwd_kernel(
     v = tl.load(values_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     ret = tl.load(returns_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
     w = tl.load(scale_ptr + row) * m
 
     err1 = v - ret
@@ -145,11 +151,11 @@ def _value_loss_fwd_kernel(
         l2 = err2 * err2
         takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
         loss = tl.where(takes_l2, l2, l1)
-        n_clipped = tl.sum(tl.where(takes_l2, m, 0.0), axis=0)
+        n_clipped = tl.sum(tl.where(takes_l2 & counts, m, 0.0), axis=0)
     else:
         loss = l1
         n_clipped = 0.0
-    tl.store(partial_ptr + pid, tl.sum(0.5 * w * loss, axis=0))
+    tl.store(partial_ptr + pid, tl.sum(tl.where(counts, 0.5 * w * loss, 0.0), axis=0))
     tl.store(partial_ptr + n_programs + pid, n_clipped)
     tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(m, axis=0))
 
@@ -161,7 +167,7 @@ def _value_loss_fwd_kernel(
             d = tl.where(takes_l2, tl.where(in_clip, err2, 0.0), err1)
         else:
             d = err1
-        tl.store(dvalues_ptr + offs, w * d, mask=inb)
+        tl.store(dvalues_ptr + offs, tl.where(counts, w * d, 0.0), mask=inb)
 
 
 def _grid(B: int, T: int) -> tuple[int, int]:
@@ -175,16 +181,18 @@ def policy_loss_fwd(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     row_scale: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
     *,
     clip_low: float,
     clip_high: float,
     dual_clip: float | None,
     need_grad: bool,
 ):
-    """Returns (sums fp32 [5] = POLICY_SUMS, d_logp fp32 [B, T] or None).
+    """Returns (sums fp32 [6] = POLICY_SUMS, d_logp fp32 [B, T] or None).
 
-    sums: the weighted loss, then over mask (unweighted): clipped count, dual-clipped count,
-    sum of -log_ratio and the token count.
+    sums: the weighted loss (row_scale[b] * mask * is_weights), then over mask (not weighted):
+    clipped count, dual-clipped count, sum of -log_ratio, the token count, sum of -(logp - old_logp)
+    (the log-ratio before its +-20 clamp).
     """
     B, T = logp.shape
     device = logp.device
@@ -199,6 +207,7 @@ def policy_loss_fwd(
         advantages,
         as_loadable(mask),
         row_scale,
+        is_weights if is_weights is not None else row_scale,  # never read without HAS_IS_WEIGHTS
         partials,
         d_logp if need_grad else partials,  # never written without NEED_GRAD
         T,
@@ -207,6 +216,7 @@ def policy_loss_fwd(
         1.0 + float(clip_high),
         float(dual_clip if dual_clip is not None else 0.0),
         DUAL_CLIP=dual_clip is not None,
+        HAS_IS_WEIGHTS=is_weights is not None,
         NEED_GRAD=need_grad,
         BLOCK_T=block_t,
     )

@@ -53,8 +53,11 @@ def _compare(logits, labels, old_logp, ref_logp, advantages, mask, atol, **kw):
     args = (labels, old_logp, advantages, mask, upstream)
     kw = dict(kw, ref_logp=ref_logp)
     out = _loss_and_grad(ops.ppo_actor_loss, logits, *args, **kw)
+    kw64 = dict(kw, ref_logp=ref_logp.double())
+    if kw.get("is_weights") is not None:
+        kw64["is_weights"] = kw["is_weights"].double()
     r64 = _loss_and_grad(ref.ppo_actor_loss, logits.double(), labels, old_logp.double(), advantages.double(), mask,
-                         upstream, **dict(kw, ref_logp=ref_logp.double()))
+                         upstream, **kw64)
     same = _loss_and_grad(ref.ppo_actor_loss, logits, *args, **kw)
     assert out[0].dtype == torch.float32 and out[0].dim() == 0
     assert_close_to_ref(out[0], r64[0], same[0], atol=atol, name="loss")
@@ -66,8 +69,14 @@ def _compare(logits, labels, old_logp, ref_logp, advantages, mask, atol, **kw):
     return out
 
 
-@pytest.mark.parametrize("dtype,atol", DTYPES)
-@pytest.mark.parametrize("agg", ref.AGG_MODES)
+# every agg mode in fp32; the half dtypes (whose error lies in the log-prob part, not the host-side
+# aggregation weights) with two modes each
+CASES = [(torch.float32, 1e-5, agg) for agg in ref.AGG_MODES] + [
+    (torch.bfloat16, 1e-3, "token-mean"), (torch.bfloat16, 1e-3, "seq-mean-token-mean"),
+    (torch.float16, 1e-3, "seq-mean-token-sum"), (torch.float16, 1e-3, "token-sum")]
+
+
+@pytest.mark.parametrize("dtype,atol,agg", CASES)
 def test_actor_loss_matches_reference(backend, dtype, atol, agg):
     B, T, V = 4, 37, 1271
     batch = _batch(B, T, V, dtype)
@@ -163,3 +172,16 @@ def test_global_num_tokens_makes_split_batches_add_up(backend):
         d_parts.append(torch.autograd.grad(part, xp)[0])
     torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(torch.cat(d_parts), d_whole, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+@pytest.mark.parametrize("agg,agg_kw", [("token-sum", dict(dp_size=2)),
+                                        ("seq-mean-token-sum-norm", dict(global_num_seqs=9, loss_scale_factor=64))])
+def test_actor_loss_is_weights_straight_through_kl_and_global_counts(backend, dtype, atol, agg, agg_kw):
+    """is_weights on the policy term, verl's clamped low_var_kl with a straight-through gradient,
+    token-sum / seq-mean-token-sum-norm with their global keywords."""
+    B, T, V = 4, 13, 257
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(B, T, V, dtype)
+    _compare(logits, labels, old_logp, ref_logp, advantages, mask, atol, kl_coef=0.2, kl_estimator="low_var_kl",
+             kl_clamp=10.0, kl_straight_through=True, entropy_coef=0.01, is_weights=torch.rand(B, T) * 2,
+             dual_clip=3.0, agg=agg, **agg_kw)

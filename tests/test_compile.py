@@ -89,10 +89,15 @@ def _logprobs_calls():
     x = _leaf(3, 4, 64, dtype=torch.bfloat16)
     logp = ops.logprobs(x.clone(), torch.randint(0, 64, (3, 4), device=DEVICE), inplace_backward=True)
     _grad([logp], x)
+    # K labels per position (the backward's ONE_HOT=False variant) and the entropy-only op
+    x = _leaf(2, 5, 300, dtype=torch.bfloat16)
+    logp, ent = ops.logprobs(x, torch.randint(0, 300, (2, 5, 3), device=DEVICE), return_entropy=True)
+    _grad([logp, ent], x)
+    _grad([ops.entropy(x, temperature=0.8)], x)
 
 
 def _linear_logprobs_calls():
-    # the chunked path (fastrlhf/_linear.py): several chunks, bias, entropy, temperature
+    # the chunked path (fastrlhf/ops/linear.py): several chunks, bias, entropy, temperature
     hidden, weight, bias = (_leaf(2, 7, 16, dtype=torch.bfloat16), _leaf(300, 16, dtype=torch.bfloat16),
                             _leaf(300, dtype=torch.bfloat16))
     labels = torch.randint(0, 300, (2, 7), device=DEVICE)
@@ -155,6 +160,10 @@ def _loss_calls():
             with torch.no_grad():  # the forward-only variant
                 ops.policy_loss(logp, torch.randn(B, T, device=DEVICE), torch.randn(B, T, device=DEVICE), mask,
                                 dual_clip=dual_clip)
+            # per-token importance weights (HAS_IS_WEIGHTS)
+            loss, _ = ops.policy_loss(logp, torch.randn(B, T, device=DEVICE), torch.randn(B, T, device=DEVICE), mask,
+                                      dual_clip=dual_clip, is_weights=torch.rand(B, T, device=DEVICE))
+            _grad([loss], logp)
     for clip in (None, 0.2):
         for dtype in (torch.float32, torch.bfloat16):
             values = _leaf(B, T, dtype=dtype)

@@ -1,9 +1,12 @@
-"""fastrlhf gives the numbers of verl's `core_algos` and OpenRLHF, with the options DESIGN.md names.
+"""fastrlhf gives the numbers of verl's `core_algos`, OpenRLHF and TRL, with the options docs/ops.md names.
 
-The peers are not dependencies: their formulas are written out below from their published code
-(verl: verl/trainer/ppo/core_algos.py and verl/utils/torch_functional.py; OpenRLHF:
-openrlhf/models/utils.py compute_approx_kl and the experience maker's get_advantages_and_returns),
-kept as close to the original lines as the test allows, and run in float64.
+The peers are not dependencies: their formulas are written out below from their released code,
+read from the wheels (verl 0.9.1: verl/trainer/ppo/core_algos.py agg_loss, kl_penalty,
+compute_policy_loss_vanilla, compute_value_loss, and verl/utils/torch_functional.py masked_sum /
+masked_mean; OpenRLHF 0.11.2: openrlhf/models/utils.py compute_approx_kl, openrlhf/models/loss.py
+PolicyLoss, and the experience maker's get_advantages_and_returns; TRL 1.16: trl/trainer/utils.py
+selective_log_softmax, entropy_from_logits), kept as close to the original lines as the test allows,
+and run in float64.
 """
 
 import pytest
@@ -16,8 +19,14 @@ ATOL = 1e-5
 # ---------------------------------------------------------------- verl, written out
 
 
+def verl_masked_sum(values, mask, axis=None):
+    valid_values = torch.where(mask.bool(), values, 0.0)
+    return (valid_values * mask).sum(axis=axis)
+
+
 def verl_masked_mean(values, mask, axis=None):
-    return (values * mask).sum(axis=axis) / (mask.sum(axis=axis) + 1e-8)
+    s = verl_masked_sum(values, mask, axis)
+    return s / (mask.sum(axis=axis) + 1e-8)
 
 
 def verl_masked_var(values, mask, unbiased=True):
@@ -55,7 +64,7 @@ def verl_compute_gae_advantage_return(token_level_rewards, values, response_mask
     return advantages, returns
 
 
-def verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+def verl_kl_penalty_forward(logprob, ref_logprob, kl_penalty):
     if kl_penalty in ("kl", "k1"):
         return logprob - ref_logprob
     if kl_penalty == "abs":
@@ -71,16 +80,50 @@ def verl_kl_penalty(logprob, ref_logprob, kl_penalty):
     raise NotImplementedError(kl_penalty)
 
 
-def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode):
+def verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+    base_kl_penalty = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    forward_score = verl_kl_penalty_forward(logprob, ref_logprob, base_kl_penalty)
+    if not kl_penalty.endswith("+") or kl_penalty in ("mse", "k2"):
+        return forward_score
+    backward_score = 0.5 * (logprob - ref_logprob).square()
+    return backward_score - backward_score.detach() + forward_score.detach()
+
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                  loss_scale_factor=None):
     if loss_agg_mode == "token-mean":
-        return verl_masked_mean(loss_mat, loss_mask)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return torch.mean(torch.sum(loss_mat * loss_mask, dim=-1))
-    if loss_agg_mode == "seq-mean-token-mean":
-        return torch.mean(torch.sum(loss_mat * loss_mask, dim=-1) / torch.sum(loss_mask, dim=-1))
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return torch.sum(torch.sum(loss_mat * loss_mask, dim=-1)) / loss_mask.shape[-1]
-    raise ValueError(loss_agg_mode)
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            batch_num_tokens = loss_mask.sum()
+        loss = verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    elif loss_agg_mode == "token-sum":
+        loss = verl_masked_sum(loss_mat, loss_mask) * dp_size
+    elif loss_agg_mode in ["seq-mean-token-sum", "seq-mean-token-sum-norm"]:
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)  # token-sum
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()  # exclude fully masked sequences
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            global_batch_size = seq_mask.sum()
+        loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size  # seq-mean
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            if loss_scale_factor is None:
+                horizon = loss_mask.shape[-1]
+                loss_scale_factor = horizon
+            loss /= loss_scale_factor
+    elif loss_agg_mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)  # per-sequence token count
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)  # token-mean
+        seq_mask = (seq_mask > 0).float()  # exclude fully masked sequences
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            global_batch_size = seq_mask.sum()
+        loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size  # seq-mean
+    else:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    return loss
 
 
 def verl_compute_policy_loss_vanilla(
@@ -92,8 +135,11 @@ def verl_compute_policy_loss_vanilla(
     cliprange_low,
     cliprange_high,
     clip_ratio_c,
+    rollout_is_weights=None,
+    global_batch_info=None,
 ):
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    negative_approx_kl = log_prob - old_log_prob
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = verl_masked_mean(-negative_approx_kl, response_mask)
     pg_losses1 = -advantages * ratio
@@ -106,7 +152,9 @@ def verl_compute_policy_loss_vanilla(
         torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask
     )
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
-    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = verl_agg_loss(pg_losses, response_mask, loss_agg_mode, **(global_batch_info or {}))
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
@@ -114,12 +162,13 @@ def verl_clip_by_value(x, tensor_min, tensor_max):
     return torch.max(torch.min(x, tensor_max), tensor_min)
 
 
-def verl_compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode):
+def verl_compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode,
+                            global_batch_info=None):
     vpredclipped = verl_clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpredclipped - returns) ** 2
     clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
-    vf_loss = 0.5 * verl_agg_loss(clipped_vf_losses, response_mask, loss_agg_mode)
+    vf_loss = 0.5 * verl_agg_loss(clipped_vf_losses, response_mask, loss_agg_mode, **(global_batch_info or {}))
     vf_clipfrac = verl_masked_mean(torch.gt(vf_losses2, vf_losses1).float(), response_mask)
     return vf_loss, vf_clipfrac
 
@@ -127,14 +176,54 @@ def verl_compute_value_loss(vpreds, returns, values, response_mask, cliprange_va
 # ---------------------------------------------------------------- OpenRLHF, written out
 
 
-def openrlhf_compute_approx_kl(log_probs, log_probs_base, kl_estimator="k1"):
+KL_IS_WEIGHT_CLIP = 10.0
+
+
+def openrlhf_compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1",
+                               unbiased_gradient=False):
     log_ratio = log_probs - log_probs_base  # OpenRLHF upcasts with .float(); the test runs in float64
-    if kl_estimator == "k2":
-        log_ratio = log_ratio**2 / 2.0
-    if kl_estimator == "k3":
-        log_ratio = -log_ratio
-        log_ratio = log_ratio.exp() - 1 - log_ratio
-    return log_ratio.clamp(min=-10, max=10)
+    if kl_estimator == "k1":
+        value = log_ratio
+    elif kl_estimator == "k2":
+        value = log_ratio**2 / 2.0
+    elif kl_estimator == "k3":
+        k3_log_ratio = log_ratio.clamp(min=-10)
+        value = (-k3_log_ratio).exp() - 1 + k3_log_ratio
+    else:
+        raise ValueError(f"Unknown kl_estimator: {kl_estimator}")
+    value = value.clamp(min=-10, max=10)
+    if not unbiased_gradient:
+        return value
+    if log_probs_old is None:
+        w = 1.0
+    else:
+        w = (log_probs - log_probs_old).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    grad_surrogate = w * (log_ratio**2 / 2.0)
+    return value.detach() + grad_surrogate - grad_surrogate.detach()
+
+
+def openrlhf_masked_mean(tensor, mask, dim=None):
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def openrlhf_policy_loss_ppo(log_probs, old_log_probs, advantages, action_mask, clip_eps_low, clip_eps_high,
+                             dual_clip=None):
+    """PolicyLoss.forward, policy_loss_type="ppo", is_correction_level="off", token_level_loss=True."""
+    raw_policy_log_ratio = log_probs - old_log_probs
+    policy_log_ratio = raw_policy_log_ratio.clamp(min=-20.0, max=20.0)
+    ratio = policy_log_ratio.exp()
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high) * advantages
+    if dual_clip is None:
+        loss = -torch.min(surr1, surr2)
+    else:
+        clip1 = torch.min(surr1, surr2)
+        clip2 = torch.max(clip1, dual_clip * advantages)
+        loss = -torch.where(advantages < 0, clip2, clip1)
+    loss = openrlhf_masked_mean(loss, action_mask, dim=None)  # aggregate_loss, token level, no global count
+    clip_ratio = openrlhf_masked_mean(torch.lt(surr2, surr1).float(), action_mask, dim=None)
+    ppo_kl = openrlhf_masked_mean(-raw_policy_log_ratio.detach(), action_mask, dim=None)
+    return loss, clip_ratio, ppo_kl
 
 
 def openrlhf_get_advantages_and_returns(values, rewards, action_mask, gamma, lambd):
@@ -228,24 +317,101 @@ def test_verl_apply_kl_penalty_rewards(backend):
     assert_close("rewards", got, want)
 
 
-@pytest.mark.parametrize(
-    "agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-)
-def test_verl_policy_loss_vanilla_dual_clip(backend, agg):
-    B, T = 4, 13
+# verl's global_batch_info -> fastrlhf's keywords
+VERL_TO_OURS = {"batch_num_tokens": "global_num_tokens", "global_batch_size": "global_num_seqs", "dp_size": "dp_size",
+                "loss_scale_factor": "loss_scale_factor"}
+AGG_CASES = [
+    ("token-mean", {}),
+    ("token-mean", {"dp_size": 4, "batch_num_tokens": 173}),
+    ("token-sum", {}),
+    ("token-sum", {"dp_size": 2}),
+    ("seq-mean-token-sum", {}),
+    ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 11}),
+    ("seq-mean-token-mean", {}),
+    ("seq-mean-token-mean", {"dp_size": 3, "global_batch_size": 9}),
+    ("seq-mean-token-sum-norm", {}),
+    ("seq-mean-token-sum-norm", {"loss_scale_factor": 4096}),
+    ("seq-mean-token-sum-norm", {"dp_size": 2, "global_batch_size": 10, "loss_scale_factor": 100}),
+]
+
+
+def _ours(info):
+    return {VERL_TO_OURS[k]: v for k, v in info.items()}
+
+
+def masked_rows(B, T):
+    """response_mask plus a fully masked last row: verl's sequence means leave it out."""
+    m = response_mask(B, T)
+    m[-1] = 0.0
+    return m
+
+
+@pytest.mark.parametrize("agg,info", AGG_CASES)
+def test_verl_agg_loss(backend, agg, info):
+    B, T = 5, 13
+    loss_mat = torch.randn(B, T).double()
+    mask = masked_rows(B, T)
+    x64 = loss_mat.clone().requires_grad_()
+    want = verl_agg_loss(x64, mask, agg, **info)
+    (want_grad,) = torch.autograd.grad(want, x64)
+    x = loss_mat.float().requires_grad_()
+    got = ops.agg_loss(x, mask, agg=agg, **_ours(info))
+    (got_grad,) = torch.autograd.grad(got, x)
+    assert_close("loss", got, want)
+    assert_close("d_loss_mat", got_grad, want_grad)
+
+
+def test_verl_agg_loss_nan_off_the_mask(backend):
+    """verl's masked_sum ignores NaN where mask = 0 (token modes); fastrlhf does so in every mode."""
+    B, T = 5, 13
+    loss_mat = torch.randn(B, T).double()
+    mask = masked_rows(B, T)
+    noisy = torch.where(mask.bool(), loss_mat, float("nan"))
+    for agg in ("token-mean", "token-sum"):
+        assert_close(agg, ops.agg_loss(noisy.float(), mask, agg=agg), verl_agg_loss(noisy, mask, agg))
+    for agg in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        got = ops.agg_loss(noisy.float(), mask, agg=agg)
+        assert_close(agg, got, verl_agg_loss(loss_mat, mask, agg))  # verl gives NaN here
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "k2+", "k3+", "low_var_kl+", "abs+", "mse+"])
+def test_verl_straight_through_kl_penalty(backend, estimator):
+    """kl_penalty("k3+"): the estimator's value, the gradient of k2 (r): straight_through=True."""
+    logp = -torch.rand(3, 13).double() * 5
+    ref_logp = logp + torch.randn(3, 13).double() * 2
+    ref_logp[0, :3] = logp[0, :3] + torch.tensor([30.0, -30.0, 12.0])  # beyond both clamps
+    base = estimator[:-1]
+    clamp = 10.0 if base in ("low_var_kl", "k3") else None  # verl clamps only low_var_kl / k3, to +-10
+    lp64, rp64 = logp.clone().requires_grad_(), ref_logp.clone().requires_grad_()
+    want = verl_kl_penalty(lp64, rp64, estimator)
+    g = torch.randn(3, 13).double()
+    want_grads = torch.autograd.grad(want, (lp64, rp64), g)
+    lp, rp = logp.float().requires_grad_(), ref_logp.float().requires_grad_()
+    got = ops.token_kl(lp, rp, estimator=base, clamp=clamp, straight_through=True)
+    got_grads = torch.autograd.grad(got, (lp, rp), g.float())
+    assert_close(estimator, got, want, atol=ATOL * max(1.0, want.abs().max().item()))
+    for name, a, b in zip(("d_logp", "d_ref_logp"), got_grads, want_grads):
+        assert_close(name, a, b, atol=ATOL * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("agg,info", AGG_CASES)
+@pytest.mark.parametrize("is_weights", [False, True])
+def test_verl_policy_loss_vanilla_dual_clip(backend, agg, info, is_weights):
+    B, T = 5, 13
     logp = -torch.rand(B, T).double() * 3
     old_logp = logp + torch.randn(B, T).double() * 0.5
     adv = torch.randn(B, T).double()
     old_logp[:, 0] = logp[:, 0] - 1.5  # ratio e^1.5 > clip_ratio_c = 3 ...
     adv[:, 0] = -adv[:, 0].abs()  # ... with A < 0: dual-clipped
-    mask = response_mask(B, T)
+    mask = masked_rows(B, T)
+    weights = torch.rand(B, T).double() * 2 if is_weights else None  # verl's rollout_is_weights
     lp64 = logp.clone().requires_grad_()
-    want = verl_compute_policy_loss_vanilla(old_logp, lp64, adv, mask, agg, 0.2, 0.28, 3.0)
+    want = verl_compute_policy_loss_vanilla(old_logp, lp64, adv, mask, agg, 0.2, 0.28, 3.0, weights, info)
     want[0].backward()
     lp = logp.float().requires_grad_()
-    loss, stats = ops.policy_loss(
-        lp, old_logp.float(), adv.float(), mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg
-    )
+    loss, stats = ops.policy_loss(lp, old_logp.float(), adv.float(), mask, clip_low=0.2, clip_high=0.28,
+                                  dual_clip=3.0, is_weights=None if weights is None else weights.float(), agg=agg,
+                                  **_ours(info))
     loss.backward()
     assert_close("pg_loss", loss, want[0])
     assert_close("d_logp", lp.grad, lp64.grad)
@@ -255,20 +421,18 @@ def test_verl_policy_loss_vanilla_dual_clip(backend, agg):
     assert want[1] > 0 and want[3] > 0  # the data exercises both clips
 
 
-@pytest.mark.parametrize(
-    "agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-)
-def test_verl_value_loss(backend, agg):
-    B, T = 4, 13
+@pytest.mark.parametrize("agg,info", AGG_CASES)
+def test_verl_value_loss(backend, agg, info):
+    B, T = 5, 13
     vpreds = torch.randn(B, T).double()
     values = vpreds + torch.randn(B, T).double() * 0.4
     returns = torch.randn(B, T).double()
-    mask = response_mask(B, T)
+    mask = masked_rows(B, T)
     v64 = vpreds.clone().requires_grad_()
-    want_loss, want_frac = verl_compute_value_loss(v64, returns, values, mask, 0.2, agg)
+    want_loss, want_frac = verl_compute_value_loss(v64, returns, values, mask, 0.2, agg, info)
     want_loss.backward()
     v = vpreds.float().requires_grad_()
-    loss, stats = ops.value_loss(v, values.float(), returns.float(), mask, clip=0.2, agg=agg)
+    loss, stats = ops.value_loss(v, values.float(), returns.float(), mask, clip=0.2, agg=agg, **_ours(info))
     loss.backward()
     assert_close("vf_loss", loss, want_loss)
     assert_close("d_vpreds", v.grad, v64.grad)
@@ -284,7 +448,7 @@ def test_openrlhf_compute_approx_kl(backend, estimator):
     logp = -torch.rand(3, 13).double() * 5
     ref_logp = logp + torch.randn(3, 13).double() * 3
     ref_logp[0, :2] = logp[0, :2] + torch.tensor([15.0, -15.0])
-    want = openrlhf_compute_approx_kl(logp, ref_logp, estimator)
+    want = openrlhf_compute_approx_kl(logp, ref_logp, kl_estimator=estimator)
     got = ops.token_kl(logp.float(), ref_logp.float(), estimator=estimator, clamp=10.0)
     assert_close(estimator, got, want)
     assert (want.abs() == 10).any()  # the clamp is exercised
@@ -300,3 +464,108 @@ def test_openrlhf_gae_zero_mode(backend):
     on = mask.bool()
     assert_close("advantages", adv[on], want_adv[on])
     assert_close("returns", ret[on], want_ret[on])
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_openrlhf_unbiased_gradient_kl(backend, estimator, weighted):
+    """compute_approx_kl(unbiased_gradient=True): the clamped estimator's value, the gradient w * r with
+    w = clamp(exp(logp - old_logp), max=10), detached."""
+    logp = -torch.rand(3, 13).double() * 5
+    ref_logp = logp + torch.randn(3, 13).double() * 3
+    ref_logp[0, :2] = logp[0, :2] + torch.tensor([15.0, -15.0])
+    old_logp = logp + torch.randn(3, 13).double()
+    old_logp[1, :3] = logp[1, :3] - 4.0  # importance weight e^4 > 10: clipped
+    lp64 = logp.clone().requires_grad_()
+    want = openrlhf_compute_approx_kl(lp64, ref_logp, old_logp if weighted else None, estimator, True)
+    g = torch.randn(3, 13).double()
+    (want_grad,) = torch.autograd.grad(want, lp64, g)
+    w = (logp - old_logp).exp().clamp(max=KL_IS_WEIGHT_CLIP) if weighted else None
+    lp = logp.float().requires_grad_()
+    got = ops.token_kl(lp, ref_logp.float(), estimator=estimator, clamp=10.0, straight_through=True,
+                       grad_weight=None if w is None else w.float())
+    (got_grad,) = torch.autograd.grad(got, lp, g.float())
+    assert_close(estimator, got, want)
+    assert_close("d_logp", got_grad, want_grad, atol=ATOL * max(1.0, want_grad.abs().max().item()))
+
+
+def test_openrlhf_policy_loss_ppo_kl_unclamped(backend):
+    """PolicyLoss's ppo_kl is the mean of the log-ratio before its +-20 clamp: approx_kl_unclamped."""
+    B, T = 4, 13
+    logp = -torch.rand(B, T).double() * 3
+    old_logp = logp + torch.randn(B, T).double() * 0.5
+    old_logp[0, :2] = logp[0, :2] + torch.tensor([30.0, -25.0])  # beyond the clamp: the two kl stats differ
+    adv = torch.randn(B, T).double()
+    mask = response_mask(B, T)
+    lp64 = logp.clone().requires_grad_()
+    want_loss, want_clip_ratio, want_ppo_kl = openrlhf_policy_loss_ppo(lp64, old_logp, adv, mask, 0.2, 0.28, 3.0)
+    want_loss.backward()
+    lp = logp.float().requires_grad_()
+    loss, stats = ops.policy_loss(lp, old_logp.float(), adv.float(), mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    loss.backward()
+    assert_close("loss", loss, want_loss)
+    assert_close("d_logp", lp.grad, lp64.grad)
+    assert_close("clip_ratio", stats["clipfrac"], want_clip_ratio)
+    assert_close("ppo_kl", stats["approx_kl_unclamped"], want_ppo_kl)
+    assert abs(stats["approx_kl"].item() - want_ppo_kl.item()) > 0.1  # the clamped one is verl's, not this
+
+
+# ---------------------------------------------------------------- TRL
+
+
+def trl_selective_log_softmax(logits, index, temperature=1.0):
+    """The plain branch of trl.trainer.utils.selective_log_softmax (float32 / float64 logits)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    squeeze = index.ndim == logits.ndim - 1
+    if squeeze:
+        index = index.unsqueeze(-1)
+    selected_logits = torch.gather(logits, dim=-1, index=index)
+    logsumexp_values = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])
+    per_token_logps = selected_logits - logsumexp_values.unsqueeze(-1)
+    if squeeze:
+        per_token_logps = per_token_logps.squeeze(-1)
+    return per_token_logps
+
+
+def trl_entropy_from_logits(logits, chunk_size=128):
+    original_shape = logits.shape[:-1]
+    num_classes = logits.shape[-1]
+    flat_logits = logits.reshape(-1, num_classes)
+    entropies = []
+    for chunk in flat_logits.split(chunk_size, dim=0):
+        logps = torch.nn.functional.log_softmax(chunk, dim=-1)
+        chunk_entropy = -(torch.exp(logps) * logps).sum(-1)
+        entropies.append(chunk_entropy)
+    return torch.cat(entropies, dim=0).reshape(original_shape)
+
+
+@pytest.mark.parametrize("K", [None, 1, 4])
+def test_trl_selective_log_softmax(backend, K):
+    """labels [..., K] gather K log-probs per position (TRL's top-K form), forward and gradient."""
+    B, T, V = 2, 7, 61
+    logits = torch.randn(B, T, V).double() * 2
+    index = torch.randint(0, V, (B, T) if K is None else (B, T, K))
+    x64 = logits.clone().requires_grad_()
+    want = trl_selective_log_softmax(x64, index, temperature=0.8)
+    g = torch.randn(want.shape).double()
+    (want_grad,) = torch.autograd.grad(want, x64, g)
+    x = logits.float().requires_grad_()
+    got = ops.logprobs(x, index, temperature=0.8)
+    (got_grad,) = torch.autograd.grad(got, x, g.float())
+    assert got.shape == want.shape
+    assert_close("logps", got, want)
+    assert_close("d_logits", got_grad, want_grad)
+
+
+def test_trl_entropy_from_logits(backend):
+    logits = torch.randn(3, 5, 71).double() * 3
+    x64 = logits.clone().requires_grad_()
+    want = trl_entropy_from_logits(x64)
+    g = torch.randn(want.shape).double()
+    (want_grad,) = torch.autograd.grad(want, x64, g)
+    x = logits.float().requires_grad_()
+    got = ops.entropy(x)
+    (got_grad,) = torch.autograd.grad(got, x, g.float())
+    assert_close("entropy", got, want)
+    assert_close("d_logits", got_grad, want_grad)

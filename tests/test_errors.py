@@ -289,3 +289,82 @@ def test_loss_constants_get_no_gradient(backend):
     (pl + vl).backward()
     assert logp.grad is not None and values.grad is not None
     assert old.grad is None and adv.grad is None and old_v.grad is None and ret.grad is None
+
+
+# ---------------------------------------------------------------- issue 9's keywords
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(dp_size=0), "dp_size must be a positive int"),
+    (dict(dp_size=1.5), "dp_size must be a positive int"),
+    (dict(dp_size=True), "dp_size must be a positive int"),
+    (dict(dp_size=2), "needs global_num_tokens"),
+    (dict(agg="seq-mean-token-mean", dp_size=2), "needs global_num_seqs"),
+    (dict(global_num_seqs=4), "global_num_seqs applies to the seq-mean"),
+    (dict(agg="token-sum", global_num_tokens=4), "global_num_tokens applies to agg='token-mean' only"),
+    (dict(agg="seq-mean-token-sum", loss_scale_factor=8), "loss_scale_factor applies to"),
+    (dict(agg="seq-mean-token-sum", global_num_seqs=0), "global_num_seqs must be > 0"),
+    (dict(agg="seq-mean-token-sum-norm", loss_scale_factor=-1.0), "loss_scale_factor must be > 0"),
+])
+def test_bad_aggregation_keywords(kw, message):
+    for call in (lambda: ops.policy_loss(_lp(), _lp(), _lp(), _mask(), **kw),
+                 lambda: ops.value_loss(_lp(), _lp(), _lp(), _mask(), **kw),
+                 lambda: ops.agg_loss(_lp(), _mask(), **kw),
+                 lambda: ops.ppo_actor_loss(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), _lp(), _lp(),
+                                            _mask(), **kw)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_agg_loss_bad_inputs():
+    with pytest.raises(ValueError, match="mask must have the shape of loss_mat"):
+        ops.agg_loss(_lp(), torch.ones(B, T + 1))
+    with pytest.raises(ValueError, match="agg must be one of"):
+        ops.agg_loss(_lp(), _mask(), agg="mean")
+    with pytest.raises(TypeError, match="loss_mat must be a floating-point"):
+        ops.agg_loss(torch.ones(B, T, dtype=torch.long), _mask())
+
+
+def test_straight_through_kl_bad_inputs():
+    with pytest.raises(ValueError, match="grad_weight applies to straight_through=True only"):
+        ops.token_kl(_lp(), _lp(), grad_weight=torch.ones(B, T))
+    with pytest.raises(ValueError, match="grad_weight must have the shape of logp"):
+        ops.token_kl(_lp(), _lp(), straight_through=True, grad_weight=torch.ones(B, T + 1))
+    with pytest.raises(TypeError, match="grad_weight must be a floating-point"):
+        ops.token_kl(_lp(), _lp(), straight_through=True, grad_weight=torch.ones(B, T, dtype=torch.long))
+
+
+def test_is_weights_bad_inputs():
+    with pytest.raises(ValueError, match="is_weights must have the shape of logp"):
+        ops.policy_loss(_lp(), _lp(), _lp(), _mask(), is_weights=torch.ones(B, T - 1))
+    with pytest.raises(TypeError, match="is_weights must be a floating-point"):
+        ops.policy_loss(_lp(), _lp(), _lp(), _mask(), is_weights=torch.ones(B, T, dtype=torch.bool))
+    with pytest.raises(ValueError, match="is_weights must have shape"):
+        ops.ppo_actor_loss(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), _lp(), _lp(), _mask(),
+                           is_weights=torch.ones(B))
+    with pytest.raises(ValueError, match="kl_clamp must be > 0"):
+        ops.ppo_actor_loss(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), _lp(), _lp(), _mask(),
+                           kl_clamp=0.0)
+
+
+def test_topk_labels_bad_shapes():
+    logits = torch.randn(B, T, V)
+    for labels in (torch.zeros(B, T, 0, dtype=torch.long), torch.zeros(B, T + 1, 3, dtype=torch.long),
+                   torch.zeros(B, T, 2, 2, dtype=torch.long), torch.zeros(B, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"labels must have shape logits.shape\[:-1\]"):
+            ops.logprobs(logits, labels)
+
+
+def test_entropy_bad_inputs():
+    with pytest.raises(TypeError, match="logits"):
+        ops.entropy(torch.zeros(B, T, V, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        ops.entropy(torch.randn(B, T, V), temperature=0.0)
+    with pytest.raises(ValueError, match="logits must be"):
+        ops.entropy(torch.randn(B, T, 0))
+
+
+def test_empty_entropy_and_topk(backend):
+    assert ops.entropy(torch.randn(0, T, V)).shape == (0, T)
+    logp, ent = ops.logprobs(torch.randn(0, T, V), torch.zeros(0, T, 3, dtype=torch.long), return_entropy=True)
+    assert logp.shape == (0, T, 3) and ent.shape == (0, T)

@@ -106,3 +106,29 @@ def test_kl_shaped_rewards_hand_worked(backend):
     out = ops.kl_shaped_rewards(scores, logp, ref_logp, mask, kl_coef=0.1)
     want = torch.tensor([[-0.05, -0.05, 1.95, 0.0], [0.0, 0.0, -0.05, -1.05], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(out, want, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("estimator,clamp", [("k1", None), ("k3", 10.0), ("abs", 1.5)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_straight_through(backend, poison, dtype, estimator, clamp, weighted):
+    """The estimator's value, the gradient w * r of w * r^2 / 2 (verl "k3+", OpenRLHF unbiased_gradient)."""
+    logp, ref_logp = make_logps((3, 37), dtype)
+    weight = (torch.rand(3, 37) * 3).to(dtype) if weighted else None
+    kw = dict(estimator=estimator, clamp=clamp, straight_through=True, grad_weight=weight)
+    grad = torch.randn(logp.shape)
+    outs = []
+    for x, y, w in ((logp, ref_logp, weight), (logp.double(), ref_logp.double(), None if weight is None else
+                                               weight.double()), (logp, ref_logp, weight)):
+        x, y = x.clone().requires_grad_(), y.clone().requires_grad_()
+        fn = ops.token_kl if not outs else ref.token_kl
+        kl = fn(x, y, **dict(kw, grad_weight=w))
+        outs.append((kl, *torch.autograd.grad(kl, (x, y), grad.to(kl.dtype))))
+    for i, name in enumerate(("kl", "d_logp", "d_ref_logp")):
+        assert_close_to_ref(outs[0][i], outs[1][i], outs[2][i], atol=ATOL, name=name)
+    plain = ops.token_kl(logp, ref_logp, estimator=estimator, clamp=clamp)
+    assert torch.equal(outs[0][0], plain), "straight-through changes the gradient only"
+    if dtype == torch.float32:  # written out: d/dlogp = w * r * upstream
+        r = logp.double() - ref_logp.double()
+        want = r * grad.double() * (1.0 if weight is None else weight.double())
+        torch.testing.assert_close(outs[0][1].double(), want, rtol=1e-5, atol=1e-6)

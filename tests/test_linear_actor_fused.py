@@ -72,19 +72,21 @@ def _compare(make_batch, mask, atol, draws, **kw):
     weight, bias, labels from `make_batch()`, then old_logp, ref_logp, advantages, upstream),
     stacked: a bf16 scalar's error is one random draw, so several are checked at once."""
     use_ref = kw.pop("ref", True)
+    is_weights = kw.pop("is_weights", None)
     out, r64, same = [], [], []
     for _ in range(draws):
         hidden, weight, bias, labels = make_batch()
         old, ref_lp, adv = _draw(hidden, weight, bias, labels)
         upstream = torch.randn(()).item()  # a random upstream gradient, never 1
-        ref_kw = dict(kw, ref_logp=ref_lp if use_ref else None)
+        ref_kw = dict(kw, ref_logp=ref_lp if use_ref else None, is_weights=is_weights)
         o, loss, stats, grads = _run(_fused, (hidden, weight, bias), labels, old, adv, mask, upstream, **ref_kw)
         assert loss.dtype == torch.float32 and loss.dim() == 0
         assert all(s.dtype == torch.float32 and s.dim() == 0 and not s.requires_grad for s in stats.values())
         assert set(stats) == set(STATS if use_ref else STATS[:-1])
         assert [g.dtype for g in grads] == [hidden.dtype] * len(grads)
         out.append(o)
-        ref64_kw = dict(kw, ref_logp=ref_lp.double() if use_ref else None)
+        ref64_kw = dict(kw, ref_logp=ref_lp.double() if use_ref else None,
+                        is_weights=None if is_weights is None else is_weights.double())
         leaves64 = (hidden.double(), weight.double(), None if bias is None else bias.double())
         r64.append(_run(_materialised, leaves64, labels, old.double(), adv.double(), mask, upstream, **ref64_kw)[0])
         same.append(_run(_materialised, (hidden, weight, bias), labels, old, adv, mask, upstream, **ref_kw)[0])
@@ -118,6 +120,14 @@ def test_no_reference_policy_and_global_num_tokens(backend):
     mask = _padded_mask(4, 8)
     _compare(lambda: _batch(4, 8, 16, 257, torch.float32), mask, 1e-5, 1, chunk_size=6, ref=False, entropy_coef=0.05,
              global_num_tokens=int(mask.sum()) * 3)
+
+
+def test_is_weights_straight_through_kl_and_global_counts(backend):
+    """is_weights on the policy term, a clamped straight-through KL, seq-mean-token-sum with its global count."""
+    mask = _padded_mask(4, 8)
+    _compare(lambda: _batch(4, 8, 16, 257, torch.float32), mask, 1e-5, 1, chunk_size=6, kl_coef=0.2,
+             kl_estimator="k3", kl_clamp=10.0, kl_straight_through=True, entropy_coef=0.02,
+             is_weights=torch.rand(4, 8) * 2, agg="seq-mean-token-sum", global_num_seqs=7, dp_size=2)
 
 
 def test_flat_tokens_and_float_mask():
@@ -186,9 +196,11 @@ def _count(fn):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_three_matmuls_per_chunk(backend, dtype):
+def test_three_matmuls_per_chunk(monkeypatch, dtype):
     """fwd + bwd: 3 matmuls per chunk (linear_logprobs, which recomputes the logits: 4), all in
-    the forward; the backward only scales. Fewer when fewer gradients are asked for."""
+    the forward; the backward only scales. Fewer when fewer gradients are asked for. (The matmuls
+    are the same code on both backends, which differ in the log-prob part only: torch path here.)"""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
     hidden, weight, bias, labels = _batch(4, 10, 8, 64, dtype)
     old, ref_lp, adv = _draw(hidden, weight, bias, labels)
     mask = _padded_mask(4, 10)

@@ -195,3 +195,48 @@ def test_inplace_backward_bumps_the_version_counter(backend):
     p = torch.softmax(leaf.detach(), -1)
     d_logp = torch.nn.functional.one_hot(labels, V) - p
     torch.testing.assert_close(leaf.grad, 2 * leaf.detach() + d_logp, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_topk_labels_match_reference(backend, dtype, atol):
+    """labels [..., K]: K log-probs per position (TRL's selective_log_softmax with a (..., K) index),
+    ignored and out-of-range labels among them; the entropy stays [...]."""
+    B, T, V, K = 2, 13, 1271, 4
+    logits = (torch.randn(B, T + 1, V) * 3).to(dtype)[:, :-1]  # a non-contiguous view
+    labels = torch.randint(0, V, (B, T, K))
+    labels[:, 1, 0] = -100
+    labels[0, 2, 3] = V + 7
+    labels[1, 3, 1] = labels[1, 3, 2]  # a label twice at one position
+    g_logp, g_ent = torch.randn(B, T, K), torch.randn(B, T)
+    out = _fwd_bwd(ops.logprobs, logits, labels, g_logp, g_ent, temperature=0.7)
+    r64 = _fwd_bwd(ref.logprobs, logits.double(), labels, g_logp, g_ent, temperature=0.7)
+    same = _fwd_bwd(ref.logprobs, logits, labels, g_logp, g_ent, temperature=0.7)
+    assert out[0].shape == (B, T, K) and out[1].shape == (B, T)
+    for name, o, r, s in zip(("logp", "entropy", "d_logits"), out, r64, same):
+        assert_close_to_ref(o, r, s, atol=atol, name=name)
+    assert (out[0][:, 1, 0] == 0).all() and torch.isnan(out[0][0, 2, 3])
+    # K = 1 is the per-position op with a trailing dimension
+    one = ops.logprobs(logits, labels[..., :1], temperature=0.7)
+    torch.testing.assert_close(one.squeeze(-1), ops.logprobs(logits, labels[..., 0], temperature=0.7), rtol=0,
+                               atol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_entropy_matches_reference(backend, dtype, atol):
+    """The entropy-only op: one read of the logits, a gradient to them; -inf logits give 0 log 0 = 0."""
+    B, T, V = 2, 13, 1271
+    logits = (torch.randn(B, T, V) * 3).to(dtype)
+    logits[0, 3, 100:] = float("-inf")
+    g = torch.randn(B, T)
+    outs = []
+    for fn, x in ((ops.entropy, logits), (ref.entropy, logits.double()), (ref.entropy, logits)):
+        x = x.clone().requires_grad_()
+        h = fn(x, temperature=1.3)
+        outs.append((h, torch.autograd.grad(h, x, g.to(h.dtype))[0]))
+    assert outs[0][0].dtype == torch.float32 and outs[0][1].dtype == dtype
+    for i, name in enumerate(("entropy", "d_logits")):
+        assert_close_to_ref(outs[0][i], outs[1][i], outs[2][i], atol=atol, name=name)
+    assert torch.isfinite(outs[0][1]).all()
+    # the same numbers as the entropy logprobs returns
+    _, h = ops.logprobs(logits, torch.randint(0, 100, (B, T)), temperature=1.3, return_entropy=True)
+    torch.testing.assert_close(outs[0][0], h, rtol=0, atol=0)

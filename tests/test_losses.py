@@ -11,7 +11,11 @@ from fastrlhf import reference as ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL = 1e-5
-POLICY_STATS = ("clipfrac", "clipfrac_lower", "approx_kl")
+POLICY_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_unclamped")
+# the aggregation keywords beyond the mode, one case per mode that uses them
+AGG_KW = [("token-mean", dict(global_num_tokens=1000, dp_size=4)), ("token-sum", dict(dp_size=3)),
+          ("seq-mean-token-sum", dict(global_num_seqs=17, dp_size=2)), ("seq-mean-token-mean", dict(global_num_seqs=9)),
+          ("seq-mean-token-sum-norm", dict(global_num_seqs=12, dp_size=2, loss_scale_factor=4096))]
 
 
 @pytest.fixture
@@ -171,3 +175,96 @@ def test_value_loss_hand_worked(backend):
     assert loss.item() == pytest.approx(0.5 * (2.25 + 3.24) / 2, rel=1e-6)
     assert v.grad[0].tolist() == pytest.approx([1.5 / 2, 0.0], abs=1e-7)
     assert stats["clipfrac"].item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("agg,agg_kw", AGG_KW)
+def test_policy_loss_is_weights_and_global_counts(backend, poison, dtype, agg, agg_kw):
+    """Per-token importance weights and every aggregation keyword, against reference.py in float64."""
+    B, T = 5, 37
+    logp, old_logp, adv = make_policy_inputs(B, T, dtype)
+    is_weights = (torch.rand(B, T) * 2).to(dtype)
+    mask = make_mask(B, T)
+    grad = torch.randn(())
+    kw = dict(clip_high=0.28, dual_clip=3.0, agg=agg, **agg_kw)
+    loss, stats, d = run_policy(ops.policy_loss, logp, old_logp, adv, mask, grad, is_weights=is_weights, **kw)
+    loss64, stats64, d64 = run_policy(ref.policy_loss, logp.double(), old_logp.double(), adv.double(), mask, grad,
+                                      is_weights=is_weights.double(), **kw)
+    loss_s, stats_s, d_s = run_policy(ref.policy_loss, logp, old_logp, adv, mask, grad, is_weights=is_weights, **kw)
+    assert_close_to_ref(loss, loss64, loss_s, atol=ATOL, name="loss")
+    assert_close_to_ref(d, d64, d_s, atol=ATOL, name="d_logp")
+    for name in POLICY_STATS:
+        assert_close_to_ref(stats[name], stats64[name], stats_s[name], atol=ATOL, name=name)
+
+
+@pytest.mark.parametrize("agg,agg_kw", AGG_KW)
+def test_value_loss_global_counts(backend, poison, agg, agg_kw):
+    B, T = 5, 37
+    values, old_values, returns = make_value_inputs(B, T, torch.bfloat16)
+    mask = make_mask(B, T)
+    grad = torch.randn(())
+    kw = dict(clip=0.2, agg=agg, **agg_kw)
+    loss, _, d = run_value(ops.value_loss, values, old_values, returns, mask, grad, **kw)
+    loss64, _, d64 = run_value(ref.value_loss, values.double(), old_values.double(), returns.double(), mask, grad,
+                               **kw)
+    loss_s, _, d_s = run_value(ref.value_loss, values, old_values, returns, mask, grad, **kw)
+    assert_close_to_ref(loss, loss64, loss_s, atol=ATOL, name="loss")
+    assert_close_to_ref(d, d64, d_s, atol=ATOL, name="d_values")
+
+
+@pytest.mark.parametrize("agg", ref.AGG_MODES)
+def test_agg_loss_matches_reference(backend, agg):
+    B, T = 5, 37
+    loss_mat = torch.randn(B, T, dtype=torch.float64)
+    mask = make_mask(B, T).float() * torch.rand(B, T)  # a weighting float mask, row 2 empty
+    upstream = torch.randn((), dtype=torch.float64)
+    outs = []
+    for x in (loss_mat.float(), loss_mat, loss_mat.float()):
+        x = x.clone().requires_grad_()
+        fn = ops.agg_loss if not outs else ref.agg_loss
+        loss = fn(x, mask, agg=agg)
+        outs.append((loss, torch.autograd.grad(loss, x, upstream.to(loss.dtype))[0]))
+    assert outs[0][0].dtype == torch.float32 and outs[0][0].dim() == 0
+    for i, name in enumerate(("loss", "d_loss_mat")):
+        assert_close_to_ref(outs[0][i], outs[1][i], outs[2][i], atol=ATOL, name=name)
+    assert ops.agg_loss(loss_mat, torch.zeros(B, T), agg=agg).item() == 0.0  # an empty local mask gives 0
+
+
+def test_agg_loss_hand_worked(backend):
+    # rows: [1, 2 | 3 masked], [4 | 5, 6 masked], [all masked]: n_b = 2, 1, 0; S = 2; T = 3
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    want = {"token-mean": 7 / 3, "token-sum": 7.0, "seq-mean-token-sum": (3 + 4) / 2,
+            "seq-mean-token-mean": (1.5 + 4) / 2, "seq-mean-token-sum-norm": (3 + 4) / 2 / 3}
+    for agg, value in want.items():
+        assert ops.agg_loss(loss_mat, mask, agg=agg).item() == pytest.approx(value, rel=1e-6), agg
+    assert ops.agg_loss(loss_mat, mask, agg="seq-mean-token-sum", global_num_seqs=7, dp_size=2).item() == \
+        pytest.approx(7 / 7 * 2, rel=1e-6)
+    assert ops.agg_loss(loss_mat, mask, agg="seq-mean-token-sum-norm", loss_scale_factor=10).item() == \
+        pytest.approx(3.5 / 10, rel=1e-6)
+
+
+@pytest.mark.parametrize("agg", ref.AGG_MODES)
+def test_nan_off_the_mask_never_matters(backend, agg):
+    """NaN / inf where mask = 0 (e.g. log-probs of padding labels) change no loss, stat or gradient."""
+    B, T = 4, 37
+    logp, old_logp, adv = make_policy_inputs(B, T, torch.float32)
+    values, old_values, returns = make_value_inputs(B, T, torch.float32)
+    mask = make_mask(B, T)
+    off = ~mask
+    noisy = lambda x, v: torch.where(off, torch.full_like(x, v), x)  # noqa: E731
+    for fn, clean, dirty in (
+        (ops.policy_loss, (logp, old_logp, adv), (noisy(logp, float("nan")), noisy(old_logp, float("inf")),
+                                                  noisy(adv, float("nan")))),
+        (ops.value_loss, (values, old_values, returns), (noisy(values, float("inf")), old_values,
+                                                         noisy(returns, float("nan")))),
+    ):
+        results = []
+        for x, *rest in (clean, dirty):
+            x = x.clone().requires_grad_()
+            loss, stats = fn(x, *rest, mask, agg=agg)
+            results.append((loss, stats, torch.autograd.grad(loss, x)[0]))
+        (loss, stats, d), (loss_n, stats_n, d_n) = results
+        assert torch.equal(loss, loss_n), fn.__name__
+        assert all(torch.equal(stats[k], stats_n[k]) for k in stats), fn.__name__
+        assert torch.equal(d, d_n) and (d_n[off] == 0).all(), fn.__name__

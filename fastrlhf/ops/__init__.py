@@ -12,13 +12,15 @@ from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
 from fastrlhf.ops.gae import gae, whiten
 from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
 from fastrlhf.ops.linear import linear_logprobs, linear_ppo_actor_loss
-from fastrlhf.ops.logprobs import logprobs
-from fastrlhf.ops.losses import policy_loss, ppo_actor_loss, value_loss
+from fastrlhf.ops.logprobs import entropy, logprobs
+from fastrlhf.ops.losses import agg_loss, policy_loss, ppo_actor_loss, value_loss
 
 __all__ = [
     "AGG_MODES",
     "KL_ESTIMATORS",
     "MASK_MODES",
+    "agg_loss",
+    "entropy",
     "gae",
     "kl_shaped_rewards",
     "linear_logprobs",

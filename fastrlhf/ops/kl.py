@@ -6,6 +6,8 @@
 
 Custom ops: fastrlhf::token_kl, fastrlhf::token_kl_backward (d(kl)/d(logp) times the upstream
 gradient; d(ref_logp) is its negation), fastrlhf::kl_shaped_rewards (no gradient: rewards are data).
+With straight_through the value stays the estimator's and the gradient is w * r (that of
+w * r^2 / 2), as verl's "k3+" and OpenRLHF's unbiased_gradient.
 Gradients at ties follow reference.py: both clamps pass the gradient at their bounds, d|r|/dr = 0 at 0.
 """
 
@@ -70,7 +72,9 @@ def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None)
 
 
 @torch.library.custom_op("fastrlhf::token_kl", mutates_args=())
-def _token_kl_op(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None, use_triton: bool) -> Tensor:
+def _token_kl_op(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None, straight_through: bool,
+                 grad_weight: Tensor | None, use_triton: bool) -> Tensor:
+    """The estimate; straight_through and grad_weight only change the gradient."""
     if not use_triton:
         return kl_value(logp, ref_logp, estimator, clamp)
     from fastrlhf.kernels import kl as kernels
@@ -80,7 +84,7 @@ def _token_kl_op(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | 
 
 
 @_token_kl_op.register_fake
-def _(logp, ref_logp, estimator, clamp, use_triton):
+def _(logp, ref_logp, estimator, clamp, straight_through, grad_weight, use_triton):
     return logp.new_empty(logp.shape, dtype=out_dtype(logp))
 
 
@@ -102,27 +106,31 @@ def _(logp, ref_logp, grad, estimator, clamp, use_triton):
 
 
 def _setup_context(ctx, inputs, output):
-    logp, ref_logp, estimator, clamp, triton = inputs
-    ctx.save_for_backward(logp, ref_logp)
-    ctx.args = (estimator, clamp, triton)
+    logp, ref_logp, estimator, clamp, straight_through, grad_weight, triton = inputs
+    ctx.save_for_backward(logp, ref_logp, grad_weight)
+    ctx.args = (estimator, clamp, straight_through, triton)
 
 
 def _backward(ctx, grad):
-    logp, ref_logp = ctx.saved_tensors
-    estimator, clamp, triton = ctx.args
+    logp, ref_logp, grad_weight = ctx.saved_tensors
+    estimator, clamp, straight_through, triton = ctx.args
+    if straight_through:  # the gradient of w * r^2 / 2: w * r, as k2's times the weight
+        estimator, clamp = "k2", None
+        if grad_weight is not None:
+            grad = grad * grad_weight
     if triton:
         d = _token_kl_backward_op(logp, ref_logp, grad, estimator, clamp, triton)
     else:  # torch ops, traced as they are (a custom op would only add its dispatch cost)
         d = kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
     d_logp = d.to(logp.dtype) if ctx.needs_input_grad[0] else None
     d_ref = (-d).to(ref_logp.dtype) if ctx.needs_input_grad[1] else None
-    return d_logp, d_ref, None, None, None
+    return d_logp, d_ref, None, None, None, None, None
 
 
 _token_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
+def token_kl(logp, ref_logp, *, estimator="k1", clamp=None, straight_through=False, grad_weight=None):
     """Per-token KL estimate of the policy against a reference (docs/ops.md).
 
     Args:
@@ -130,23 +138,31 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None):
         estimator: with r = logp - ref_logp: "k1" / "kl" = r; "k2" / "mse" = r^2 / 2;
             "k3" / "low_var_kl" = exp(-r) - 1 + r (r clamped to +-20 inside exp); "abs" = |r|.
         clamp: bounds the output to [-clamp, clamp] (verl: low_var_kl with clamp=10; OpenRLHF: 10).
+        straight_through: keep the estimator's value but take the gradient of w * r^2 / 2, i.e.
+            d/dlogp = w * r = -d/dref_logp (verl's "k1+", "k3+", "low_var_kl+", "abs+";
+            OpenRLHF's unbiased_gradient).
+        grad_weight: w above, logp's shape, a constant (e.g. OpenRLHF's clamped importance
+            weight exp(logp - old_logp)); None = 1. Only with straight_through.
 
     Returns:
         kl [...] float32 (float64 for float64 inputs); gradients to logp and ref_logp.
     """
     check_float("logp", logp)
-    check_same("logp", logp, ref_logp=ref_logp)
+    check_same("logp", logp, ref_logp=ref_logp, grad_weight=grad_weight)
     check_choice("estimator", estimator, KL_ESTIMATORS)
     clamp = None if clamp is None else check_number("clamp", clamp, positive=True)
-    return _token_kl_op(logp, ref_logp, KL_ESTIMATORS[estimator], clamp, use_triton(logp))
+    if grad_weight is not None and not straight_through:
+        raise ValueError("grad_weight applies to straight_through=True only")
+    return _token_kl_op(logp, ref_logp, KL_ESTIMATORS[estimator], clamp, bool(straight_through),
+                        None if grad_weight is None else grad_weight.detach(), use_triton(logp))
 
 
 # ---------------------------------------------------------------- fastrlhf::kl_shaped_rewards
 
 
 def _kl_shaped_rewards_torch(scores, logp, ref_logp, mask, kl_coef, estimator, clamp):
-    m = mask.to(out_dtype(logp)) if mask.dtype != torch.bool else mask
-    rewards = -kl_coef * kl_value(logp, ref_logp, estimator, clamp) * m
+    m = mask.to(out_dtype(logp))
+    rewards = torch.where(m != 0, kl_value(logp, ref_logp, estimator, clamp) * (-kl_coef * m), 0.0)
     T = logp.shape[1]
     positions = torch.arange(T, device=logp.device).expand(logp.shape)
     last = torch.where(m != 0, positions, -1).amax(-1)  # the last mask=1 token, -1 for an empty row

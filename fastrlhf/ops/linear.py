@@ -47,10 +47,12 @@ from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
     ACTOR_STATS,
     TOKEN_TERMS,
+    ActorTerms,
     actor_loss_and_stats,
     actor_token_terms,
     check_actor_args,
-    row_scale,
+    check_agg,
+    token_weights,
 )
 
 # Logits one chunk may hold (input dtype). 64 MiB gives >= 100-row matmuls at V = 151936 in bf16
@@ -246,8 +248,9 @@ _linear_logprobs_op.register_autograd(_backward_linear_logprobs, setup_context=_
 @torch.library.custom_op("fastrlhf::linear_ppo_actor_loss", mutates_args=())
 def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, old_logp: Tensor,
                           advantages: Tensor, mask: Tensor, token_weight: Tensor, ref_logp: Tensor | None,
-                          temperature: float, kl_coef: float, kl_estimator: str, entropy_coef: float,
-                          clip_low: float, clip_high: float, dual_clip: float | None, chunk_size: int,
+                          is_weights: Tensor | None, temperature: float, kl_coef: float, kl_estimator: str,
+                          kl_clamp: float | None, kl_straight_through: bool, entropy_coef: float, clip_low: float,
+                          clip_high: float, dual_clip: float | None, chunk_size: int,
                           accum_dtype: torch.dtype | None, need_hidden: bool, need_weight: bool, need_bias: bool,
                           use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V], per-token [N] -> (loss, ACTOR_STATS [6], d_hidden,
@@ -257,35 +260,34 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
     acc = weight_accum_dtype(weight, accum_dtype)
     need_bias = need_bias and bias is not None
     need_grad = need_hidden or need_weight or need_bias
+    terms = ActorTerms(old_logp, advantages, mask, token_weight, ref_logp, is_weights, kl_coef, kl_estimator,
+                       kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip)
     # by default d(weight) accumulates in fp32: V x H x 4 bytes (2.5 GB at V = 151936, H = 4096)
     # held through the forward, then cast to the weight's dtype
     d_hidden = torch.empty_like(hidden) if need_hidden else None
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
     d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
-    terms = torch.empty(len(TOKEN_TERMS), N, dtype=dtype, device=hidden.device)
+    rows = torch.empty(len(TOKEN_TERMS), N, dtype=dtype, device=hidden.device)
     for start in range(0, N, chunk_size):
         s = slice(start, min(start + chunk_size, N))
         h, y = hidden[s], labels[s]
         logits = chunk_logits(h, weight, bias)  # matmul 1
         logp, entropy, lse = _chunk_fwd(logits, y, temperature, IGNORE_INDEX, True, use_triton)
-        terms[:, s], g_logp, g_ent = actor_token_terms(
-            logp, entropy, old_logp[s], advantages[s], None if ref_logp is None else ref_logp[s], token_weight[s],
-            kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, clip_low=clip_low,
-            clip_high=clip_high, dual_clip=dual_clip, need_grad=need_grad)
+        rows[:, s], g_logp, g_ent = actor_token_terms(logp, entropy, terms.at(s), need_grad)
         if need_grad:
             d_logits = _chunk_bwd(logits, y, lse, entropy, g_logp, g_ent, temperature, IGNORE_INDEX, use_triton)
             _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
         del logits
-    loss, stats = actor_loss_and_stats(terms, token_weight, mask, kl_coef, entropy_coef)
+    loss, stats = actor_loss_and_stats(rows, mask.sum(), kl_coef, entropy_coef)
     return (loss, stats, _or_empty(d_hidden, hidden),
             _or_empty(None if d_weight is None else d_weight.to(weight.dtype), weight),
             _or_empty(None if d_bias is None else d_bias.to(bias.dtype), weight))
 
 
 @_linear_actor_loss_op.register_fake
-def _(hidden, weight, bias, labels, old_logp, advantages, mask, token_weight, ref_logp, temperature, kl_coef,
-      kl_estimator, entropy_coef, clip_low, clip_high, dual_clip, chunk_size, accum_dtype, need_hidden, need_weight,
-      need_bias, use_triton):
+def _(hidden, weight, bias, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature,
+      kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip, chunk_size,
+      accum_dtype, need_hidden, need_weight, need_bias, use_triton):
     dtype = out_dtype(hidden)
     need_bias = need_bias and bias is not None
     return (hidden.new_empty((), dtype=dtype), hidden.new_empty(len(ACTOR_STATS), dtype=dtype),
@@ -396,15 +398,16 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
 
 
 def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *, bias=None, chunk_size=None,
-                          ref_logp=None, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, temperature=1.0,
-                          clip_low=0.2, clip_high=None, dual_clip=None, agg="token-mean",
-                          global_num_tokens=None, accum_dtype=None):
+                          ref_logp=None, kl_coef=0.0, kl_estimator="k3", kl_clamp=None, kl_straight_through=False,
+                          entropy_coef=0.0, temperature=1.0, clip_low=0.2, clip_high=None, dual_clip=None,
+                          is_weights=None, agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1,
+                          loss_scale_factor=None, accum_dtype=None):
     """`ppo_actor_loss(hidden @ weight.T + bias, labels, ...)` without ever holding the logits:
     policy_loss + kl_coef * KL - entropy_coef * entropy, each aggregated with `agg` (docs/ops.md).
 
     Args:
         hidden: [B, T, H] (or [N, H] with [N]-shaped per-token tensors); weight [V, H]; bias [V] or None.
-        labels, old_logp, advantages, mask, ref_logp: hidden.shape[:-1]; as `ppo_actor_loss`.
+        labels, old_logp, advantages, mask, ref_logp, is_weights: hidden.shape[:-1]; as `ppo_actor_loss`.
         chunk_size, accum_dtype: as `linear_logprobs`.
         the rest: as `ppo_actor_loss`.
 
@@ -421,21 +424,22 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
     one rounding per chunk, no extra buffer).
     """
     temperature = _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
-    kl_coef, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
-        tuple(hidden.shape[:-1]), hidden.device, old_logp, advantages, mask, ref_logp, kl_coef, kl_estimator,
-        entropy_coef, clip_low, clip_high, dual_clip, agg, global_num_tokens, "hidden.shape[:-1]")
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
+        tuple(hidden.shape[:-1]), hidden.device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef,
+        kl_estimator, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip, agg_, "hidden.shape[:-1]")
     h, y = _flat_rows(hidden, labels)
     dtype = out_dtype(hidden)
     rows = as_rows(mask.detach())
-    weight_per_token = (row_scale(rows, agg, global_num_tokens, dtype).unsqueeze(1) * rows.to(dtype)).reshape(-1)
     flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
     if chunk_size is None:
         chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size())
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
     loss, stats, *_ = _linear_actor_loss_op(
-        h, weight, bias, y, flat(old_logp), flat(advantages), flat(rows), weight_per_token, flat(ref_logp),
-        temperature, kl_coef, KL_ESTIMATORS[kl_estimator], entropy_coef, clip_low, clip_high, dual_clip,
-        int(chunk_size), accum_dtype, *needs, use_triton(hidden))
+        h, weight, bias, y, flat(old_logp), flat(advantages), flat(rows), token_weights(rows, agg_, dtype).reshape(-1),
+        flat(ref_logp), flat(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
+        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, int(chunk_size), accum_dtype, *needs,
+        use_triton(hidden))
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))

@@ -1,10 +1,11 @@
-"""Per-token log-probs and entropy from logits: `logprobs` (kernels: fastrlhf/kernels/logprobs.py).
+"""Per-token log-probs and entropy from logits: `logprobs`, `entropy` (kernels: fastrlhf/kernels/logprobs.py).
 
     z = logits / temperature,  lse = logsumexp(z),  logp = z[label] - lse,  entropy = -sum_j p_j log p_j
     d(logits) = (g_logp (onehot(label) - p) - g_entropy p (log p + entropy)) / temperature
 
 Custom ops (torch.compile sees one node each):
-    fastrlhf::logprobs                   -> (logp, entropy, lse)
+    fastrlhf::logprobs                   -> (logp, entropy, lse); labels [...] or [..., K]
+    fastrlhf::entropy                    -> (entropy, lse)
     fastrlhf::logprobs_backward          -> d(logits)
     fastrlhf::logprobs_backward_inplace  d(logits) written over the logits (mutates them)
 `logprobs_fwd` / `logprobs_bwd` below are the ops' bodies on [B, T, V] views, also used by
@@ -79,57 +80,64 @@ def _scaled(block: Tensor, temperature: float, dtype: torch.dtype, copy: bool) -
 
 
 def _label_logp(z: Tensor, labels: Tensor, lse: Tensor, ignore_index: int) -> Tensor:
-    """z[label] - lse per row: 0 where label == ignore_index, NaN where it is outside [0, V)."""
-    valid = (labels >= 0) & (labels < z.shape[1])
-    z_label = z.gather(1, torch.where(valid, labels, 0).unsqueeze(1)).squeeze(1)
-    logp = torch.where(valid, z_label - lse, float("nan"))
+    """z[label] - lse for labels [.., K] of rows z [.., V]: 0 where label == ignore_index, NaN where it
+    is outside [0, V)."""
+    valid = (labels >= 0) & (labels < z.shape[-1])
+    logp = torch.where(valid, z.gather(-1, torch.where(valid, labels, 0)) - lse.unsqueeze(-1), float("nan"))
     return torch.where(labels == ignore_index, 0.0, logp)
+
+
+def _label_grads(y: Tensor, g_logp: Tensor, vocab: int, ignore_index: int, dtype: torch.dtype):
+    """(g [.., K] with 0 where a label takes no gradient, index [.., K] safe to scatter into) for labels
+    y [.., K] and their upstream gradient: ignored and out-of-range labels have no log-prob, hence no
+    gradient through it."""
+    takes_grad = (y >= 0) & (y < vocab) & (y != ignore_index)
+    return torch.where(takes_grad, g_logp.reshape(y.shape).to(dtype), 0.0), torch.where(takes_grad, y, 0)
 
 
 def _forward_torch(x, y, temperature, ignore_index, return_entropy):
     B, T, V = x.shape
     dtype = out_dtype(x)
-    y = y.reshape(-1)
-    logp = torch.empty(B * T, dtype=dtype, device=x.device)
-    lse = torch.empty_like(logp)
-    entropy = torch.empty_like(logp) if return_entropy else None
+    index = y.reshape(B * T, -1)
+    logp = torch.empty(index.shape, dtype=dtype, device=x.device)
+    lse = torch.empty(B * T, dtype=dtype, device=x.device)
+    entropy = torch.empty_like(lse) if return_entropy else None
     for block, s, e in _row_blocks(x, _block_rows(V, dtype)):
         z = _scaled(block, temperature, dtype, copy=False)
         lse_b = torch.logsumexp(z, dim=-1)
         lse[s:e] = lse_b
-        logp[s:e] = _label_logp(z, y[s:e], lse_b, ignore_index)
+        logp[s:e] = _label_logp(z, index[s:e], lse_b, ignore_index)
         if return_entropy:
             log_p = torch.sub(z, lse_b.unsqueeze(1)).clamp_(min=LOG_P_FLOOR)
             entropy[s:e] = -log_p.exp().mul_(log_p).sum(-1)
-    return logp, entropy, lse
+    return logp.view(-1), entropy, lse
 
 
 def _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index, inplace):
     B, T, V = x.shape
     dtype = lse.dtype
-    y, lse = y.reshape(-1), lse.reshape(-1)
+    lse = lse.reshape(-1)
     entropy = None if entropy is None else entropy.reshape(-1)
     out = x if inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out_rows = None if inplace else out.view(-1, V)
     g_lp = None
-    if g_logp is not None:  # ignored and out-of-range labels have no log-prob, hence no gradient through it
-        takes_grad = (y >= 0) & (y < V) & (y != ignore_index)
-        g_lp = torch.where(takes_grad, g_logp.reshape(-1).to(dtype), 0.0)
-        index = torch.where(takes_grad, y, 0)
+    if g_logp is not None:  # [N, K]: K labels per row (K = 1 but for (..., K) labels)
+        g_lp, index = _label_grads(y.reshape(B * T, -1), g_logp, V, ignore_index, dtype)
+        g_sum = g_lp.sum(-1)
     if g_ent is not None:
         g_ent = g_ent.reshape(-1).to(dtype)
     for block, s, e in _row_blocks(x, _block_rows(V, dtype)):
         log_p = _scaled(block, temperature, dtype, copy=True).sub_(lse[s:e].unsqueeze(1))
         p = log_p.exp()
-        if g_ent is not None:  # dz = -p (g_logp + g_ent (log p + H))
+        if g_ent is not None:  # dz = -p (sum_k g_k + g_ent (log p + H))
             t = log_p.clamp_(min=LOG_P_FLOOR).add_(entropy[s:e].unsqueeze(1)).mul_(g_ent[s:e].unsqueeze(1))
             if g_lp is not None:
-                t.add_(g_lp[s:e].unsqueeze(1))
+                t.add_(g_sum[s:e].unsqueeze(1))
             dz = t.mul_(p).neg_()
-        else:  # dz = -p g_logp
-            dz = p.mul_(g_lp[s:e].unsqueeze(1)).neg_()
-        if g_lp is not None:  # + g_logp onehot(label)
-            dz.scatter_add_(1, index[s:e].unsqueeze(1), g_lp[s:e].unsqueeze(1))
+        else:  # dz = -p sum_k g_k
+            dz = p.mul_(g_sum[s:e].unsqueeze(1)).neg_()
+        if g_lp is not None:  # + sum_k g_k onehot(label_k)
+            dz.scatter_add_(1, index[s:e], g_lp[s:e])
         if temperature != 1.0:
             dz.div_(temperature)
         (block if inplace else out_rows[s:e]).copy_(dz)
@@ -141,14 +149,21 @@ def _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index
 
 def logprobs_fwd(x: Tensor, y: Tensor, *, temperature: float, ignore_index: int, return_entropy: bool,
                  use_triton: bool):
-    """x [B, T, V] (stride(-1) == 1), y [B, T] int64 -> flat [B * T] (logp, entropy or None, lse)
-    in out_dtype(x)."""
+    """x [B, T, V] (stride(-1) == 1), y [B, T] or [B, T, K] int64 -> (logp flat [y.numel()], entropy
+    flat [B * T] or None, lse flat [B * T]) in out_dtype(x)."""
     if not use_triton:
         return _forward_torch(x, y, temperature, ignore_index, return_entropy)
     from fastrlhf.kernels import logprobs as kernels
 
-    logp, entropy, lse = kernels.logprobs_fwd(x, y.contiguous(), temperature=temperature,
-                                              ignore_index=ignore_index, compute_entropy=return_entropy)
+    per_position = y.dim() == 2
+    logp, entropy, lse = kernels.logprobs_fwd(x, (y if per_position else y[..., 0]).contiguous(),
+                                              temperature=temperature, ignore_index=ignore_index,
+                                              compute_entropy=return_entropy)
+    if not per_position:  # K labels per row: the kernel's lse, then a gather of K logits per row
+        valid = (y >= 0) & (y < x.shape[-1])
+        z_label = x.gather(-1, torch.where(valid, y, 0)).float() * (1.0 / temperature)
+        logp = torch.where(valid, z_label - lse.unsqueeze(-1), float("nan"))
+        logp = torch.where(y == ignore_index, 0.0, logp)
     dtype = out_dtype(x)
     flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
     return flat(logp), flat(entropy), flat(lse)
@@ -157,19 +172,31 @@ def logprobs_fwd(x: Tensor, y: Tensor, *, temperature: float, ignore_index: int,
 def logprobs_bwd(x: Tensor, y: Tensor, lse: Tensor, entropy, g_logp, g_ent, *, temperature: float,
                  ignore_index: int, inplace: bool, use_triton: bool) -> Tensor:
     """d(logits) [B, T, V] in x.dtype from the forward's lse (and entropy, needed with g_ent) and
-    upstream gradients [B * T] (None = 0); inplace=True writes it over x and returns x."""
+    upstream gradients (of logp: y's shape, of the entropy: [B, T]; None = 0); inplace=True writes it
+    over x and returns x."""
     if not use_triton:
         return _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index, inplace)
     from fastrlhf.kernels import logprobs as kernels
 
-    rows = lambda t: None if t is None else t.reshape(y.shape).float().contiguous()  # noqa: E731
-    return kernels.logprobs_bwd(x, y.contiguous(), rows(lse), rows(entropy) if g_ent is not None else None,
-                                rows(g_logp), rows(g_ent), temperature=temperature, ignore_index=ignore_index,
-                                inplace=inplace)
+    B, T, V = x.shape
+    rows = lambda t: None if t is None else t.reshape(B, T).float().contiguous()  # noqa: E731
+    args = (rows(lse), rows(entropy) if g_ent is not None else None)
+    if y.dim() == 2:
+        return kernels.logprobs_bwd(x, y.contiguous(), *args, rows(g_logp), rows(g_ent), temperature=temperature,
+                                    ignore_index=ignore_index, inplace=inplace)
+    # K labels per row: the kernel writes -p (sum_k g_k + g_ent (log p + H)), then the one-hot parts are added
+    g, index = (None, None) if g_logp is None else _label_grads(y, g_logp, V, ignore_index, torch.float32)
+    d = kernels.logprobs_bwd(x, y[..., 0].contiguous(), *args, None if g is None else g.sum(-1), rows(g_ent),
+                             temperature=temperature, ignore_index=ignore_index, inplace=inplace, one_hot=False)
+    if g is not None:
+        d.scatter_add_(-1, index, (g * (1.0 / temperature)).to(d.dtype))
+    return d
 
 
-def _labels_3d(labels: Tensor, x: Tensor) -> Tensor:
-    return labels.reshape(x.shape[:2]).long()
+def _labels_3d(labels: Tensor, logits: Tensor, x: Tensor) -> Tensor:
+    """int64 labels for x = as_3d(logits): [...] -> [B, T]; [..., K] (one more dim) -> [B, T, K]."""
+    per_position = labels.dim() == logits.dim() - 1
+    return labels.reshape(x.shape[:2] if per_position else (*x.shape[:2], labels.shape[-1])).long()
 
 
 # ---------------------------------------------------------------- fastrlhf::logprobs
@@ -178,20 +205,21 @@ def _labels_3d(labels: Tensor, x: Tensor) -> Tensor:
 @torch.library.custom_op("fastrlhf::logprobs", mutates_args=())
 def _logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int, return_entropy: bool,
                  inplace_backward: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy (shape [0] unless return_entropy), lse), each logits.shape[:-1]."""
+    """(logp labels.shape, entropy logits.shape[:-1] (shape [0] unless return_entropy), lse
+    logits.shape[:-1]); labels [...] or [..., K]."""
     x = as_3d(logits)
-    logp, entropy, lse = logprobs_fwd(x, _labels_3d(labels, x), temperature=temperature, ignore_index=ignore_index,
-                                      return_entropy=return_entropy, use_triton=use_triton)
+    logp, entropy, lse = logprobs_fwd(x, _labels_3d(labels, logits, x), temperature=temperature,
+                                      ignore_index=ignore_index, return_entropy=return_entropy, use_triton=use_triton)
     shape = logits.shape[:-1]
     entropy = entropy.view(shape) if return_entropy else logp.new_empty(0)
-    return logp.view(shape), entropy, lse.view(shape)
+    return logp.view(labels.shape), entropy, lse.view(shape)
 
 
 @_logprobs_op.register_fake
 def _(logits, labels, temperature, ignore_index, return_entropy, inplace_backward, use_triton):
     shape, dtype = logits.shape[:-1], out_dtype(logits)
-    return (logits.new_empty(shape, dtype=dtype), logits.new_empty(shape if return_entropy else (0,), dtype=dtype),
-            logits.new_empty(shape, dtype=dtype))
+    return (logits.new_empty(labels.shape, dtype=dtype),
+            logits.new_empty(shape if return_entropy else (0,), dtype=dtype), logits.new_empty(shape, dtype=dtype))
 
 
 @torch.library.custom_op("fastrlhf::logprobs_backward", mutates_args=())
@@ -200,8 +228,8 @@ def logprobs_backward_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: T
                           use_triton: bool) -> Tensor:
     """d(logits), contiguous, logits.shape and dtype; a None gradient counts as 0."""
     x = as_3d(logits)
-    d = logprobs_bwd(x, _labels_3d(labels, x), lse, entropy, grad_logp, grad_entropy, temperature=temperature,
-                     ignore_index=ignore_index, inplace=False, use_triton=use_triton)
+    d = logprobs_bwd(x, _labels_3d(labels, logits, x), lse, entropy, grad_logp, grad_entropy,
+                     temperature=temperature, ignore_index=ignore_index, inplace=False, use_triton=use_triton)
     return d.view(logits.shape)
 
 
@@ -221,8 +249,8 @@ def _logprobs_backward_inplace_op(logits: Tensor, labels: Tensor, lse: Tensor, e
                                            ignore_index, use_triton))
         return
     x = as_3d(logits)
-    logprobs_bwd(x, _labels_3d(labels, x), lse, entropy, grad_logp, grad_entropy, temperature=temperature,
-                 ignore_index=ignore_index, inplace=True, use_triton=use_triton)
+    logprobs_bwd(x, _labels_3d(labels, logits, x), lse, entropy, grad_logp, grad_entropy,
+                 temperature=temperature, ignore_index=ignore_index, inplace=True, use_triton=use_triton)
 
 
 @_logprobs_backward_inplace_op.register_fake
@@ -265,31 +293,102 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
     Args:
         logits: [..., V] bf16/fp16/fp32/fp64, any strides but the vocab one (`logits[:, :-1]`
             is read in place, never copied).
-        labels: [...] = logits.shape[:-1], any integer dtype. `labels == ignore_index` gives
-            logp 0 and no gradient; a label outside [0, V) gives NaN.
+        labels: [...] = logits.shape[:-1], or [..., K] (K labels per position, as TRL's
+            selective_log_softmax), any integer dtype. `labels == ignore_index` gives logp 0 and
+            no gradient; a label outside [0, V) gives NaN.
         temperature: > 0; the softmax is of logits / temperature.
-        return_entropy: also return the entropy of softmax(logits / temperature).
+        return_entropy: also return the entropy of softmax(logits / temperature), [...].
         ignore_index: the label value that is ignored (-100, as PyTorch's cross-entropy).
         inplace_backward: the backward writes d(logits) into the logits' own storage and bumps
             their version counter; only when nothing reads the logits after the backward (any
             other node that saved them then raises instead of using wrong values).
 
     Returns:
-        logp [...] float32 (float64 for float64 logits), and entropy [...] with return_entropy.
-        `logits` is never modified, except by the backward with `inplace_backward=True`.
+        logp of labels' shape, float32 (float64 for float64 logits), and entropy [...] with
+        return_entropy. `logits` is never modified, except by the backward with `inplace_backward=True`.
     """
     check_float("logits", logits)
     check_int("labels", labels)
-    if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+    lead = tuple(logits.shape[:-1])
+    per_position = tuple(labels.shape) == lead
+    if logits.dim() < 1 or not (per_position or (labels.dim() == logits.dim() and tuple(labels.shape[:-1]) == lead
+                                                 and labels.shape[-1] > 0)):
+        raise ValueError(f"labels must have shape logits.shape[:-1] = {lead} or {lead + ('K',)} with K >= 1, "
                          f"got {tuple(labels.shape)}")
     check_device("labels", labels, "logits", logits)
     temperature = check_number("temperature", temperature, positive=True)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocab dimension, got V = 0")
     if labels.numel() == 0:
-        empty = logits.sum(-1).to(out_dtype(logits))
-        return (empty, empty.clone()) if return_entropy else empty
-    logp, entropy, _ = _logprobs_op(logits, labels, temperature, int(ignore_index), bool(return_entropy),
-                                    bool(inplace_backward), use_triton(logits))
-    return (logp, entropy) if return_entropy else logp
+        zero = logits.sum() * 0
+        logp = torch.zeros(labels.shape, dtype=out_dtype(logits), device=logits.device) + zero
+        return (logp, torch.zeros(lead, dtype=logp.dtype, device=logits.device) + zero) if return_entropy else logp
+    logp, entropy_, _ = _logprobs_op(logits, labels, temperature, int(ignore_index), bool(return_entropy),
+                                     bool(inplace_backward), use_triton(logits))
+    return (logp, entropy_) if return_entropy else logp
+
+
+# ---------------------------------------------------------------- fastrlhf::entropy
+
+
+def _no_labels(logits: Tensor) -> Tensor:
+    """Labels that select nothing (all ignored): the entropy op runs the log-prob bodies without a label."""
+    return torch.full(logits.shape[:-1], IGNORE_INDEX, dtype=torch.long, device=logits.device)
+
+
+@torch.library.custom_op("fastrlhf::entropy", mutates_args=())
+def _entropy_op(logits: Tensor, temperature: float, use_triton: bool) -> tuple[Tensor, Tensor]:
+    """(entropy, lse), each logits.shape[:-1]: one read of the logits."""
+    x = as_3d(logits)
+    _, entropy, lse = logprobs_fwd(x, _labels_3d(_no_labels(logits), logits, x), temperature=temperature,
+                                   ignore_index=IGNORE_INDEX, return_entropy=True, use_triton=use_triton)
+    shape = logits.shape[:-1]
+    return entropy.view(shape), lse.view(shape)
+
+
+@_entropy_op.register_fake
+def _(logits, temperature, use_triton):
+    shape, dtype = logits.shape[:-1], out_dtype(logits)
+    return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=dtype)
+
+
+def _setup_entropy(ctx, inputs, output):
+    logits, temperature, triton = inputs
+    entropy, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(logits, lse, entropy)
+    ctx.args = (temperature, triton)
+
+
+def _backward_entropy(ctx, grad_entropy, _grad_lse):
+    logits, lse, entropy = ctx.saved_tensors
+    temperature, triton = ctx.args
+    if not ctx.needs_input_grad[0]:
+        return None, None, None
+    d = logprobs_backward_op(logits, _no_labels(logits), lse, entropy, None, grad_entropy, temperature, IGNORE_INDEX,
+                             triton)
+    return d, None, None
+
+
+_entropy_op.register_autograd(_backward_entropy, setup_context=_setup_entropy)
+
+
+def entropy(logits, *, temperature=1.0):
+    """Entropy -sum_j p_j log p_j of p = softmax(logits / temperature), per position (docs/ops.md):
+    one read of the logits, no label (TRL's / verl's entropy_from_logits, OpenRLHF's compute_entropy).
+
+    Args:
+        logits: [..., V] bf16/fp16/fp32/fp64, any strides but the vocab one.
+        temperature: > 0.
+
+    Returns:
+        entropy [...] float32 (float64 for float64 logits); gradient to logits. 0 log 0 = 0 for
+        -inf logits.
+    """
+    check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
+    temperature = check_number("temperature", temperature, positive=True)
+    if logits.numel() == 0:
+        return torch.zeros(logits.shape[:-1], dtype=out_dtype(logits), device=logits.device) + logits.sum() * 0
+    return _entropy_op(logits, temperature, use_triton(logits))[0]

@@ -1,23 +1,29 @@
-"""The clipped PPO losses: `policy_loss`, `value_loss` and the whole actor loss from logits,
-`ppo_actor_loss` (kernels: fastrlhf/kernels/ppo_loss.py and kernels/logprobs.py).
+"""The clipped PPO losses: `policy_loss`, `value_loss`, `agg_loss` and the whole actor loss from
+logits, `ppo_actor_loss` (kernels: fastrlhf/kernels/ppo_loss.py and kernels/logprobs.py).
 
-Every aggregation mode is per-row weights, computed host-side by `row_scale`:
+Every aggregation mode of verl 0.9.1's `agg_loss` is per-row weights, computed host-side by
+`row_scale` (n_b = sum_t mask[b, t], S = #{b: n_b > 0}, dp = dp_size):
     loss = sum_b scale[b] * sum_t mask[b, t] * l[b, t]
-    token-mean               scale = 1 / (global_num_tokens or sum(mask))
-    seq-mean-token-sum       scale = 1 / B
-    seq-mean-token-mean      scale = 1 / (n_b * #rows with n_b > 0)
-    seq-mean-token-sum-norm  scale = 1 / T
+    token-mean               scale = dp / (global_num_tokens or sum(mask))
+    token-sum                scale = dp
+    seq-mean-token-sum       scale = dp [n_b > 0] / (global_num_seqs or S)
+    seq-mean-token-sum-norm  scale = dp [n_b > 0] / ((global_num_seqs or S) (loss_scale_factor or T))
+    seq-mean-token-mean      scale = dp [n_b > 0] / (n_b (global_num_seqs or S))
 so one kernel per formula serves every mode, and the gradient of the loss is w * dl/dx with
-w = scale[b] * mask. The per-token formulas and their gradients are written out below with the
+w = scale[b] * mask. A token with mask = 0 adds exactly 0 and gets gradient 0, whatever (NaN,
+inf) its inputs hold. The per-token formulas and their gradients are written out below with the
 tie rules of reference.py (the clamps pass the gradient at their bounds; at a tie of max/min the
 unclipped term takes it), never left to a torch version's autograd.
 
-Custom ops: fastrlhf::policy_loss, fastrlhf::value_loss (each -> (sums, d(loss)/d(input)), the
-gradient formed in the same pass), fastrlhf::ppo_actor_loss (-> loss, stats, and what its
-backward needs: one log-prob backward writes d(logits) once).
+Custom ops: fastrlhf::agg_loss, fastrlhf::policy_loss, fastrlhf::value_loss (each -> (sums,
+d(loss)/d(input)), the gradient formed in the same pass), fastrlhf::ppo_actor_loss (-> loss,
+stats, and what its backward needs: one log-prob backward writes d(logits) once).
 """
 
 from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -38,38 +44,76 @@ from fastrlhf.ops._common import (
 from fastrlhf.ops.kl import kl_grad, kl_value
 from fastrlhf.ops.logprobs import as_3d, logprobs_backward_op, logprobs_fwd
 
-POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask")
+POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
-# per-token values the actor loss keeps, one row each, and the stats made from them
-TOKEN_TERMS = ("pg", "kl", "clipped", "clipped_lower", "neg_log_ratio", "entropy")
+# per-token rows the actor loss keeps (0 where mask == 0): its three weighted terms, then what its stats average
+TOKEN_TERMS = ("pg_loss", "kl_loss", "entropy_loss", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl")
 ACTOR_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy", "kl")
 
 
 # ---------------------------------------------------------------- aggregation and shared checks
 
 
-def row_scale(mask: Tensor, agg: str, global_num_tokens, dtype: torch.dtype) -> Tensor:
+class Agg(NamedTuple):
+    """An aggregation mode and its global counts (module docstring), checked."""
+
+    mode: str = "token-mean"
+    global_num_tokens: float | None = None
+    global_num_seqs: float | None = None
+    dp_size: int = 1
+    loss_scale_factor: float | None = None
+
+
+def check_agg(agg, global_num_tokens=None, global_num_seqs=None, dp_size=1, loss_scale_factor=None) -> Agg:
+    """The aggregation keywords, checked; a keyword the mode does not use is an error, not ignored."""
+    check_choice("agg", agg, AGG_MODES)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, numbers.Integral) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    seq_mode = agg.startswith("seq-mean")
+    if global_num_tokens is not None:
+        if agg != "token-mean":
+            raise ValueError(f"global_num_tokens applies to agg='token-mean' only, got agg={agg!r}")
+        global_num_tokens = check_number("global_num_tokens", global_num_tokens, positive=True)
+    if global_num_seqs is not None:
+        if not seq_mode:
+            raise ValueError(f"global_num_seqs applies to the seq-mean-* modes only, got agg={agg!r}")
+        global_num_seqs = check_number("global_num_seqs", global_num_seqs, positive=True)
+    if loss_scale_factor is not None:
+        if agg != "seq-mean-token-sum-norm":
+            raise ValueError(f"loss_scale_factor applies to agg='seq-mean-token-sum-norm' only, got agg={agg!r}")
+        loss_scale_factor = check_number("loss_scale_factor", loss_scale_factor, positive=True)
+    if dp_size > 1 and agg == "token-mean" and global_num_tokens is None:
+        raise ValueError("dp_size > 1 with agg='token-mean' needs global_num_tokens (the global token count)")
+    if dp_size > 1 and seq_mode and global_num_seqs is None:
+        raise ValueError(f"dp_size > 1 with agg={agg!r} needs global_num_seqs (the global sequence count)")
+    return Agg(agg, global_num_tokens, global_num_seqs, int(dp_size), loss_scale_factor)
+
+
+def row_scale(mask: Tensor, agg: Agg, dtype: torch.dtype) -> Tensor:
     """Per-row weights [B] that turn sum_t mask * l into `agg` (module docstring); mask [B, T]."""
     m = mask.to(dtype)
     B, T = m.shape
     n_b = m.sum(-1)
-    if agg == "token-mean":
-        n = n_b.sum() if global_num_tokens is None else torch.tensor(float(global_num_tokens), dtype=dtype,
-                                                                      device=m.device)
-        return safe_inverse(n).expand(B)
-    if agg == "seq-mean-token-sum":
-        return torch.full((B,), 1.0 / max(B, 1), dtype=dtype, device=m.device)
-    if agg == "seq-mean-token-mean":
-        return safe_inverse(n_b * (n_b > 0).sum())
-    return torch.full((B,), 1.0 / max(T, 1), dtype=dtype, device=m.device)  # seq-mean-token-sum-norm
+    if agg.mode == "token-mean":
+        n = n_b.sum() if agg.global_num_tokens is None else torch.tensor(agg.global_num_tokens, dtype=dtype,
+                                                                          device=m.device)
+        return (safe_inverse(n) * agg.dp_size).expand(B)
+    if agg.mode == "token-sum":
+        return torch.full((B,), float(agg.dp_size), dtype=dtype, device=m.device)
+    nonempty = (n_b > 0).to(dtype)
+    n_seqs = nonempty.sum() if agg.global_num_seqs is None else torch.tensor(agg.global_num_seqs, dtype=dtype,
+                                                                               device=m.device)
+    scale = nonempty * (safe_inverse(n_seqs) * agg.dp_size)
+    if agg.mode == "seq-mean-token-mean":
+        return scale * safe_inverse(n_b)
+    if agg.mode == "seq-mean-token-sum-norm":
+        return scale / (max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor)
+    return scale  # seq-mean-token-sum
 
 
-def check_agg(agg, global_num_tokens) -> None:
-    check_choice("agg", agg, AGG_MODES)
-    if global_num_tokens is not None:
-        if agg != "token-mean":
-            raise ValueError(f"global_num_tokens applies to agg='token-mean' only, got agg={agg!r}")
-        check_number("global_num_tokens", global_num_tokens, positive=True)
+def token_weights(mask: Tensor, agg: Agg, dtype: torch.dtype) -> Tensor:
+    """w [B, T] = row_scale[b] * mask[b, t]: the loss is sum(w * l), its gradient w * dl/dx."""
+    return row_scale(mask, agg, dtype).unsqueeze(1) * mask.to(dtype)
 
 
 def check_clips(clip_low, clip_high, dual_clip):
@@ -81,9 +125,76 @@ def check_clips(clip_low, clip_high, dual_clip):
     return clip_low, clip_high, dual_clip
 
 
-def _masked_sum(flags, m: Tensor) -> Tensor:
-    """sum(m) over the flagged tokens (None: no token is flagged)."""
-    return m.new_zeros(()) if flags is None else (flags * m).sum()
+def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
+    """Products of per-token values with mask weights, made exactly 0 where mask == 0, even where a
+    value is NaN or inf (0 * NaN is NaN). On CPU torch.where (and the mask != 0 it needs) costs as
+    much as a dozen elementwise ops, so it is skipped when every product is finite (their sum is):
+    then the products are already 0 there."""
+    if products.device.type == "cpu" and bool(torch.isfinite(products.sum())):  # NaN and inf never sum to finite
+        return products
+    return torch.where(mask != 0, products, 0.0)
+
+
+def _flags(flags, like: Tensor) -> Tensor:
+    """A bool indicator as `like`'s dtype (None: no token is flagged)."""
+    return torch.zeros_like(like) if flags is None else flags.to(like.dtype)
+
+
+# ---------------------------------------------------------------- fastrlhf::agg_loss
+
+
+@torch.library.custom_op("fastrlhf::agg_loss", mutates_args=())
+def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
+    """sum_b row_scale[b] sum_t mask l (0-dim), exactly 0 from tokens with mask == 0; [B, T] inputs."""
+    dtype = out_dtype(loss_mat)
+    m = mask.to(dtype)
+    return _off_mask_zero(loss_mat.to(dtype) * (row_scale.to(dtype).unsqueeze(1) * m), m).sum()
+
+
+@_agg_loss_op.register_fake
+def _(loss_mat, mask, row_scale):
+    return loss_mat.new_empty((), dtype=out_dtype(loss_mat))
+
+
+def _setup_agg_loss(ctx, inputs, output):
+    loss_mat, mask, scale = inputs
+    ctx.save_for_backward(mask, scale)
+    ctx.in_dtype = loss_mat.dtype
+
+
+def _backward_agg_loss(ctx, grad):
+    mask, scale = ctx.saved_tensors
+    if not ctx.needs_input_grad[0]:
+        return None, None, None
+    m = mask.to(grad.dtype)
+    return (grad * scale.to(grad.dtype).unsqueeze(1) * m).to(ctx.in_dtype), None, None
+
+
+_agg_loss_op.register_autograd(_backward_agg_loss, setup_context=_setup_agg_loss)
+
+
+def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1,
+             loss_scale_factor=None):
+    """verl 0.9.1's `core_algos.agg_loss`: a [B, T] per-token loss matrix into a scalar (docs/ops.md).
+
+    Args:
+        loss_mat: [B, T] (or [T]) float; gets the gradient.
+        mask: same shape, bool/int/float (a float mask weighs tokens).
+        agg: "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+            "seq-mean-token-sum-norm" (module docstring of fastrlhf.ops.losses for the formulas).
+        global_num_tokens: token-mean's divisor across ranks and micro-batches (verl's batch_num_tokens).
+        global_num_seqs: the seq-mean-* modes' divisor (verl's global_batch_size).
+        dp_size: data-parallel ranks; the loss is multiplied by it (it needs the global count).
+        loss_scale_factor: seq-mean-token-sum-norm's divisor instead of T.
+
+    Returns:
+        the loss, 0-dim float32 (float64 for float64 loss_mat); 0 for an empty local mask.
+    """
+    check_float("loss_mat", loss_mat)
+    check_mask(mask, loss_mat, "loss_mat")
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    m = as_rows(mask)
+    return _agg_loss_op(as_rows(loss_mat), m, row_scale(m, agg_, out_dtype(loss_mat)))
 
 
 # ---------------------------------------------------------------- per-token formulas (torch)
@@ -132,73 +243,107 @@ def value_terms(values, old_values, returns, clip, need_grad=True):
     return 0.5 * torch.maximum(l1, l2), (err1 * ~clipped if need_grad else None), clipped
 
 
-def actor_token_terms(logp, entropy, old_logp, advantages, ref_logp, weight, *, kl_coef, kl_estimator,
-                      entropy_coef, clip_low, clip_high, dual_clip, need_grad):
-    """The actor loss L = sum_i w_i (pg_i + kl_coef kl_i - entropy_coef H_i) per token (flat [n]
-    tensors, one dtype): (TOKEN_TERMS [6, n], dL/dlogp [n] or None, dL/dH [n] or None)."""
-    pg, d_logp, clipped, lower, log_ratio = policy_terms(logp, old_logp, advantages, clip_low, clip_high, dual_clip,
-                                                         need_grad)
-    kl = torch.zeros_like(pg)
-    if ref_logp is not None:
-        kl = kl_value(logp, ref_logp, kl_estimator, None)
-        if kl_coef != 0.0 and need_grad:
-            d_logp = d_logp + kl_coef * kl_grad(logp, ref_logp, kl_estimator, None)
-    lower = torch.zeros_like(pg) if lower is None else lower.to(pg.dtype)
-    terms = torch.stack([pg, kl, clipped.to(pg.dtype), lower, -log_ratio, entropy])
+class ActorTerms(NamedTuple):
+    """What the per-token actor loss needs besides logp and entropy; per-token tensors flat [n], one dtype."""
+
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    weight: Tensor  # w = row_scale[row] * mask
+    ref_logp: Tensor | None
+    is_weights: Tensor | None
+    kl_coef: float
+    kl_estimator: str
+    kl_clamp: float | None
+    kl_straight_through: bool
+    entropy_coef: float
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+
+    def at(self, s: slice) -> ActorTerms:
+        """The same terms for the tokens s."""
+        cut = lambda t: None if t is None else t[s]  # noqa: E731
+        return self._replace(old_logp=self.old_logp[s], advantages=self.advantages[s], mask=self.mask[s],
+                             weight=self.weight[s], ref_logp=cut(self.ref_logp), is_weights=cut(self.is_weights))
+
+
+def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
+    """The actor loss L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i) per token:
+    (TOKEN_TERMS [8, n], 0 where mask == 0; dL/dlogp [n] or None; dL/dH [n] or None)."""
+    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, a.clip_low, a.clip_high,
+                                                       a.dual_clip, need_grad)
+    pg_weight = a.weight if a.is_weights is None else a.weight * a.is_weights
+    kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
+    rows = torch.stack([pg * pg_weight, kl * a.weight, entropy * a.weight, clipped * a.mask,
+                        _flags(lower, pg) * a.mask, -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
+    terms = _off_mask_zero(rows, a.mask)
     if not need_grad:
         return terms, None, None
-    return terms, weight * d_logp, (-entropy_coef * weight if entropy_coef != 0.0 else None)
+    d_logp = pg_weight * d_pg
+    if a.ref_logp is not None and a.kl_coef != 0.0:
+        if a.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
+            d_kl = logp - a.ref_logp
+        else:
+            d_kl = kl_grad(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
+        d_logp = d_logp + (a.kl_coef * a.weight) * d_kl
+    g_ent = -a.entropy_coef * a.weight if a.entropy_coef != 0.0 else None
+    return terms, _off_mask_zero(d_logp, a.mask), g_ent
 
 
-def actor_loss_and_stats(terms, weight, mask, kl_coef, entropy_coef):
-    """(loss = sum_i w_i l_i, ACTOR_STATS [6]) from the TOKEN_TERMS; the stats' means are over `mask`."""
-    pg, kl, clipped, lower, neg_log_ratio, entropy = terms
-    per_token = pg
+def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, kl_coef: float, entropy_coef: float):
+    """(loss, ACTOR_STATS [6]) from the TOKEN_TERMS rows of all tokens; n_mask = sum(mask)."""
+    sums = terms.sum(-1)
+    pg_loss, kl_loss, entropy_loss, n_clipped, n_lower, neg_log_ratio, entropy, kl = sums.unbind()
+    loss = pg_loss
     if kl_coef != 0.0:
-        per_token = per_token + kl_coef * kl
+        loss = loss + kl_coef * kl_loss
     if entropy_coef != 0.0:
-        per_token = per_token - entropy_coef * entropy
-    inv_n = safe_inverse(mask.sum())
-    mean = lambda t: (mask * t).sum() * inv_n  # noqa: E731
-    stats = torch.stack([mean(clipped), mean(lower), mean(neg_log_ratio), (weight * pg).sum(), mean(entropy),
-                         mean(kl)])
-    return (weight * per_token).sum(), stats
+        loss = loss - entropy_coef * entropy_loss
+    inv_n = safe_inverse(n_mask)
+    stats = torch.stack([n_clipped * inv_n, n_lower * inv_n, neg_log_ratio * inv_n, pg_loss, entropy * inv_n,
+                         kl * inv_n])
+    return loss, stats
 
 
 # ---------------------------------------------------------------- fastrlhf::policy_loss
 
 
-def _policy_sums_torch(logp, old_logp, advantages, mask, scale, clip_low, clip_high, dual_clip, need_grad):
+def _policy_sums_torch(logp, old_logp, advantages, mask, scale, is_weights, clip_low, clip_high, dual_clip,
+                       need_grad):
     dtype = out_dtype(logp)
     lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
     w = scale.to(dtype).unsqueeze(1) * m
+    if is_weights is not None:
+        w = w * is_weights.to(dtype)
     loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
-    sums = torch.stack([(w * loss).sum(), _masked_sum(clipped, m), _masked_sum(lower, m), (-log_ratio * m).sum(),
-                        m.sum()])
-    return sums, (w * d_logp if need_grad else None)
+    terms = torch.stack([loss * w, clipped * m, _flags(lower, m) * m, -log_ratio * m, m, (olp - lp) * m])
+    sums = _off_mask_zero(terms, m).sum((1, 2))
+    return sums, (_off_mask_zero(d_logp * w, m) if need_grad else None)
 
 
 @torch.library.custom_op("fastrlhf::policy_loss", mutates_args=())
 def _policy_loss_op(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, row_scale: Tensor,
-                    clip_low: float, clip_high: float, dual_clip: float | None, need_grad: bool,
-                    use_triton: bool) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs, row_scale [B] -> (POLICY_SUMS [5], d(loss)/d(logp) [B, T], [0] without need_grad)."""
+                    is_weights: Tensor | None, clip_low: float, clip_high: float, dual_clip: float | None,
+                    need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor]:
+    """[B, T] inputs, row_scale [B] -> (POLICY_SUMS [6], d(loss)/d(logp) [B, T], [0] without need_grad)."""
     dtype = out_dtype(logp)
     if use_triton:
         from fastrlhf.kernels import ppo_loss as kernels
 
         sums, d_logp = kernels.policy_loss_fwd(
             logp.contiguous(), old_logp.contiguous(), advantages.contiguous(), mask.contiguous(),
-            row_scale.float().contiguous(), clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-            need_grad=need_grad)
+            row_scale.float().contiguous(), None if is_weights is None else is_weights.contiguous(),
+            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, need_grad=need_grad)
     else:
-        sums, d_logp = _policy_sums_torch(logp, old_logp, advantages, mask, row_scale, clip_low, clip_high,
-                                          dual_clip, need_grad)
+        sums, d_logp = _policy_sums_torch(logp, old_logp, advantages, mask, row_scale, is_weights, clip_low,
+                                          clip_high, dual_clip, need_grad)
     return sums.to(dtype), (d_logp.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
 
 
 @_policy_loss_op.register_fake
-def _(logp, old_logp, advantages, mask, row_scale, clip_low, clip_high, dual_clip, need_grad, use_triton):
+def _(logp, old_logp, advantages, mask, row_scale, is_weights, clip_low, clip_high, dual_clip, need_grad,
+      use_triton):
     dtype = out_dtype(logp)
     return logp.new_empty(len(POLICY_SUMS), dtype=dtype), logp.new_empty(logp.shape if need_grad else (0,),
                                                                           dtype=dtype)
@@ -225,13 +370,13 @@ def _backward_input_gradient(ctx, grad_sums, _grad_d):
 _policy_loss_op.register_autograd(_backward_input_gradient, setup_context=_setup_input_gradient)
 
 
-def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None,
-                agg="token-mean", global_num_tokens=None):
+def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None,
+                agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1, loss_scale_factor=None):
     """verl's vanilla clipped PPO surrogate (docs/ops.md).
 
     ratio = exp(clamp(logp - old_logp, -20, 20));
     l = max(-A ratio, -A clamp(ratio, 1 - clip_low, 1 + clip_high)), and with dual-clip c (> 1):
-    l = min(l, -A c) where A < 0. The loss is agg(l).
+    l = min(l, -A c) where A < 0; times is_weights when given. The loss is agg(l).
 
     Args:
         logp, old_logp, advantages: [B, T] (or [T]) float; gradients flow to `logp` only
@@ -239,27 +384,30 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
         mask: same shape, bool/int/float (a float mask weighs tokens).
         clip_low, clip_high: the ratio's clip range (clip_high defaults to clip_low).
         dual_clip: c > 1, or None.
-        agg: "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm".
-        global_num_tokens: token-mean's divisor across ranks / micro-batches.
+        is_weights: per-token importance weights multiplying the loss before aggregation, a
+            constant (verl's rollout_is_weights, OpenRLHF's train/rollout IS correction), or None.
+        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`.
 
     Returns:
         (loss, stats): loss a 0-dim float32 (float64 for float64 logp); stats, masked means over the
-        local tokens (no gradient): clipfrac, clipfrac_lower, approx_kl = mean(old_logp - logp).
+        local tokens (no gradient): clipfrac, clipfrac_lower, approx_kl = mean(-clamp(logp - old_logp))
+        (verl's ppo_kl) and approx_kl_unclamped = mean(old_logp - logp) (OpenRLHF's ppo_kl).
     """
     check_float("logp", logp)
-    check_same("logp", logp, old_logp=old_logp, advantages=advantages)
+    check_same("logp", logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
     check_mask(mask, logp, "logp")
     clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
-    check_agg(agg, global_num_tokens)
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     lp, m = as_rows(logp), as_rows(mask)
-    scale = row_scale(m, agg, global_num_tokens, out_dtype(logp))
+    scale = row_scale(m, agg_, out_dtype(logp))
     need_grad = torch.is_grad_enabled() and logp.requires_grad
-    sums, _ = _policy_loss_op(lp, as_rows(old_logp.detach()), as_rows(advantages.detach()), m, scale, clip_low,
-                              clip_high, dual_clip, need_grad, use_triton(logp))
+    sums, _ = _policy_loss_op(lp, as_rows(old_logp.detach()), as_rows(advantages.detach()), m, scale,
+                              None if is_weights is None else as_rows(is_weights.detach()), clip_low, clip_high,
+                              dual_clip, need_grad, use_triton(logp))
     counts = sums.detach()
     inv_n = safe_inverse(counts[4])
     return sums[0], {"clipfrac": counts[1] * inv_n, "clipfrac_lower": counts[2] * inv_n,
-                     "approx_kl": counts[3] * inv_n}
+                     "approx_kl": counts[3] * inv_n, "approx_kl_unclamped": counts[5] * inv_n}
 
 
 # ---------------------------------------------------------------- fastrlhf::value_loss
@@ -280,8 +428,8 @@ def _value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
         v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
         w = row_scale.to(dtype).unsqueeze(1) * m
         loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
-        sums = torch.stack([(w * loss).sum(), _masked_sum(clipped, m), m.sum()])
-        d_values = w * d if need_grad else None
+        sums = _off_mask_zero(torch.stack([loss * w, _flags(clipped, m) * m, m]), m).sum((1, 2))
+        d_values = _off_mask_zero(d * w, m) if need_grad else None
     return sums.to(dtype), (d_values.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
 
 
@@ -295,7 +443,8 @@ def _(values, old_values, returns, mask, row_scale, clip, need_grad, use_triton)
 _value_loss_op.register_autograd(_backward_input_gradient, setup_context=_setup_input_gradient)
 
 
-def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None):
+def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None,
+               global_num_seqs=None, dp_size=1, loss_scale_factor=None):
     """Clipped value loss 0.5 * agg(max((v - R)^2, (v_clipped - R)^2)) (docs/ops.md),
     v_clipped = clamp(v, old_values - clip, old_values + clip).
 
@@ -304,7 +453,7 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
         old_values, returns: same shape; constants.
         mask: same shape, bool/int/float.
         clip: >= 0, or None for no clipping.
-        agg, global_num_tokens: as `policy_loss`.
+        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`.
 
     Returns:
         (loss, stats): loss 0-dim float32 (float64 for float64 values); stats["clipfrac"], the
@@ -315,9 +464,9 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
     check_mask(mask, values, "values")
     if clip is not None:
         clip = check_number("clip", clip, nonnegative=True)
-    check_agg(agg, global_num_tokens)
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     v, m = as_rows(values), as_rows(mask)
-    scale = row_scale(m, agg, global_num_tokens, out_dtype(values))
+    scale = row_scale(m, agg_, out_dtype(values))
     need_grad = torch.is_grad_enabled() and values.requires_grad
     sums, _ = _value_loss_op(v, as_rows(old_values.detach()), as_rows(returns.detach()), m, scale, clip, need_grad,
                              use_triton(values))
@@ -330,28 +479,28 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
 
 @torch.library.custom_op("fastrlhf::ppo_actor_loss", mutates_args=())
 def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                       token_weight: Tensor, ref_logp: Tensor | None, temperature: float, kl_coef: float,
-                       kl_estimator: str, entropy_coef: float, clip_low: float, clip_high: float,
-                       dual_clip: float | None, need_grad: bool,
-                       use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       token_weight: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None, temperature: float,
+                       kl_coef: float, kl_estimator: str, kl_clamp: float | None, kl_straight_through: bool,
+                       entropy_coef: float, clip_low: float, clip_high: float, dual_clip: float | None,
+                       need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """logits [B, T, V], per-token [B, T] -> (loss, ACTOR_STATS [6], and for the backward, flat [B * T]:
     lse, entropy, dL/dlogp, dL/dH ([0] without need_grad or entropy term))."""
     logp, entropy, lse = logprobs_fwd(logits, labels.long(), temperature=temperature, ignore_index=IGNORE_INDEX,
                                       return_entropy=True, use_triton=use_triton)
     flat = lambda t: None if t is None else t.reshape(-1).to(logp.dtype)  # noqa: E731
-    weight = flat(token_weight)
-    terms, g_logp, g_ent = actor_token_terms(
-        logp, entropy, flat(old_logp), flat(advantages), flat(ref_logp), weight, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, entropy_coef=entropy_coef, clip_low=clip_low, clip_high=clip_high,
-        dual_clip=dual_clip, need_grad=need_grad)
-    loss, stats = actor_loss_and_stats(terms, weight, flat(mask), kl_coef, entropy_coef)
+    terms = ActorTerms(flat(old_logp), flat(advantages), flat(mask), flat(token_weight), flat(ref_logp),
+                       flat(is_weights), kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
+                       clip_high, dual_clip)
+    rows, g_logp, g_ent = actor_token_terms(logp, entropy, terms, need_grad)
+    loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), kl_coef, entropy_coef)
     or_empty = lambda t: logp.new_empty(0) if t is None else t  # noqa: E731
     return loss, stats, lse, entropy, or_empty(g_logp), or_empty(g_ent)
 
 
 @_ppo_actor_loss_op.register_fake
-def _(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, temperature, kl_coef, kl_estimator,
-      entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton):
+def _(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature, kl_coef,
+      kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip, need_grad,
+      use_triton):
     dtype, n = out_dtype(logits), labels.numel()
     new = lambda *shape: logits.new_empty(shape, dtype=dtype)  # noqa: E731
     return (new(), new(len(ACTOR_STATS)), new(n), new(n), new(n if need_grad else 0),
@@ -364,7 +513,7 @@ def _setup_actor(ctx, inputs, output):
     ctx.mark_non_differentiable(stats, lse, entropy, g_logp, g_ent)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, labels, lse, entropy, g_logp, g_ent)
-    ctx.temperature, ctx.use_triton, ctx.n_inputs = inputs[7], inputs[-1], len(inputs)
+    ctx.temperature, ctx.use_triton, ctx.n_inputs = inputs[8], inputs[-1], len(inputs)
 
 
 def _backward_actor(ctx, grad_loss, *_):
@@ -372,19 +521,20 @@ def _backward_actor(ctx, grad_loss, *_):
     if grad_loss is None or not ctx.needs_input_grad[0] or g_logp.numel() != lse.numel():
         return (None,) * ctx.n_inputs
     d = logprobs_backward_op(logits, labels, lse, entropy, g_logp * grad_loss,
-                           g_ent * grad_loss if g_ent.numel() else None, ctx.temperature, IGNORE_INDEX,
-                           ctx.use_triton)
+                             g_ent * grad_loss if g_ent.numel() else None, ctx.temperature, IGNORE_INDEX,
+                             ctx.use_triton)
     return (d,) + (None,) * (ctx.n_inputs - 1)
 
 
 _ppo_actor_loss_op.register_autograd(_backward_actor, setup_context=_setup_actor)
 
 
-def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, kl_coef, kl_estimator, entropy_coef,
-                     clip_low, clip_high, dual_clip, agg, global_num_tokens, what):
-    """The checks of the actor losses' per-token arguments against `shape` (what: its name);
-    returns (kl_coef, entropy_coef, clip_low, clip_high, dual_clip) as floats."""
-    for name, x in (("old_logp", old_logp), ("advantages", advantages), ("ref_logp", ref_logp)):
+def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
+                     entropy_coef, clip_low, clip_high, dual_clip, agg: Agg, what):
+    """The checks of the actor losses' per-token arguments against `shape` (what: its name); returns
+    (kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip) as floats."""
+    for name, x in (("old_logp", old_logp), ("advantages", advantages), ("ref_logp", ref_logp),
+                    ("is_weights", is_weights)):
         if x is None:
             continue
         check_float(name, x)
@@ -396,14 +546,14 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, kl_coe
     kl_coef = check_number("kl_coef", kl_coef)
     entropy_coef = check_number("entropy_coef", entropy_coef)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    clips = check_clips(clip_low, clip_high, dual_clip)
-    check_agg(agg, global_num_tokens)
-    return (kl_coef, entropy_coef, *clips)
+    kl_clamp = None if kl_clamp is None else check_number("kl_clamp", kl_clamp, positive=True)
+    return (kl_coef, kl_clamp, entropy_coef, *check_clips(clip_low, clip_high, dual_clip))
 
 
 def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
-                   entropy_coef=0.0, temperature=1.0, clip_low=0.2, clip_high=None, dual_clip=None,
-                   agg="token-mean", global_num_tokens=None):
+                   kl_clamp=None, kl_straight_through=False, entropy_coef=0.0, temperature=1.0, clip_low=0.2,
+                   clip_high=None, dual_clip=None, is_weights=None, agg="token-mean", global_num_tokens=None,
+                   global_num_seqs=None, dp_size=1, loss_scale_factor=None):
     """The whole actor loss straight from logits (docs/ops.md):
     policy_loss + kl_coef * KL - entropy_coef * entropy, each aggregated with `agg`.
 
@@ -414,10 +564,12 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     Args:
         logits: [B, T, V] (or [..., V]) float, any strides but the vocab one.
         labels: logits.shape[:-1] integer; -100 is ignored (logp 0, no gradient).
-        old_logp, advantages, mask, ref_logp: logits.shape[:-1]; constants (no gradient).
-        kl_coef, kl_estimator: the KL term against ref_logp (see `token_kl`), none without ref_logp.
-        entropy_coef, temperature, clip_low, clip_high, dual_clip, agg, global_num_tokens:
-            as `logprobs` and `policy_loss`.
+        old_logp, advantages, mask, ref_logp, is_weights: logits.shape[:-1]; constants (no gradient).
+        kl_coef, kl_estimator, kl_clamp, kl_straight_through: the KL term against ref_logp (see
+            `token_kl`: estimator, clamp, straight_through), none without ref_logp.
+        is_weights: per-token importance weights of the policy term (see `policy_loss`).
+        entropy_coef, temperature, clip_low, clip_high, dual_clip: as `logprobs` and `policy_loss`.
+        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`.
 
     Returns:
         (loss, stats): loss 0-dim float32 (float64 for float64 logits); stats (no gradient):
@@ -429,19 +581,19 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     shape = tuple(logits.shape[:-1])
     if logits.dim() < 1 or tuple(labels.shape) != shape:
         raise ValueError(f"labels must have shape logits.shape[:-1] = {shape}, got {tuple(labels.shape)}")
-    kl_coef, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
-        shape, logits.device, old_logp, advantages, mask, ref_logp, kl_coef, kl_estimator, entropy_coef, clip_low,
-        clip_high, dual_clip, agg, global_num_tokens, "logits.shape[:-1]")
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
+        shape, logits.device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
+        entropy_coef, clip_low, clip_high, dual_clip, agg_, "logits.shape[:-1]")
     temperature = check_number("temperature", temperature, positive=True)
     x = as_3d(logits)
     B, T = x.shape[:2]
     rows = lambda t: None if t is None else t.detach().reshape(B, T)  # noqa: E731
-    dtype = out_dtype(logits)
     m = rows(mask)
-    weight = row_scale(m, agg, global_num_tokens, dtype).unsqueeze(1) * m.to(dtype)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, stats, *_ = _ppo_actor_loss_op(
-        x, labels.reshape(B, T), rows(old_logp), rows(advantages), m, weight, rows(ref_logp), temperature, kl_coef,
-        KL_ESTIMATORS[kl_estimator], entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton(logits))
+        x, labels.reshape(B, T), rows(old_logp), rows(advantages), m, token_weights(m, agg_, out_dtype(logits)),
+        rows(ref_logp), rows(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
+        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton(logits))
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))
