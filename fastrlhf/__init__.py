@@ -1,19 +1,25 @@
-"""fastrlhf: fast PPO for language models.
+"""fastrlhf: fast PPO for language models (and critic-free PPO, and DPO).
 
 The public ops (`fastrlhf.ops`) take the tensors and conventions of verl / OpenRLHF / TRL
-and run fused Triton kernels on CUDA tensors, a torch path on CPU.
+and run fused Triton kernels on CUDA tensors, a torch path on CPU. The advantage-estimator
+registry is `fastrlhf.ops.ADVANTAGES`.
 """
 
 from fastrlhf.ops import (
     agg_loss,
+    dpo_loss,
     entropy,
     gae,
     kl_shaped_rewards,
+    linear_dpo_loss,
     linear_logprobs,
     linear_ppo_actor_loss,
+    linear_sequence_logprobs,
     logprobs,
+    outcome_advantages,
     policy_loss,
     ppo_actor_loss,
+    register_advantage,
     token_kl,
     value_loss,
     whiten,
@@ -23,14 +29,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "agg_loss",
+    "dpo_loss",
     "entropy",
     "gae",
     "kl_shaped_rewards",
+    "linear_dpo_loss",
     "linear_logprobs",
     "linear_ppo_actor_loss",
+    "linear_sequence_logprobs",
     "logprobs",
+    "outcome_advantages",
     "policy_loss",
     "ppo_actor_loss",
+    "register_advantage",
     "token_kl",
     "value_loss",
     "whiten",

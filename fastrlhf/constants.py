@@ -10,3 +10,12 @@ KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "l
 # loss aggregation modes, as verl 0.9.1 core_algos.agg_loss
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 MASK_MODES = ("skip", "zero")  # GAE: verl skips masked tokens; OpenRLHF zeroes them
+
+# Critic-free outcome advantages (fastrlhf.outcome_advantages; conventions in docs/ops.md)
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # the built-in ones
+ADVANTAGE_EPS = 1e-6  # added to a std before dividing by it: verl's epsilon (OpenRLHF 1e-9, TRL 1e-4)
+GROUP_SCALES = ("group", "batch")  # grpo's std: of the group (all peers), of the batch (TRL scale_rewards="batch")
+SINGLETON_MODES = ("score", "zero")  # a group of one: baseline 0, std 1 (verl); advantage 0 (TRL)
+WHITEN_MODES = ("none", "tokens", "sequences")
+VAR_EPS_MODES = ("add", "clamp")  # token whitening: rsqrt(var + eps) (verl), rsqrt(max(var, eps)) (OpenRLHF)
+DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")

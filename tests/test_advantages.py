@@ -1,13 +1,17 @@
 """Outcome advantages (GRPO, Dr. GRPO, RLOO, REINFORCE++): hand-worked cases of the float64
-reference, its conventions (groups, singletons, whitening), and finiteness at the edges.
-The peers' own functions are compared in tests/integrations/test_algos_peers.py."""
+reference and its conventions (groups, singletons, whitening); the op against the reference
+(dtypes, every option), finiteness at the edges, the registry, bad input. opcheck and
+torch.compile: tests/test_custom_ops.py; the peers' own functions:
+tests/integrations/test_algos_peers.py."""
 
 import math
 
 import pytest
 import torch
+from helpers import assert_close_to_ref
 
-from fastrlhf import reference_algos as ref
+from fastrlhf import ops
+from fastrlhf import reference as ref
 
 B, T = 6, 5
 
@@ -165,3 +169,148 @@ def test_equal_scores_in_a_group_give_zero(estimator):
     scores = torch.tensor([0.75, 0.75, 0.75, 0.1, 0.9, 0.2], dtype=torch.float64)
     adv = ref.outcome_advantages(scores, full_mask(6, 2), group_size=3, estimator=estimator, whiten="none")
     assert (adv[:3] == 0).all() and (adv[3:] != 0).all()
+
+
+# ---------------------------------------------------------------- the op against the reference
+
+
+OPTIONS = [
+    dict(estimator="grpo"),
+    dict(estimator="grpo", scale="batch", eps=1e-4, singleton="zero"),
+    dict(estimator="dr_grpo"),
+    dict(estimator="rloo", singleton="zero", whiten="sequences", eps=1e-4),
+    dict(estimator="rloo"),
+    dict(estimator="reinforce_pp"),
+    dict(estimator="reinforce_pp_baseline", unbiased=False, var_eps_mode="clamp"),
+    dict(estimator="grpo", whiten="tokens"),
+]
+
+
+def op_inputs(dtype, B=12, T=37):
+    """Scores with a group of equal values, a singleton group (ids), mask with padding on both
+    sides, a gap and an empty row."""
+    scores = torch.randn(B) * 2 + 0.5
+    scores[:3] = 0.25
+    ids = torch.tensor([5, 5, 5, 9, 2, 9, 2, 2, 9, 7, 2, 9])  # groups of 3, 4, 4 and a singleton (7)
+    mask = torch.rand(B, T) > 0.2
+    mask[0, :5] = False
+    mask[1, -7:] = False
+    mask[4] = False
+    return scores.to(dtype), ids, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_op_matches_reference(dtype, options):
+    scores, ids, mask = op_inputs(dtype)
+    got = ops.outcome_advantages(scores, mask, group_ids=ids, **options)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    want = ref.outcome_advantages(scores.double(), mask, group_ids=ids, **options)
+    same = ref.outcome_advantages(scores.float() if dtype == torch.bfloat16 else scores, mask, group_ids=ids,
+                                  **options)
+    assert_close_to_ref(got, want, same, atol=1e-6 if dtype != torch.float64 else 1e-12)
+    assert (got[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_op_group_size_equals_group_ids(estimator):
+    scores, mask = torch.randn(8), torch.rand(8, 5) > 0.3
+    by_size = ops.outcome_advantages(scores, mask, group_size=4, estimator=estimator)
+    by_ids = ops.outcome_advantages(scores, mask, group_ids=torch.tensor([3, 3, 3, 3, 1, 1, 1, 1]),
+                                    estimator=estimator)
+    torch.testing.assert_close(by_size, by_ids, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("estimator", ref.ADVANTAGE_ESTIMATORS)
+@pytest.mark.parametrize("singleton", ref.SINGLETON_MODES)
+def test_op_finite_for_singletons_and_equal_scores(estimator, singleton):
+    mask = torch.rand(4, 6) > 0.3
+    for scores, G in ((torch.full((4,), 0.3), 2), (torch.full((4,), 0.3), 1), (torch.randn(4), 1),
+                      (torch.randn(1), 1)):
+        m = mask[: len(scores)]
+        adv = ops.outcome_advantages(scores, m, group_size=G, estimator=estimator, singleton=singleton)
+        assert torch.isfinite(adv).all() and (adv[~m] == 0).all()
+
+
+def test_op_empty_batch_and_empty_mask():
+    adv = ops.outcome_advantages(torch.zeros(0), torch.zeros(0, 4, dtype=torch.bool), group_size=2)
+    assert adv.shape == (0, 4) and adv.dtype == torch.float32
+    adv = ops.outcome_advantages(torch.randn(4), torch.zeros(4, 3), group_size=2, estimator="reinforce_pp_baseline")
+    assert (adv == 0).all()
+
+
+def test_op_float_mask_selects_and_does_not_weight():
+    scores, mask = torch.randn(4), torch.rand(4, 6) > 0.3
+    a = ops.outcome_advantages(scores, mask, group_size=2, estimator="reinforce_pp_baseline")
+    b = ops.outcome_advantages(scores, mask.float() * 0.5, group_size=2, estimator="reinforce_pp_baseline")
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_op_takes_no_gradient():
+    scores = torch.randn(4, requires_grad=True)
+    adv = ops.outcome_advantages(scores, torch.ones(4, 2), group_size=2)
+    assert not adv.requires_grad
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_registry_holds_the_estimators_and_rejects_duplicates():
+    assert set(ref.ADVANTAGE_ESTIMATORS) <= set(ops.ADVANTAGES)
+    with pytest.raises(ValueError, match="'grpo' is already registered"):
+        ops.register_advantage("grpo")(lambda scores, groups, **kw: scores)
+    ops.register_advantage("grpo")(ops.ADVANTAGES["grpo"])  # the same function again is fine
+
+
+def test_registry_takes_a_new_estimator():
+    from fastrlhf.ops import advantages as module
+
+    @ops.register_advantage("test_half_baseline")
+    def half_baseline(scores, groups, *, eps, scale, unbiased, singleton):
+        return scores - 0.5 * groups.mean(scores)
+
+    try:
+        adv = ops.outcome_advantages(torch.tensor([1.0, 3.0, 2.0, 0.0]), torch.ones(4, 2), group_size=2,
+                                     estimator="test_half_baseline")
+        assert per_sequence(adv, torch.ones(4, 2)) == [0.0, 2.0, 1.5, -0.5]
+    finally:
+        for table in (module.ADVANTAGES, module.DEFAULT_WHITEN, module.GROUPED):
+            table.pop("test_half_baseline")
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(group_size=5), ValueError, r"group_size \(5\) must divide the batch size B = 6"),
+    (dict(group_size=0), ValueError, "group_size must be a positive int"),
+    (dict(group_size=2.0), ValueError, "group_size must be a positive int"),
+    (dict(group_size=2, group_ids=torch.zeros(6, dtype=torch.long)), ValueError, "not both"),
+    (dict(group_ids=torch.zeros(6)), TypeError, "group_ids must be an integer tensor"),
+    (dict(group_ids=torch.zeros(5, dtype=torch.long)), ValueError, r"group_ids must have shape \[B\]"),
+    (dict(), ValueError, "pass group_ids"),
+    (dict(group_size=2, estimator="ppo"), ValueError, "estimator must be one of"),
+    (dict(group_size=2, eps=0.0), ValueError, "eps must be > 0"),
+    (dict(group_size=2, var_eps=-1.0), ValueError, "var_eps must be > 0"),
+    (dict(group_size=2, scale="none"), ValueError, "scale must be one of"),
+    (dict(group_size=2, singleton="mean"), ValueError, "singleton must be one of"),
+    (dict(group_size=2, whiten="batch"), ValueError, "whiten must be one of"),
+    (dict(group_size=2, var_eps_mode="max"), ValueError, "var_eps_mode must be one of"),
+])
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ops.outcome_advantages(torch.randn(6), torch.ones(6, 3), **kwargs)
+
+
+def test_bad_tensors():
+    with pytest.raises(TypeError, match="scores must be a floating-point tensor"):
+        ops.outcome_advantages(torch.ones(6, dtype=torch.long), torch.ones(6, 3), group_size=2)
+    with pytest.raises(ValueError, match=r"scores must be \[B\]"):
+        ops.outcome_advantages(torch.randn(6, 3), torch.ones(6, 3), group_size=2)
+    with pytest.raises(ValueError, match=r"mask must be \[B, T\] with B = 6"):
+        ops.outcome_advantages(torch.randn(6), torch.ones(5, 3), group_size=2)
+
+
+def test_reinforce_pp_needs_no_groups():
+    adv = ops.outcome_advantages(torch.randn(6), torch.ones(6, 3), estimator="reinforce_pp")
+    assert adv.shape == (6, 3)

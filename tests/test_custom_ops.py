@@ -157,6 +157,46 @@ def _linear_ppo_actor_loss(dtype, kl_straight_through=True):
     return fn, _linear_leaves(dtype)
 
 
+def _outcome_advantages(dtype):
+    scores, mask, ids = torch.randn(B, dtype=dtype), _mask(), torch.tensor([7, 7, 2])
+    return (lambda: [ops.outcome_advantages(scores, mask, group_ids=ids, estimator="rloo", whiten="tokens")]), []
+
+
+def _pair_leaves(dtype):
+    return [_lp(B, requires_grad=True, dtype=dtype) * 10 for _ in range(4)]
+
+
+def _dpo_loss(dtype):
+    def fn(chosen, rejected, ref_chosen, ref_rejected):
+        loss, stats = ops.dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.2, loss_type="robust",
+                                   label_smoothing=0.1)
+        return [loss, *stats.values()]
+
+    return fn, [x.detach().requires_grad_() for x in _pair_leaves(dtype)]
+
+
+def _linear_sequence_logprobs(dtype):
+    labels, mask = torch.randint(0, V, (B, T)), _mask()
+
+    def fn(hidden, weight, bias):
+        return [ops.linear_sequence_logprobs(hidden, weight, labels, mask, bias=bias, chunk_size=4)]
+
+    return fn, _linear_leaves(dtype)
+
+
+def _linear_dpo_loss(dtype):
+    labels, mask = torch.randint(0, V, (2 * B, T)), torch.cat([_mask(), _mask()])
+    ref_chosen, ref_rejected = _lp(B, dtype=dtype) * 10, _lp(B, dtype=dtype) * 10
+
+    def fn(hidden, weight, bias):
+        loss, stats = ops.linear_dpo_loss(hidden, weight, labels, mask, ref_chosen, ref_rejected, bias=bias,
+                                          loss_type="ipo", ipo_per_token=True, chunk_size=4)
+        return [loss, *stats.values()]
+
+    hidden, weight, bias = _linear_leaves(dtype)
+    return fn, [torch.randn(2 * B, T, H, dtype=dtype).requires_grad_(), weight, bias]
+
+
 CASES = {
     "logprobs": _logprobs,
     "logprobs-inplace_backward": lambda dtype: _logprobs(dtype, inplace=True),
@@ -173,11 +213,16 @@ CASES = {
     "ppo_actor_loss": _ppo_actor_loss,
     "linear_logprobs": _linear_logprobs,
     "linear_ppo_actor_loss": _linear_ppo_actor_loss,
+    "outcome_advantages": _outcome_advantages,
+    "dpo_loss": _dpo_loss,
+    "linear_sequence_logprobs": _linear_sequence_logprobs,
+    "linear_dpo_loss": _linear_dpo_loss,
 }
+NOT_OPS = {"AGG_MODES", "KL_ESTIMATORS", "MASK_MODES", "ADVANTAGES", "register_advantage"}  # constants, the registry
 
 
 def test_every_public_op_has_a_case():
-    assert {name.split("-")[0] for name in CASES} == set(ops.__all__) - {"AGG_MODES", "KL_ESTIMATORS", "MASK_MODES"}
+    assert {name.split("-")[0] for name in CASES} == set(ops.__all__) - NOT_OPS
 
 
 def _run(fn, leaves, upstream):
@@ -224,7 +269,8 @@ def test_inductor_end_to_end():
 
 
 @pytest.mark.parametrize("name", ["logprobs", "logprobs-topk", "entropy", "agg_loss", "token_kl", "policy_loss",
-                                  "value_loss", "ppo_actor_loss", "linear_logprobs"])
+                                  "value_loss", "ppo_actor_loss", "linear_logprobs", "dpo_loss",
+                                  "linear_sequence_logprobs", "linear_dpo_loss"])
 def test_gradcheck_float64(monkeypatch, name):
     """(Straight-through KL is left out on purpose: its gradient is by definition not its value's.)"""
     monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
@@ -267,6 +313,8 @@ def _opcheck_samples(dtype, triton):
     weight = torch.randn(V, H, dtype=dtype, requires_grad=True)
     bias = torch.randn(V, dtype=dtype, requires_grad=True)
     flat = lambda t: t.detach().reshape(-1)  # noqa: E731
+    pairs = _pair_leaves(dtype)
+    lengths = torch.tensor([3, 0, 5])
     fl = torch.ops.fastrlhf
     return {
         "logprobs": (fl.logprobs, (x, y, 0.9, -100, True, False, triton)),
@@ -300,6 +348,11 @@ def _opcheck_samples(dtype, triton):
                                   (hidden, weight, bias, flat(y), flat(ref_lp), flat(adv), flat(mask).to(dtype),
                                    flat(w), flat(ref_lp), None, 1.0, 0.1, "k2", None, False, 0.01, 0.2, 0.2, 3.0, 4,
                                    None, True, True, True, triton)),
+        "outcome_advantages": (fl.outcome_advantages, (g[:, 0].detach(), mask, torch.tensor([4, 1, 4]), "grpo", 1e-6,
+                                                       "group", True, "score", "tokens", 1e-8, "add")),
+        "dpo_loss": (fl.dpo_loss, (*pairs, None, None, 0.1, "sigmoid", 0.1)),
+        "dpo_loss-ipo_lengths": (fl.dpo_loss, (*pairs, lengths, lengths + 1, 0.1, "ipo", 0.0)),
+        "dpo_loss-hinge": (fl.dpo_loss, (*pairs, None, None, 0.5, "hinge", 0.0)),
     }
 
 

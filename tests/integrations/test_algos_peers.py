@@ -13,9 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from fastrlhf import reference_algos as ref
+from fastrlhf import ops, reference
 
 B, G, T = 12, 4, 9
+
+
+@pytest.fixture(params=["reference", "op"])
+def ref(request):
+    """The float64 reference and the public op (run in float64 here), each against the peers."""
+    return reference if request.param == "reference" else ops
 
 
 def make_mask(B, T):
@@ -64,7 +70,7 @@ def verl_index(B, G):
 
 @pytest.mark.parametrize("norm_by_std", [True, False])
 @pytest.mark.parametrize("group", [G, 1])
-def test_verl_grpo(core_algos, norm_by_std, group):
+def test_verl_grpo(ref, core_algos, norm_by_std, group):
     scores, mask = make_scores(B), make_mask(B, T)
     index, ids = verl_index(B, group)
     want, _ = core_algos.compute_grpo_outcome_advantage(last_token_rewards(scores, mask), mask.double(), index,
@@ -75,7 +81,7 @@ def test_verl_grpo(core_algos, norm_by_std, group):
 
 
 @pytest.mark.parametrize("group", [G, 1])
-def test_verl_grpo_vectorized(core_algos, group):
+def test_verl_grpo_vectorized(ref, core_algos, group):
     """The vectorized version computes in float32 (group_mean_std casts): compared at float32 precision."""
     scores, mask = make_scores(B), make_mask(B, T)
     index, ids = verl_index(B, group)
@@ -86,7 +92,7 @@ def test_verl_grpo_vectorized(core_algos, group):
 
 
 @pytest.mark.parametrize("group", [G, 3, 1])
-def test_verl_rloo_both_singleton_conventions(core_algos, group):
+def test_verl_rloo_both_singleton_conventions(ref, core_algos, group):
     scores, mask = make_scores(B), make_mask(B, T)
     index, ids = verl_index(B, group)
     rewards = last_token_rewards(scores, mask)
@@ -98,7 +104,7 @@ def test_verl_rloo_both_singleton_conventions(core_algos, group):
     torch.testing.assert_close(got, vectorized, rtol=0, atol=1e-12)
 
 
-def test_verl_reinforce_plus_plus(core_algos):
+def test_verl_reinforce_plus_plus(ref, core_algos):
     """verl's masked_mean divides by n + 1e-8 (fastrlhf by n): a relative 1e-8 / n shift of the
     mean, below 1e-9 here; hence atol 1e-9 instead of 1e-12."""
     scores, mask = make_scores(B), make_mask(B, T)
@@ -109,7 +115,7 @@ def test_verl_reinforce_plus_plus(core_algos):
 
 
 @pytest.mark.parametrize("group", [G, 1])
-def test_verl_reinforce_plus_plus_baseline(core_algos, group):
+def test_verl_reinforce_plus_plus_baseline(ref, core_algos, group):
     scores, mask = make_scores(B), make_mask(B, T)
     index, ids = verl_index(B, group)
     want, _ = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
@@ -161,7 +167,7 @@ def openrlhf_advantages(maker, estimator, scores, mask, n_samples):
     ("rloo", dict(estimator="rloo")),
     ("reinforce_baseline", dict(estimator="reinforce_pp_baseline", unbiased=False, var_eps_mode="clamp")),
 ])
-def test_openrlhf_estimators(openrlhf_maker, estimator, ours):
+def test_openrlhf_estimators(ref, openrlhf_maker, estimator, ours):
     """OpenRLHF leaves the score on masked positions before each row's last token; on the mask
     the numbers are the same. Its normalisation runs in float32 (`.float()`)."""
     scores, mask = make_scores(B), make_mask(B, T)
@@ -225,7 +231,7 @@ def trl_rloo_advantages(rewards, num_generations, normalize_advantages, nanstd):
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 @pytest.mark.parametrize("group", [G, 1])
-def test_trl_grpo(nanstd, scale_rewards, group):
+def test_trl_grpo(ref, nanstd, scale_rewards, group):
     scores, mask = make_scores(B), make_mask(B, T)
     want = trl_grpo_advantages(scores, group, scale_rewards, nanstd)
     kw = dict(estimator="dr_grpo") if scale_rewards == "none" else dict(estimator="grpo", scale=scale_rewards)
@@ -235,7 +241,7 @@ def test_trl_grpo(nanstd, scale_rewards, group):
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("group", [G, 1])
-def test_trl_rloo(nanstd, normalize, group):
+def test_trl_rloo(ref, nanstd, normalize, group):
     scores, mask = make_scores(B), make_mask(B, T)
     want = trl_rloo_advantages(scores, group, normalize, nanstd)
     got = ref.outcome_advantages(scores, mask, group_size=group, estimator="rloo", singleton="zero", eps=1e-4,
@@ -253,7 +259,7 @@ def dpo_inputs(n):
 
 
 @pytest.mark.parametrize("ipo,label_smoothing", [(False, 0.0), (False, 0.2), (True, 0.0)])
-def test_openrlhf_dpo_loss(ipo, label_smoothing):
+def test_openrlhf_dpo_loss(ref, ipo, label_smoothing):
     pytest.importorskip("openrlhf.models.loss", reason="OpenRLHF is not installed")
     from openrlhf.models.loss import DPOLoss
 
@@ -307,7 +313,7 @@ def trl_dpo_loss(loss_type, beta, label_smoothing, per_token_logps, ref_chosen, 
 
 @pytest.mark.parametrize("loss_type,label_smoothing", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0),
                                                        ("robust", 0.1)])
-def test_trl_dpo_trainer_compute_loss(loss_type, label_smoothing):
+def test_trl_dpo_trainer_compute_loss(ref, loss_type, label_smoothing):
     pytest.importorskip("trl.trainer.dpo_trainer", reason="TRL is not installed")
     n, L, beta = 6, 10, 0.2
     lengths = torch.randint(1, L - 2, (2 * n,))
