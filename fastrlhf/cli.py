@@ -1,4 +1,4 @@
-"""`fastrlhf sft|rm|ppo|pipeline|bench|estimate`.
+"""`fastrlhf sft|rm|dpo|ppo|pipeline|bench|estimate`.
 
 Each subcommand lives in its own module, which exposes `main(argv: list[str]) -> int`;
 this file only dispatches, so `fastrlhf --help` stays fast (no model code imported).
@@ -12,8 +12,10 @@ import sys
 COMMANDS = {
     "sft": ("fastrlhf.sft", "supervised fine-tuning on prompt/response pairs"),
     "rm": ("fastrlhf.rm", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
-    "ppo": ("fastrlhf.ppo", "PPO with a shared actor-critic and a LoRA-disabled reference"),
-    "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO in a row (the embedded default with no arguments)"),
+    "dpo": ("fastrlhf.dpo", "direct preference optimisation on (prompt, chosen, rejected) pairs"),
+    "ppo": ("fastrlhf.ppo", "PPO: actor-critic with GAE, or critic-free (GRPO, Dr. GRPO, RLOO, REINFORCE++)"),
+    "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO, or SFT -> DPO with --algo dpo (the embedded default "
+                 "with no arguments)"),
     "bench": ("fastrlhf.bench", "roofline benchmark of every kernel against PyTorch and the peers"),
     "estimate": ("fastrlhf.estimate", "memory / FLOPs / time / cost of each RLHF stage and PPO phase"),
 }

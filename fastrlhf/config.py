@@ -148,7 +148,8 @@ class RMConfig:
 
 @dataclass
 class PPOConfig:
-    """PPO with a shared actor-critic, a LoRA-disabled (or frozen-copy) reference and KL-shaped rewards."""
+    """PPO with a LoRA-disabled (or frozen-copy) reference: a shared actor-critic with GAE, or
+    critic-free with group-relative advantages (GRPO, Dr. GRPO, RLOO, REINFORCE++)."""
 
     model: str = ""
     """Policy: a local HF causal-LM directory or a built-in config name (`tiny`, `qwen2-0.5b`,
@@ -168,7 +169,8 @@ class PPOConfig:
     steps: int = 60
     """PPO iterations (rollout + update)."""
     rollout_batch_size: int = 64
-    """Prompts (= sampled responses) per PPO iteration."""
+    """Sampled responses per PPO iteration: rollout_batch_size / num_generations prompts, each
+    answered num_generations times."""
     mini_batch_size: int = 32
     """Sequences per optimizer step inside the PPO epochs."""
     micro_batch_size: int = 32
@@ -192,24 +194,37 @@ class PPOConfig:
     assistant's turn opened); false, or no template: the prompt's tokens as they are."""
     temperature: float = 1.0
     """Sampling temperature, also used for the log-probs."""
+    advantage: str = "gae"
+    """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
+    value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's
+    conventions): `grpo` (group mean and std), `dr_grpo` (group mean), `rloo` (leave-one-out mean),
+    `reinforce_pp` (whitened over the batch), `reinforce_pp_baseline` (group mean, then whitened).
+    Critic-free runs have no value head and no value loss."""
+    num_generations: int = 1
+    """Responses sampled per prompt (G); rollout_batch_size must be a multiple of it. The estimators
+    that compare the responses to one prompt (grpo, dr_grpo, rloo, reinforce_pp_baseline) need G >= 2."""
+    kl_in_loss: bool = False
+    """Put the KL to the reference into the loss, kl_coef x k3 per token (as GRPO), instead of into the
+    reward (kl_estimator)."""
     kl_coef: float = 0.2
-    """Initial coefficient of the per-token KL penalty in the reward."""
+    """Initial coefficient of the KL penalty: per token in the reward, or in the loss with kl_in_loss."""
     kl_target: float = 0.0
     """Adaptive KL controller (Ziegler et al. 2019) target KL per sequence; 0 = fixed kl_coef."""
     kl_horizon: int = 10000
     """Adaptive KL controller horizon, in sequences."""
     kl_estimator: str = "k1"
-    """KL estimator in the reward: k1, k2, k3 (see fastrlhf.ops.token_kl)."""
+    """KL estimator in the reward: k1, k2, k3 (see fastrlhf.ops.token_kl); the loss term of kl_in_loss
+    is always k3."""
     gamma: float = 1.0
-    """GAE discount."""
+    """GAE discount (advantage gae only)."""
     lam: float = 0.95
-    """GAE lambda."""
+    """GAE lambda (advantage gae only)."""
     clip: float = 0.2
     """PPO policy ratio clip."""
     value_clip: float = 0.2
-    """Value clip around the rollout values."""
+    """Value clip around the rollout values (advantage gae only)."""
     vf_coef: float = 0.5
-    """Weight of the value loss."""
+    """Weight of the value loss (advantage gae only)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     max_grad_norm: float = 1.0
@@ -241,10 +256,92 @@ class PPOConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation on (prompt, chosen, rejected) pairs, from the SFT model, against
+    a frozen reference (the SFT model itself)."""
+
+    model: str = ""
+    """Policy to start from (and the reference): a local HF causal-LM directory or a built-in config
+    name; empty = OUT/sft/final."""
+    data: str = "auto"
+    """Preference pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with prompt,
+    chosen and rejected columns, `builtin` (the built-in task) or `auto` (`builtin` when the model was
+    trained on the built-in task, else an error asking for data)."""
+    prompt_key: str = "prompt"
+    """Column of the data holding the prompt text."""
+    chosen_key: str = "chosen"
+    """Column of the data holding the preferred response."""
+    rejected_key: str = "rejected"
+    """Column of the data holding the other response."""
+    out: str = "runs/default"
+    """Run directory shared with the other stages; the stage folder is `dpo/`."""
+    steps: int = 150
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step (2 x batch_size sequences in one forward)."""
+    lr: float = 0.0
+    """AdamW learning rate (10-step warm-up); 0 = auto: 1e-3 for a model grown from the built-in `tiny`,
+    else 1e-5 (OpenRLHF 0.11's train_dpo default) with full fine-tuning, 1e-4 with LoRA."""
+    beta: float = 0.1
+    """Strength of the pull towards the reference (IPO's tau)."""
+    loss_type: str = "sigmoid"
+    """`sigmoid` (DPO), `robust`, `hinge` or `ipo` (fastrlhf.dpo_loss)."""
+    label_smoothing: float = 0.0
+    """Probability that a label is flipped, in [0, 0.5): cDPO for `sigmoid`, robust DPO for `robust`."""
+    ipo_per_token: bool = False
+    """With loss_type ipo, divide each log-ratio by its response's token count (TRL) instead of summing
+    (OpenRLHF, the IPO paper)."""
+    lora_rank: int = 0
+    """LoRA rank, the reference being the model with the adapter disabled; 0 = full fine-tuning with a
+    frozen reference copy."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    max_prompt_len: int = 0
+    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in
+    task, else the longest prompt in the data, within max_position_embeddings."""
+    max_response_len: int = 0
+    """Response tokens kept, EOS included (with a warning and a count); 0 = auto: 16 on the built-in
+    task, else the longest response, within max_position_embeddings."""
+    chat_template: bool = True
+    """Render prompt and responses with the tokenizer's chat template when it has one; false, or no
+    template: prompt tokens then response tokens + EOS."""
+    num_pairs: int = 3000
+    """Built-in task only: number of preference pairs to make."""
+    eval_fraction: float = 0.1
+    """Fraction of the pairs held out to measure the implicit reward's pairwise accuracy."""
+    eval_every: int = 50
+    """Measure the held-out accuracy every this many steps (and at the end)."""
+    eval_prompts: int = 256
+    """Built-in task only: held-out prompts to measure the true score of sampled responses before and
+    after."""
+    max_new_tokens: int = 0
+    """Built-in task only: longest sampled response of the true-score evaluation; 0 = 12."""
+    seed: int = 0
+    """Seed for data, initialisation and shuffling."""
+    log_every: int = 10
+    """Write a metrics.jsonl row every this many steps."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end)."""
+    stop_after: int = 0
+    """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
+    resume: bool = False
+    """Continue from the latest checkpoint in the stage folder (the configuration must match the
+    recorded one, apart from steps, stop_after, log_every, save_every, eval_every and tensorboard)."""
+    overwrite: bool = False
+    """Delete what an earlier run left in the stage folder and start over."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under OUT/tb/."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    device: str = "auto"
+    """`auto` (CUDA if available), `cpu` or `cuda`."""
+
+
+@dataclass
 class PipelineConfig:
-    """SFT -> reward model -> PPO in a row, all under one run directory. Every stage's
-    configuration is checked before the first model loads. With a rule reward
-    (`--ppo.reward module:function`) or a reward model of your own (`--ppo.reward DIR`) the
+    """SFT -> reward model -> PPO (or SFT -> DPO with `--algo dpo`) in a row, all under one run
+    directory. Every stage's configuration is checked before the first model loads. With a rule
+    reward (`--ppo.reward module:function`) or a reward model of your own (`--ppo.reward DIR`) the
     reward-model stage is skipped."""
 
     out: str = "runs/default"
@@ -257,12 +354,16 @@ class PipelineConfig:
     overwrite: bool = False
     """Delete what an earlier run left in OUT and start over (without it, a fresh run in a run
     directory is refused)."""
+    algo: str = "ppo"
+    """`ppo`: SFT -> reward model -> PPO (any `--ppo.advantage`); `dpo`: SFT -> DPO on preference pairs."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised fine-tuning stage (`--sft.KEY`)."""
     rm: RMConfig = field(default_factory=RMConfig)
     """Reward-model stage (`--rm.KEY`)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO stage (`--ppo.KEY`)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """DPO stage of `--algo dpo` (`--dpo.KEY`)."""
 
 
 # ---------------------------------------------------------------- parsing

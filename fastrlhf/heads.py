@@ -3,6 +3,7 @@
 - `ActorCritic`: a value head on the policy's own trunk: one forward gives the final hidden
   states (-> log-probs through the lm_head weight) and the values. With LoRA the reference
   policy is the same model with the adapter disabled; with full fine-tuning it is a frozen copy.
+  Without a value head (critic-free PPO, DPO) it is the policy and its reference.
 - `RewardModel`: the trunk of a causal LM plus a score head read at the last attended token.
 """
 
@@ -31,14 +32,15 @@ def _scalar_head(hidden: int, device) -> nn.Linear:
 
 
 class ActorCritic(nn.Module):
-    """Policy and critic on one trunk: `forward` returns (hidden [B,T,H], values [B,T] float32).
+    """Policy and critic on one trunk: `forward` returns (hidden [B,T,H], values [B,T] float32),
+    values None with `value_head=False`.
 
     `lora_rank > 0` wraps the LM with peft LoRA on every linear layer (the trainable part), and
     the reference is the same model under `disable_adapter()`; `lora_rank == 0` trains every
     weight and keeps a frozen deep copy as the reference.
     """
 
-    def __init__(self, lm, *, lora_rank: int = 0, lora_alpha: float = 32.0):
+    def __init__(self, lm, *, lora_rank: int = 0, lora_alpha: float = 32.0, value_head: bool = True):
         super().__init__()
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
@@ -52,7 +54,7 @@ class ActorCritic(nn.Module):
         else:
             self.reference = copy.deepcopy(lm).eval().requires_grad_(False)
             self.policy = lm
-        self.value_head = _scalar_head(unwrap(lm).config.hidden_size, lm_head(lm).weight.device)
+        self.value_head = _scalar_head(unwrap(lm).config.hidden_size, lm_head(lm).weight.device) if value_head else None
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -60,7 +62,7 @@ class ActorCritic(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids):
         h = hidden_states(self.policy, input_ids, attention_mask, position_ids)
-        values = self.value_head(h.float()).squeeze(-1)
+        values = self.value_head(h.float()).squeeze(-1) if self.value_head is not None else None
         return h, values
 
     @torch.no_grad()
@@ -78,9 +80,10 @@ class ActorCritic(nn.Module):
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
     def save_pretrained(self, path: Path, tokenizer, lineage: dict | None = None) -> None:
-        """A plain HF directory (LoRA merged) + the value head, loadable with `--model`."""
+        """A plain HF directory (LoRA merged) + the value head if any, loadable with `--model`."""
         lm = copy.deepcopy(self.policy).merge_and_unload() if self.lora else self.policy
-        save_model_dir(lm, tokenizer, path, {VALUE_HEAD_FILE: self.value_head.state_dict()}, lineage)
+        heads = {VALUE_HEAD_FILE: self.value_head.state_dict()} if self.value_head is not None else {}
+        save_model_dir(lm, tokenizer, path, heads, lineage)
 
 
 class RewardModel(nn.Module):

@@ -1,14 +1,18 @@
-"""`fastrlhf ppo`: PPO on a shared actor-critic with a LoRA-disabled (or frozen-copy) reference.
+"""`fastrlhf ppo`: PPO with a LoRA-disabled (or frozen-copy) reference, on a shared actor-critic
+(`--advantage gae`) or critic-free (`--advantage grpo|dr_grpo|rloo|reinforce_pp|reinforce_pp_baseline`).
 
 Each iteration, top to bottom:
-  1. rollout     sample responses (KV cache, left-padded prompts, stop at EOS)
+  1. rollout     sample responses (KV cache, left-padded prompts, stop at EOS), num_generations
+                 per prompt, a prompt's responses side by side
   2. reward      reward model at the last response token, or a rule `module:function`; every
                  score checked (count, type, finite: fastrlhf.rewards)
-  3. logprobs    one actor-critic forward -> old log-probs and values; reference log-probs
-  4. advantages  KL-shaped rewards (ops.kl_shaped_rewards) and GAE (ops.gae)
+  3. logprobs    one policy forward -> old log-probs (and values with a critic); reference log-probs
+  4. advantages  KL-shaped rewards (ops.kl_shaped_rewards; no KL there with kl_in_loss), then
+                 GAE (ops.gae), or one score per response -> ops.outcome_advantages over each
+                 prompt's group of responses
   5. update      PPO epochs over minibatches with gradient accumulation: clipped policy loss
-                 (ops.linear_ppo_actor_loss, from hidden states: no [B, T, V] logits) + value loss
-                 (ops.value_loss), gradient clipping
+                 (ops.linear_ppo_actor_loss, from hidden states: no [B, T, V] logits; + kl_coef x k3
+                 KL with kl_in_loss) + value loss (ops.value_loss, with a critic), gradient clipping
 Then the KL coefficient is updated (fixed, or adaptive as Ziegler et al. 2019), metrics are
 logged and a checkpoint is written every `save_every` iterations.
 
@@ -34,14 +38,15 @@ from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
 from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
 from fastrlhf.models import ModelSource, load_causal_lm, same_tokenizer
+from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
 from fastrlhf.rollout import Rollout, generate, token_logprobs
 from fastrlhf.run import (
-    EVAL_BATCH_SIZE,
     StageRun,
     check_common,
     describe_data,
+    evaluate_true_score,
     finite_or_warn,
     resolve_data,
     stage_model,
@@ -75,9 +80,15 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return 1.0 - var_d / var_r.clamp(min=1e-8)
 
 
+def group_reward_std(scores: torch.Tensor, group_size: int) -> float:
+    """Mean over prompts of the standard deviation of their responses' scores (0: nothing to compare)."""
+    return scores.view(-1, group_size).std(-1).mean().item()
+
+
 @torch.no_grad()
 def forward_logprobs_values(ac: ActorCritic, rollout: Rollout, *, temperature: float, device):
-    """Phase 3: (old_logp, values, ref_logp), each [B, R] float32, 0 where the mask is 0."""
+    """Phase 3: (old_logp, values, ref_logp), each [B, R] float32, 0 where the mask is 0;
+    values is None without a critic."""
     b = rollout.batch
     with autocast(device):
         hidden, values = ac(b.input_ids, b.attention_mask, b.position_ids)
@@ -85,15 +96,18 @@ def forward_logprobs_values(ac: ActorCritic, rollout: Rollout, *, temperature: f
         ref_hidden = ac.reference_hidden(b.input_ids, b.attention_mask, b.position_ids)
         ref_logp = token_logprobs(ac.policy, b, ref_hidden, temperature=temperature, head=ac.reference_lm_head())
     P = b.prompt_len
-    values = values[:, P - 1:-1].float() * b.response_mask
+    if values is not None:
+        values = values[:, P - 1:-1].float() * b.response_mask
     return old_logp, values, ref_logp
 
 
 def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages, returns, cfg: PPOConfig,
-               device, step: int) -> dict:
+               device, step: int, *, ref_logp=None, kl_coef: float = 0.0) -> dict:
     """Phase 5: `ppo_epochs` passes over the rollout in minibatches of `mini_batch_size`, each
     the sum of micro-batches (gradient accumulation; the losses are divided by the minibatch's
-    token count, so the split does not change the gradient). Returns mean stats."""
+    token count, so the split does not change the gradient). With `ref_logp`, kl_coef x k3 KL
+    is part of the actor loss. Without a critic (`old_values` None) there is no value loss.
+    Returns mean stats."""
     b = rollout.batch
     B, P = b.input_ids.shape[0], b.prompt_len
     head = ac.lm_head
@@ -115,17 +129,23 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
                 actor_loss, stats = ops.linear_ppo_actor_loss(
                     h, head.weight.to(h.dtype), labels, old_logp[idx], advantages[idx], mask, bias=head.bias,
                     temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
+                    ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=kl_coef, kl_estimator="k3",
                     global_num_tokens=num_tokens)
-                v_loss, v_stats = ops.value_loss(values[:, P - 1:-1].float(), old_values[idx], returns[idx], mask,
-                                                 clip=cfg.value_clip, global_num_tokens=num_tokens)
-                loss = actor_loss + cfg.vf_coef * v_loss
+                loss = actor_loss
+                if old_values is not None:
+                    v_loss, v_stats = ops.value_loss(values[:, P - 1:-1].float(), old_values[idx], returns[idx],
+                                                     mask, clip=cfg.value_clip, global_num_tokens=num_tokens)
+                    loss = loss + cfg.vf_coef * v_loss
+                    stats = dict(stats, value_loss=v_loss.detach(), value_clipfrac=v_stats["clipfrac"])
                 if not finite_or_warn(loss, "PPO loss", step):
                     finite = False
                     break
                 loss.backward()
                 # losses add up over micro-batches; per-token means are weighted by their token share
                 share = float(mask.sum()) / max(1, num_tokens)
-                stats = to_floats(dict(stats, value_loss=v_loss.detach(), value_clipfrac=v_stats["clipfrac"]))
+                stats = to_floats(stats)
+                if "kl" in stats:  # the loss term's k3 per token; "kl" is the per-sequence k1 below
+                    stats["kl_k3"] = stats.pop("kl")
                 for k, v in stats.items():
                     mini_stats[k] = mini_stats.get(k, 0.0) + (v if k in ADDITIVE_STATS else v * share)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if finite else None
@@ -139,17 +159,6 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
                 sums[k] = sums.get(k, 0.0) + v
     means = {k: v / max(1, n_updates) for k, v in sums.items()}
     return dict(means, skipped_nonfinite=skipped)
-
-
-@torch.no_grad()
-def evaluate_true_score(ac, tokenizer, prompt_ids, prompts, cfg: PPOConfig, device) -> float:
-    """Mean true score (the synthetic task's rule) of sampled responses to held-out prompts."""
-    scores = []
-    for i in range(0, len(prompts), EVAL_BATCH_SIZE):
-        r = generate(ac.policy, tokenizer, prompt_ids[i:i + EVAL_BATCH_SIZE], prompts[i:i + EVAL_BATCH_SIZE],
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
-        scores += task.true_score(r.prompts, r.responses)
-    return sum(scores) / len(scores)
 
 
 @dataclasses.dataclass
@@ -166,6 +175,19 @@ class PPOPlan:
     eval_ids: list[list[int]]
 
 
+def check_advantage(cfg: PPOConfig) -> None:
+    """The advantage estimator exists and the rollout can feed it."""
+    names = ("gae", *ops.ADVANTAGES)
+    if cfg.advantage not in names:
+        raise ValueError(f"ppo: advantage must be one of {', '.join(names)}, got {cfg.advantage!r}")
+    if cfg.num_generations < 1 or cfg.rollout_batch_size % cfg.num_generations:
+        raise ValueError(f"ppo: num_generations ({cfg.num_generations}) must be >= 1 and divide rollout_batch_size "
+                         f"({cfg.rollout_batch_size})")
+    if cfg.advantage != "gae" and GROUPED[cfg.advantage] and cfg.num_generations < 2:
+        raise ValueError(f"ppo: advantage {cfg.advantage!r} compares the responses to one prompt: pass "
+                         "--num_generations 2 or more")
+
+
 def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
             key_prefix: str = "") -> PPOPlan:
     """Check the whole configuration and resolve its defaults, loading no model weights.
@@ -179,6 +201,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
                          f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
     if cfg.temperature <= 0:
         raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
+    check_advantage(cfg)
     resolve_dtype(cfg.dtype, resolve_device(cfg.device), lora=cfg.lora_rank > 0)
     try:
         ops.token_kl(torch.zeros(1), torch.zeros(1), estimator=cfg.kl_estimator)
@@ -235,7 +258,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
     lm, tokenizer = load_causal_lm(plan.model, device=device, dtype=dtype,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
-    ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
+    critic = cfg.advantage == "gae"
+    ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=critic)
     reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
     builtin = cfg.data == BUILTIN
     prompts, prompt_ids, eval_prompts, eval_ids = plan.prompts, plan.prompt_ids, plan.eval_prompts, plan.eval_ids
@@ -243,6 +267,11 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     timer = PhaseTimer(device)
+
+    def true_score() -> float:  # the built-in task's score of responses sampled for held-out prompts
+        return evaluate_true_score(ac.policy, tokenizer, eval_ids, eval_prompts, max_new_tokens=cfg.max_new_tokens,
+                                   temperature=cfg.temperature, device=device)
+
     run = StageRun("ppo", cfg, model=ac, optimizer=optimizer)
     step, skipped, true_before = run.step, 0, None
     if run.resumed:
@@ -251,15 +280,16 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         timer.total_seconds.update(extra["phase_seconds"])
         timer.total_peak.update(extra["phase_peak_memory_bytes"])
     elif builtin:
-        true_before = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
+        true_before = true_score()
         log.info("ppo: true score before PPO %.3f", true_before)
     ac.train()
 
     while step < run.stop:
         t0 = time.perf_counter()
-        # 1. rollout: sample one response per prompt
+        # 1. rollout: num_generations responses per prompt, side by side
         with timer.phase("rollout"):
-            idx = torch.randint(len(prompts), (cfg.rollout_batch_size,)).tolist()
+            G = cfg.num_generations
+            idx = [i for i in torch.randint(len(prompts), (cfg.rollout_batch_size // G,)).tolist() for _ in range(G)]
             rollout = generate(ac.policy, tokenizer, [prompt_ids[i] for i in idx], [prompts[i] for i in idx],
                                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
         # 2. reward: one score per sequence
@@ -270,16 +300,23 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         with timer.phase("logprobs"):
             old_logp, old_values, ref_logp = forward_logprobs_values(ac, rollout, temperature=cfg.temperature,
                                                                      device=device)
-        # 4. KL-shaped per-token rewards and GAE
+        # 4. KL-shaped per-token rewards (the KL goes to the loss instead with kl_in_loss), then GAE,
+        #    or critic-free: one score per response (verl's token_level_rewards.sum(-1)) compared
+        #    within each prompt's group of G responses
         with timer.phase("advantages"):
             mask = rollout.batch.response_mask
-            rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask, kl_coef=kl_ctl.coef,
-                                            estimator=cfg.kl_estimator)
-            advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
-        # 5. PPO epochs: clipped policy loss + value loss, gradient accumulation and clipping
+            rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask,
+                                            kl_coef=0.0 if cfg.kl_in_loss else kl_ctl.coef, estimator=cfg.kl_estimator)
+            if critic:
+                advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
+            else:
+                advantages = ops.outcome_advantages(rewards.sum(-1), mask, group_size=G, estimator=cfg.advantage)
+                returns = None
+        # 5. PPO epochs: clipped policy loss (+ k3 KL with kl_in_loss) + value loss (with a critic)
         with timer.phase("update"):
             update_stats = ppo_update(ac, optimizer, rollout, old_logp, old_values, advantages, returns, cfg,
-                                      device, step)
+                                      device, step, ref_logp=ref_logp if cfg.kl_in_loss else None,
+                                      kl_coef=kl_ctl.coef if cfg.kl_in_loss else 0.0)
         skipped += update_stats.pop("skipped_nonfinite")
         # 6. KL controller, metrics, checkpoint
         kl = ((old_logp - ref_logp) * mask).sum(-1).mean().item()  # per-sequence k1 KL to the reference
@@ -288,9 +325,12 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         n_tokens = mask.sum().item()
         stats = {"reward": scores.mean().item(), "kl": kl, "kl_coef": kl_ctl.coef,
                  "response_length": mask.sum(-1).mean().item(),
-                 "explained_variance": explained_variance(old_values, returns, mask).item(),
                  "tokens_per_s": n_tokens / (time.perf_counter() - t0),
                  "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
+        if critic:
+            stats["explained_variance"] = explained_variance(old_values, returns, mask).item()
+        if G > 1:
+            stats["group_reward_std"] = group_reward_std(scores, G)
         if builtin:
             stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
         run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
@@ -315,11 +355,12 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         "phase_seconds": {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES},
         "phase_peak_memory_bytes": {k: int(timer.total_peak[k]) for k in PPO_PHASES if k in timer.total_peak},
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
-        "device": str(device), "lora_rank": cfg.lora_rank, "model_dir": str(run.dir / "final"),
+        "device": str(device), "lora_rank": cfg.lora_rank, "advantage": cfg.advantage,
+        "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
     }
     if builtin:
         summary["true_score_before"] = true_before
-        summary["true_score_after"] = evaluate_true_score(ac, tokenizer, eval_ids, eval_prompts, cfg, device)
+        summary["true_score_after"] = true_score()
     run.write_summary(summary)
     run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
     plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",

@@ -53,7 +53,7 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
     return -F.logsigmoid(chosen.float() - rejected.float()).mean()
 
 
-def _pair_batch(enc: dict, idx: list[int], pad_id: int):
+def pair_batch(enc: dict, idx: list[int], pad_id: int):
     """One batch of 2B sequences: the B chosen responses, then the B rejected ones."""
     prompts = [enc["prompt"][i] for i in idx]
     responses = [enc["chosen"][i] for i in idx] + [enc["rejected"][i] for i in idx]
@@ -61,7 +61,7 @@ def _pair_batch(enc: dict, idx: list[int], pad_id: int):
 
 
 def _pair_scores(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device):
-    batch = _pair_batch(enc, idx, pad_id).to(device)
+    batch = pair_batch(enc, idx, pad_id).to(device)
     with autocast(device):
         scores = model(batch.input_ids, batch.attention_mask, batch.position_ids)
     return scores[: len(idx)], scores[len(idx):]
@@ -107,33 +107,30 @@ class RMPlan:
         return self.model.descendant(Path(self.cfg.out) / "rm" / "final", self.cfg.data)
 
 
-def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: str = "") -> RMPlan:
-    """Check the whole configuration and resolve its defaults, loading no model weights.
-    `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
-    cfg = dataclasses.replace(cfg)
-    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm")
+def prepare_pairs(cfg, model: ModelSource, stage: str, key_prefix: str = ""):
+    """The preference pairs of the rm and dpo stages, checked and tokenized: resolves cfg.data and
+    the lengths (cfg is changed in place). Returns (enc, train_idx, eval_idx): token ids of
+    "prompt", "chosen" and "rejected" per pair, and a seeded split holding out eval_fraction."""
     if not 0 < cfg.eval_fraction < 1:
-        raise ValueError(f"rm: eval_fraction must be in (0, 1), got {cfg.eval_fraction}")
-    model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")
-    cfg.model = model.spec
-    cfg.data = resolve_data(cfg.data, model, "rm", f"--{key_prefix}data")
+        raise ValueError(f"{stage}: eval_fraction must be in (0, 1), got {cfg.eval_fraction}")
+    cfg.data = resolve_data(cfg.data, model, stage, f"--{key_prefix}data")
     builtin = cfg.data == BUILTIN
     if builtin:
         table = builtin_table(task.synthetic_pairs(cfg.num_pairs, cfg.seed))
     else:
         columns = {"prompt": cfg.prompt_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
-        table = load_table(cfg.data, columns, where="rm data")
+        table = load_table(cfg.data, columns, where=f"{stage} data")
     rows = {k: list(table[k]) for k in ("prompt", "chosen", "rejected")}
     ties = [i for i, (c, r) in enumerate(zip(rows["chosen"], rows["rejected"])) if c == r]
     if ties:
-        warnings.warn(f"rm: {len(ties)} of {len(rows['prompt'])} pairs have chosen == rejected (first: row "
+        warnings.warn(f"{stage}: {len(ties)} of {len(rows['prompt'])} pairs have chosen == rejected (first: row "
                       f"{ties[0]}); they carry no preference and are dropped", stacklevel=2)
         keep = sorted(set(range(len(rows["prompt"]))) - set(ties))
         rows = {k: [v[i] for i in keep] for k, v in rows.items()}
     n = len(rows["prompt"])
     n_eval = max(1, int(n * cfg.eval_fraction))
     if n_eval >= n:
-        raise ValueError(f"rm: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
+        raise ValueError(f"{stage}: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
     encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
     enc = {"prompt": encoder.prompts(rows["prompt"])}
     for k in ("chosen", "rejected"):
@@ -144,16 +141,28 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
         cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
     cfg.max_prompt_len, cfg.max_response_len = auto_lengths(
         max(map(len, enc["prompt"])), max(map(len, enc["chosen"] + enc["rejected"])), model.max_positions,
-        max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len, where="rm")
+        max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len, where=stage)
     enc["prompt"] = truncate_prompts(enc["prompt"], cfg.max_prompt_len)
     for k in ("chosen", "rejected"):
         enc[k] = truncate_responses(enc[k], cfg.max_response_len, what=f"{k} responses")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    return enc, order[n_eval:], order[:n_eval]
+
+
+def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: str = "") -> RMPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights.
+    `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm")
+    model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")
+    cfg.model = model.spec
+    enc, train_idx, eval_idx = prepare_pairs(cfg, model, "rm", key_prefix)
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
     check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="rm")
     log.info("rm: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %d pairs held out",
-             model.spec, describe_data(cfg.data, n), cfg.max_prompt_len, cfg.max_response_len, cfg.lr, n_eval)
-    return RMPlan(cfg, model, enc, train_idx=order[n_eval:], eval_idx=order[:n_eval])
+             model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)), cfg.max_prompt_len,
+             cfg.max_response_len, cfg.lr, len(eval_idx))
+    return RMPlan(cfg, model, enc, train_idx=train_idx, eval_idx=eval_idx)
 
 
 def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:

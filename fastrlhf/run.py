@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from fastrlhf import task
 from fastrlhf.checkpoint import resume_from_checkpoint, save_checkpoint
 from fastrlhf.data import AUTO, BUILTIN
 from fastrlhf.devices import resolve_device
 from fastrlhf.metrics import LineProgress, RunLogger, progress, update_summary
 from fastrlhf.models import BUILTIN_MODELS, ModelSource, model_source
 from fastrlhf.plots import plot_curves
+from fastrlhf.rollout import generate
 
 log = logging.getLogger("fastrlhf")
 
@@ -159,6 +161,23 @@ class StageRun:
 
     def plot(self, keys: list[str], filename: str) -> Path | None:
         return plot_curves(self.rows(), self.stage, keys, self.out / "plots" / filename)
+
+
+# ---------------------------------------------------------------- the built-in task's true score
+
+
+@torch.no_grad()
+def evaluate_true_score(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, max_new_tokens: int,
+                        temperature: float, device: torch.device) -> float:
+    """Mean true score (the built-in task's rule, fastrlhf.task) of responses sampled from `lm`
+    to held-out prompts, EVAL_BATCH_SIZE prompts per generate call (PPO and DPO, before and after)."""
+    scores = []
+    for i in range(0, len(prompts), EVAL_BATCH_SIZE):
+        r = generate(lm, tokenizer, prompt_ids[i:i + EVAL_BATCH_SIZE], prompts[i:i + EVAL_BATCH_SIZE],
+                     max_new_tokens=max_new_tokens, temperature=temperature, device=device)
+        scores += task.true_score(r.prompts, r.responses)
+    return sum(scores) / len(scores)
+
 
 
 # ---------------------------------------------------------------- the optimizer step

@@ -1,0 +1,234 @@
+"""`fastrlhf dpo`: direct preference optimisation on (prompt, chosen, rejected), from the SFT model.
+
+With c, r the summed log-probs of the chosen and rejected responses under the policy, and
+c_ref, r_ref under the reference (the starting model: a frozen copy, or the LoRA-disabled policy):
+
+    loss = mean over pairs of -log sigmoid(beta ((c - c_ref) - (r - r_ref)))   (loss_type sigmoid)
+
+Each step, top to bottom:
+  1. batch      B pairs: the chosen and the rejected responses of the same prompts, one packed
+                batch of 2B rows
+  2. reference  the reference's per-sequence sums (no gradient), from its hidden states
+  3. loss       one policy forward; ops.linear_dpo_loss: the chosen and rejected sums in one
+                chunked pass over the 2B rows (no [N, V] logits), then ops.dpo_loss
+  4. update     warm-up, gradient clipping; a non-finite loss or gradient skips the step
+  5. log        loss, implicit-reward margin and accuracy; held-out accuracy every eval_every
+                steps; checkpoint every save_every
+
+The held-out accuracy is the fraction of held-out pairs whose implicit reward
+beta (logp - logp_ref) is higher for the chosen response. On the built-in task the true score
+of sampled responses is measured before and after, as in PPO.
+
+`prepare` checks the whole configuration before a model loads; `train` runs it. Writes
+OUT/dpo/config.json, OUT/dpo/final (a merged HF model directory), OUT/dpo/checkpoints, rows with
+"stage": "dpo" in OUT/metrics.jsonl, OUT/summary.json["dpo"] and OUT/plots/dpo_curves.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from fastrlhf import ops, task
+from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf.config import DPOConfig, run_cli, to_dict
+from fastrlhf.data import BUILTIN, Batch, Encoder, truncate_prompts
+from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.heads import ActorCritic
+from fastrlhf.metrics import log, setup_logging, to_floats
+from fastrlhf.models import ModelSource, load_causal_lm
+from fastrlhf.rm import pair_batch, prepare_pairs
+from fastrlhf.run import (
+    EVAL_BATCH_SIZE,
+    StageRun,
+    check_common,
+    describe_data,
+    evaluate_true_score,
+    guarded_step,
+    stage_model,
+)
+
+TINY_LR = 1e-3  # a model grown from the built-in `tiny`
+MODEL_LR = 1e-5  # any other model, full fine-tuning: OpenRLHF 0.11's train_dpo default (--adam.lr)
+LORA_LR = 1e-4  # any other model with LoRA adapters
+
+
+def response_hidden(policy: ActorCritic, batch: Batch, *, reference: bool):
+    """(hidden [2B, R, H] that predict the response tokens, the lm_head) of the policy, or of
+    the reference (no gradient)."""
+    P = batch.prompt_len
+    if reference:
+        hidden = policy.reference_hidden(batch.input_ids, batch.attention_mask, batch.position_ids)
+        return hidden[:, P - 1:-1], policy.reference_lm_head()
+    hidden, _ = policy(batch.input_ids, batch.attention_mask, batch.position_ids)
+    return hidden[:, P - 1:-1], policy.lm_head
+
+
+@torch.no_grad()
+def reference_sums(policy: ActorCritic, batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 2: the reference's summed log-probs of the chosen rows and of the rejected rows."""
+    with autocast(device):
+        h, head = response_hidden(policy, batch, reference=True)
+        sums = ops.linear_sequence_logprobs(h, head.weight.to(h.dtype), batch.responses, batch.response_mask,
+                                            bias=head.bias)
+    B = sums.shape[0] // 2
+    return sums[:B], sums[B:]
+
+
+def dpo_step_loss(policy: ActorCritic, batch: Batch, cfg: DPOConfig, device):
+    """Phases 2-3: (loss, stats) of one packed batch of pairs."""
+    ref_chosen, ref_rejected = reference_sums(policy, batch, device)
+    with autocast(device):
+        h, head = response_hidden(policy, batch, reference=False)
+    return ops.linear_dpo_loss(h, head.weight.to(h.dtype), batch.responses, batch.response_mask, ref_chosen,
+                               ref_rejected, bias=head.bias, beta=cfg.beta, loss_type=cfg.loss_type,
+                               label_smoothing=cfg.label_smoothing, ipo_per_token=cfg.ipo_per_token)
+
+
+@torch.no_grad()
+def heldout_accuracy(policy: ActorCritic, enc: dict, idx: list[int], pad_id: int, device) -> float:
+    """Fraction of held-out pairs whose implicit reward is higher for the chosen response."""
+    was_training = policy.training
+    policy.eval()
+    hits = 0
+    for i in range(0, len(idx), EVAL_BATCH_SIZE // 2):
+        part = idx[i:i + EVAL_BATCH_SIZE // 2]
+        batch = pair_batch(enc, part, pad_id).to(device)
+        ref_chosen, ref_rejected = reference_sums(policy, batch, device)
+        with autocast(device):
+            h, head = response_hidden(policy, batch, reference=False)
+            sums = ops.linear_sequence_logprobs(h, head.weight.to(h.dtype), batch.responses, batch.response_mask,
+                                                bias=head.bias)
+        hits += int((sums[:len(part)] - ref_chosen > sums[len(part):] - ref_rejected).sum())
+    policy.train(was_training)
+    return hits / max(1, len(idx))
+
+
+@dataclasses.dataclass
+class DPOPlan:
+    """The DPO stage, checked and resolved before its model loads."""
+
+    cfg: DPOConfig
+    """The configuration with every `auto`/0 default resolved (what OUT/dpo/config.json records)."""
+    model: ModelSource
+    enc: dict[str, list[list[int]]]
+    """Token ids of "prompt", "chosen" and "rejected", one entry per pair."""
+    train_idx: list[int]
+    eval_idx: list[int]
+    eval_prompts: list[str]
+    """Built-in task only: held-out prompts for the true score (empty for user data)."""
+    eval_ids: list[list[int]]
+
+
+def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: str = "") -> DPOPlan:
+    """Check the whole configuration and resolve its defaults, loading no model weights.
+    `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
+    cfg = dataclasses.replace(cfg)
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs", "eval_prompts"),
+                 "dpo")
+    if cfg.lora_rank < 0:
+        raise ValueError(f"dpo: lora_rank must be >= 0, got {cfg.lora_rank}")
+    try:  # beta, loss_type and label_smoothing as the op checks them
+        ops.dpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=cfg.beta,
+                     loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"dpo: {e}") from None
+    if cfg.ipo_per_token and cfg.loss_type != "ipo":
+        raise ValueError(f"dpo: ipo_per_token applies to loss_type ipo only, got loss_type {cfg.loss_type!r}")
+    model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "dpo", "sft")
+    cfg.model = model.spec
+    enc, train_idx, eval_idx = prepare_pairs(cfg, model, "dpo", key_prefix)
+    eval_prompts, eval_ids = [], []
+    if cfg.data == BUILTIN:
+        cfg.max_new_tokens = cfg.max_new_tokens or task.MAX_NEW_TOKENS
+        eval_prompts = [r["prompt"] for r in task.synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
+        eval_ids = truncate_prompts(Encoder(model.tokenizer, chat_template=cfg.chat_template).prompts(eval_prompts),
+                                    cfg.max_prompt_len, what="evaluation prompts")
+    cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else LORA_LR if cfg.lora_rank else MODEL_LR)
+    check_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="dpo")
+    log.info("dpo: model %s; data %s; prompts <= %d tokens, responses <= %d; %s loss, beta %g; lr %g; "
+             "%d pairs held out", model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)),
+             cfg.max_prompt_len, cfg.max_response_len, cfg.loss_type, cfg.beta, cfg.lr, len(eval_idx))
+    return DPOPlan(cfg, model, enc, train_idx, eval_idx, eval_prompts, eval_ids)
+
+
+def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
+    plan = plan or prepare(cfg)
+    cfg = plan.cfg
+    start_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: the policy and its reference (frozen copy, or LoRA disabled), optimizer, resume
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
+    policy = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=False)
+    enc, train_idx, eval_idx = plan.enc, plan.train_idx, plan.eval_idx
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
+    run = StageRun("dpo", cfg, model=policy, optimizer=optimizer)
+    step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
+    builtin = bool(plan.eval_prompts)
+
+    def true_score() -> float:  # the built-in task's score of responses sampled for held-out prompts
+        return evaluate_true_score(policy.policy, tokenizer, plan.eval_ids, plan.eval_prompts,
+                                   max_new_tokens=cfg.max_new_tokens, temperature=1.0, device=device)
+
+    true_before = run.extra.get("true_before")
+    if builtin and not run.resumed:
+        true_before = true_score()
+        log.info("dpo: true score before DPO %.3f", true_before)
+    window = []
+    pad_id = tokenizer.pad_token_id
+    policy.train()
+
+    while step < run.stop:
+        # 1. batch: B pairs -> 2B rows, the chosen responses first, then the rejected ones
+        idx = [train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,)).tolist()]
+        batch = pair_batch(enc, idx, pad_id).to(device)
+        # 2-3. reference sums, then the policy's sums and the DPO loss in one fused pass
+        loss, stats = dpo_step_loss(policy, batch, cfg, device)
+        # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
+        if not guarded_step(optimizer, loss, trainable, step, lr=cfg.lr):
+            skipped += 1
+        step += 1
+        window.append(dict(to_floats(stats), loss=loss.item()))
+        run.advance(loss=f"{loss.item():.3f}", margin=f"{stats['reward_margin'].item():.3f}")
+        # 5. log (with the held-out accuracy every eval_every steps) and checkpoint
+        if run.due(step, cfg.log_every):
+            row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+            row["skipped_nonfinite"] = skipped
+            if run.due(step, cfg.eval_every):
+                row["accuracy"] = heldout_accuracy(policy, enc, eval_idx, pad_id, device)
+            run.log(step, row)
+            window = []
+        if run.due(step, cfg.save_every):
+            run.save(step, policy.trainable_state(), {"skipped_nonfinite": skipped, "true_before": true_before})
+
+    if not run.finish(step):
+        return {"stopped_at": step}
+    # 6. final policy (LoRA merged), true score after, summary, plot
+    policy.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
+    logged = run.rows()
+    summary = {"steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
+               "loss_final": logged[-1]["loss"] if logged else None,
+               "accuracy": logged[-1].get("accuracy") if logged else None, "eval_pairs": len(eval_idx),
+               "reward_margin_final": logged[-1]["reward_margin"] if logged else None,
+               "loss_type": cfg.loss_type, "beta": cfg.beta, "lora_rank": cfg.lora_rank,
+               "device": str(device), "model_dir": str(run.dir / "final")}
+    if builtin:
+        summary["true_score_before"] = true_before
+        summary["true_score_after"] = true_score()
+    run.write_summary(summary)
+    run.plot(["loss", "reward_margin", "accuracy"], "dpo_curves.png")
+    if builtin:
+        log.info("dpo: done, true score %.3f -> %.3f, held-out accuracy %.3f", summary["true_score_before"],
+                 summary["true_score_after"], summary["accuracy"])
+    else:
+        log.info("dpo: done, held-out accuracy %.3f on %d pairs", summary["accuracy"], len(eval_idx))
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    setup_logging()
+    return run_cli(DPOConfig, argv, "fastrlhf dpo", train)
