@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastrlhf import dpo, ops, ppo
-from fastrlhf.config import DPOConfig, PPOConfig
+from fastrlhf import dpo, ops, ppo, sft
+from fastrlhf.config import DPOConfig, PPOConfig, SFTConfig
 from fastrlhf.heads import VALUE_HEAD_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,28 +196,22 @@ def test_pipeline_rejects_an_unknown_algo(tmp_path):
 def sft_model(tmp_path_factory):
     """The embedded default's SFT stage at half its steps: a policy that scores ~0.4-0.5."""
     out = tmp_path_factory.mktemp("sft")
-    r = _cli("sft", "--out", str(out), "--steps", "150", "--log_every", "50", "--save_every", "150")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+    n = torch.get_num_threads()
+    sft.train(SFTConfig(out=str(out), steps=150, log_every=50, save_every=150))
+    torch.set_num_threads(n)
+    return str(out / "sft" / "final")
 
 
 @pytest.mark.slow
 def test_dpo_raises_the_true_score_from_sft(sft_model, tmp_path):
-    out = tmp_path / "dpo"
-    r = _cli("dpo", "--out", str(out), "--model", str(sft_model / "sft" / "final"), "--steps", "40",
-             "--num_pairs", "600", "--eval_prompts", "64", "--eval_every", "40", "--log_every", "20")
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())["dpo"]
+    s = dpo.train(DPOConfig(out=str(tmp_path), model=sft_model, steps=40, num_pairs=600, eval_prompts=64,
+                            eval_every=40, log_every=20))
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s
 
 
 @pytest.mark.slow
 def test_grpo_raises_the_true_score_from_sft(sft_model, tmp_path):
-    out = tmp_path / "grpo"
-    r = _cli("ppo", "--out", str(out), "--model", str(sft_model / "sft" / "final"), "--reward",
-             "fastrlhf.task:true_score", "--advantage", "grpo", "--num_generations", "4", "--kl_in_loss",
-             "--kl_coef", "0.05", "--steps", "15", "--rollout_batch_size", "32", "--mini_batch_size", "32",
-             "--micro_batch_size", "32", "--eval_prompts", "64")
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())["ppo"]
+    s = ppo.train(PPOConfig(out=str(tmp_path), model=sft_model, reward="fastrlhf.task:true_score", advantage="grpo",
+                            num_generations=4, kl_in_loss=True, kl_coef=0.05, steps=15, rollout_batch_size=32,
+                            mini_batch_size=32, micro_batch_size=32, eval_prompts=64))
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s
