@@ -1,0 +1,378 @@
+"""Calibration points, the fit of the time coefficients, and predicted vs published / measured.
+
+    python -m fastrlhf.estimate.calibrate                # every point: predicted vs published, within band?
+    python -m fastrlhf.estimate.calibrate --write        # refit the coefficients, write data/efficiency.json
+    python -m fastrlhf.estimate.calibrate --heldout      # OpenRLHF's benchmark (never fitted)
+    python -m fastrlhf.estimate.calibrate --probe-cpu    # measure this CPU into data/devices.json
+
+Points:
+- published: data/points_deepspeed_chat.json (DeepSpeed-Chat's step-3 log, blog figures);
+- measured: bench/results/*.json records of fastrlhf runs (`python -m fastrlhf.estimate.record`), on
+  CPU now and on a GPU when one is recorded (the same code path: the record's device picks the class).
+Held out: data/heldout_openrlhf.json (OpenRLHF's published benchmark), predicted, never fitted.
+
+The fit: for one device class, each measured time t is a sum of work features times coefficients
+(timing.py); the free coefficients minimise the squared relative errors sum((pred - t) / t)^2 by
+linear least squares (numpy), a coefficient that comes out negative is pinned to 0 and the rest
+refitted. Its range: the values that would make each point's phase exact with the other
+coefficients held (over the phases where that coefficient's term is at least 30% of the time), widened
+to the class's largest relative residual when fewer than two phases constrain it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from fastrlhf.estimate import timing
+from fastrlhf.estimate.arch import resolve_model
+from fastrlhf.estimate.compare import RunRecord, compare, spec_from_run
+from fastrlhf.estimate.hardware import DATA
+from fastrlhf.estimate.plan import Spec, estimate, phase_works
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
+
+# features fitted per class; the rest keep their prior (or physical) value
+FREE = {
+    "cpu": ("fwd", "train", "fwd/h", "train/h", "decode:hf", "calls:hf", "steps:hf", "calls:fwd", "calls:train", "micro:fwd",
+            "micro:train", "opt_tensors", "steps:adv", "fixed"),
+    "gpu": ("train", "train/h", "decode:ds-he", "decode:hf", "calls:hf", "decode:vllm"),
+}
+TIED = {"gpu": {"fwd": "train", "fwd/h": "train/h"}}  # DeepSpeed-Chat's log cannot separate forward from training efficiency
+
+
+def published_points() -> list[dict]:
+    points = json.loads((DATA / "points_deepspeed_chat.json").read_text())["points"]
+    by_id = {p["id"]: p for p in points}
+    for p in points:
+        if "setup_from" in p:
+            p["setup"] = by_id[p["setup_from"]]["setup"]
+    return points
+
+
+def heldout_points() -> list[dict]:
+    return json.loads((DATA / "heldout_openrlhf.json").read_text())["points"]
+
+
+def run_records(directory: Path = RESULTS) -> list[tuple[str, RunRecord, dict]]:
+    """(name, record, raw json) of every recorded fastrlhf run under bench/results/."""
+    out = []
+    for path in sorted(directory.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "rows" in data and "model_config" in data:
+            out.append((path.stem, RunRecord.from_json(data), data))
+    return out
+
+
+def spec_of(setup: dict, **changes) -> Spec:
+    setup = dict(setup, **changes)
+    setup.setdefault("stage", "ppo")
+    return Spec(**setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Work per measured quantity (the rows of the fit)
+
+
+def rows_for(point_id: str, spec: Spec, measured: dict[str, float]) -> list[tuple[str, timing.Work, float]]:
+    """(label, work, measured seconds) for each measured quantity of a point."""
+    works = phase_works(spec)
+    out = []
+    for name, t in measured.items():
+        if name == "dschat_training":
+            w = timing.Work()
+            for ph in ("reward", "logprobs", "advantages", "update:actor"):
+                w.add(works[ph])
+        elif name == "dschat_others":
+            w = works["update:critic"]
+        else:
+            w = works[name]
+        out.append((f"{point_id}:{name}", w, t))
+    return out
+
+
+def deepspeed_chat_flops(arch, factor: float, tokens: float, seq: int) -> float:
+    """DeepSpeed-Chat's FLOP accounting (dschat/utils/perf.py calculate_flops, Megatron's formula):
+    24 f B s L h^2 (1 + s / 6h + V / 16 L h), here per `tokens` = B s."""
+    h, n_layers, vocab = arch.hidden, arch.layers, arch.vocab
+    return 24 * factor * tokens * n_layers * h * h * (1 + seq / (6 * h) + vocab / (16 * n_layers * h))
+
+
+def fig6_rows() -> list[tuple[str, timing.Work, float]]:
+    """Figure 6's training TFLOPs as rows: per GPU and sequence, the published training time is
+    (actor + critic FLOPs in DeepSpeed-Chat's accounting) / TFLOPs; the planner's work for the same
+    sequence is its own FLOPs over the peak. Setups: the release scripts (point `assumed`)."""
+    from fastrlhf.estimate import plan
+
+    p = next(p for p in published_points() if p["id"] == "dschat-blog-fig6-train-tflops")
+    rows = []
+    for row in p["published"]["rows"]:
+        if row["model"] not in p["setups"]:
+            continue
+        setup = dict(p["setups"][row["model"]])
+        spec = spec_of(setup)
+        actor, critic = resolve_model(row["model"]), resolve_model("opt-350m")
+        seq = spec.seq_len + spec.gen_len
+        dev = plan.device(spec.gpu)
+        lora = spec.lora_rank > 0
+        f_actor = (4 if spec.gradient_checkpointing else 3) - ((1 - 2 * spec.lora_rank / actor.hidden) if lora else 0)
+        published = (deepspeed_chat_flops(actor, f_actor, seq, seq) + deepspeed_chat_flops(critic, 3, seq, seq)) \
+            / (row["training_tflops"] * 1e12)
+        w = timing.Work()
+        w.add(plan.compute(spec, "train", plan.train_passes(spec, lora) * plan.forward_flops(actor, seq, seq / 2), actor, dev))
+        w.add(plan.compute(spec, "train", plan.train_passes(spec, False) * plan.forward_flops(critic, seq, seq / 2, False),
+                           critic, dev))
+        rows.append((f"{p['id']}:{row['model']}", w, published))
+    return rows
+
+
+def calibration_rows(kind: str) -> list[tuple[str, timing.Work, float]]:
+    rows = []
+    if kind == "gpu":
+        rows += fig6_rows()
+        for p in published_points():
+            if p["kind"] == "phases" and p["use"] == "calibrate":
+                pub = p["published"]
+                rows += rows_for(p["id"], spec_of(p["setup"]), {
+                    "rollout": pub["generate_s"], "dschat_training": pub["training_s"],
+                    "dschat_others": pub["others_s"]})
+    for name, rec, _ in run_records():
+        spec = spec_from_run(rec)
+        if ("cpu" if spec.gpu == "cpu" else "gpu") != kind:
+            continue
+        measured = {ph: t for ph, t in rec.phase_seconds().items() if t > 0 and not (ph == "reward" and
+                                                                                   rec.reward_config is None)}
+        rows += rows_for(name, spec, measured)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit
+
+
+def fit(kind: str, rows=None) -> dict[str, dict]:
+    """Least-squares coefficients (relative errors) for the free features of a class, with ranges."""
+    import numpy as np
+
+    rows = calibration_rows(kind) if rows is None else rows
+    table = json.loads(json.dumps(timing.coefficients(kind)))
+    tied = TIED.get(kind, {})
+    free = [f for f in FREE[kind] if any(w.get(f, 0) or any(w.get(t, 0) for t, s in tied.items() if s == f)
+                                         for _, w, _ in rows)]
+
+    def amount(w, f):
+        return w.get(f, 0.0) + sum(w.get(t, 0.0) for t, s in tied.items() if s == f)
+
+    active = list(free)
+    while True:
+        a = np.array([[amount(w, f) / t for f in active] for _, w, t in rows])
+        fixed = np.array([sum(v * table[k]["value"] for k, v in w.items() if k not in active and k not in tied)
+                          / t for _, w, t in rows])
+        b = 1.0 - fixed
+        coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+        if (coef >= 0).all():
+            break
+        worst = active[int(np.argmin(coef))]
+        active.remove(worst)
+        table[worst]["value"] = 0.0
+    for f, c in zip(active, coef):
+        table[f]["value"] = float(c)
+    for t, s in tied.items():
+        table[t]["value"] = table[s]["value"]
+
+    def predict(w):
+        return sum(v * table[k]["value"] for k, v in w.items())
+
+    residual = max(abs(predict(w) - t) / t for _, w, t in rows) if rows else 0.0
+    for f in free:
+        c = table[f]["value"]
+        implied, names = [], []
+        for label, w, t in rows:
+            term = amount(w, f) * c
+            if c and term >= 0.3 * predict(w):
+                others = predict(w) - term
+                implied.append(max(0.0, (t - others) / amount(w, f)))
+                names.append(label.split(":")[0])
+        if len(implied) >= 2:
+            lo, hi = min(implied + [c]), max(implied + [c])
+        else:
+            lo, hi = c / (1 + residual), c * (1 + residual)
+        table[f]["range"] = [lo, hi]
+        table[f]["from"] = sorted(set(names)) or sorted({label.split(":")[0] for label, w, _ in rows
+                                                         if amount(w, f)})
+        if f in active and not c:
+            table[f]["from"] = ["fitted to 0"]
+    for t, s in tied.items():
+        table[t] = dict(table[s], note=f"tied to {s}")
+    return table
+
+
+def apply_fig6_range(table: dict) -> dict:
+    """The GPU training coefficient's range: DeepSpeed-Chat's Figure 6 training efficiency spread."""
+    fig6 = next(p for p in published_points() if p["id"] == "dschat-blog-fig6-train-tflops")
+    mfus = [r["training_tflops"] / 312 for r in fig6["published"]["rows"]]
+    lo, hi = table["train"]["range"]
+    table["train"]["range"] = [min(lo, 1 / max(mfus)), max(hi, 1 / min(mfus))]
+    table["train"]["from"] = sorted(set(table["train"]["from"]) | {fig6["id"]})
+    for t, s in TIED["gpu"].items():
+        table[t] = dict(table[s], note=f"tied to {s}")
+    return table
+
+
+def write(tables: dict[str, dict]) -> None:
+    path = DATA / "efficiency.json"
+    data = json.loads(path.read_text())
+    for kind, table in tables.items():
+        data["classes"][kind] = table
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    timing.coefficients.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicted vs published / measured
+
+
+def check_published() -> list[dict]:
+    """Every published point: predicted vs published, and whether it is within its band."""
+    out = []
+    for p in published_points():
+        kind = p["kind"]
+        if kind == "phases":
+            spec = spec_of(p["setup"])
+            ph = estimate(spec)["stages"]["ppo"]["phases"]
+            pred = {"generate_s": ph["rollout"]["seconds"],
+                    "training_s": sum(ph[k]["seconds"] for k in ("reward", "logprobs", "advantages"))
+                    + ph["update"]["seconds_by_model"]["actor"],
+                    "others_s": ph["update"]["seconds_by_model"]["critic"]}
+            pred["e2e_s"] = sum(pred.values())
+            pred["generate_share"] = pred["generate_s"] / pred["e2e_s"]
+            band = p["band"]
+            ok = all(abs(pred[k] / p["published"][k] - 1) <= band["phases"] for k in
+                     ("generate_s", "training_s", "others_s", "e2e_s"))
+            ok = ok and abs(pred["generate_share"] - p["published"]["generate_share"]) <= band["generate_share"]
+            out.append({"id": p["id"], "published": p["published"], "predicted": pred, "within_band": ok,
+                        "band": band})
+        elif kind == "peak_memory":
+            r = estimate(spec_of(p["setup"]))["stages"]["ppo"]
+            pred = r["memory_per_gpu_bytes"]["peak"]
+            pub = p["published"]["peak_bytes"]
+            out.append({"id": p["id"], "published": pub, "predicted": pred, "ratio": pred / pub,
+                        "within_band": abs(pred / pub - 1) <= p["band"]["peak"], "band": p["band"]})
+        elif kind == "generate_share":
+            ph = estimate(spec_of(p["setup"]))["stages"]["ppo"]
+            pred = ph["phases"]["rollout"]["share"]
+            out.append({"id": p["id"], "published": p["published"]["generate_share"], "predicted": pred,
+                        "within_band": abs(pred - p["published"]["generate_share"]) <= p["band"]["generate_share"],
+                        "band": p["band"]})
+        elif kind == "min_gpus":
+            rows = []
+            for row in p["published"]["rows"]:
+                n = min_gpus(spec_of(p["setup"], **row["setup"]))
+                ok = n is not None and max(n, row["min_gpus"]) / min(n, row["min_gpus"]) <= p["band"]["factor"]
+                rows.append({"case": row["case"], "published": row["min_gpus"], "predicted": n, "within_band": ok})
+            out.append({"id": p["id"], "rows": rows, "within_band": all(r["within_band"] for r in rows),
+                        "band": p["band"]})
+        elif kind == "train_tflops":
+            coef = timing.coefficients("gpu")["train"]
+            mfu = 1 / coef["value"]
+            rows = [{"model": r["model"], "published_mfu": r["training_tflops"] / 312,
+                     "predicted_mfu": mfu, "range": [1 / coef["range"][1], 1 / coef["range"][0]]}
+                    for r in p["published"]["rows"]]
+            ok = all(row["range"][0] - 1e-9 <= row["published_mfu"] <= row["range"][1] + 1e-9 for row in rows)
+            out.append({"id": p["id"], "rows": rows, "within_band": ok, "band": "the training coefficient's range"})
+    return out
+
+
+def min_gpus(spec: Spec, limit: int = 64) -> int | None:
+    """The fewest GPUs (powers of two) on which the planner judges the run to fit."""
+    n = 1
+    while n <= limit:
+        s = dataclasses.replace(spec, gpus=n, rollout_batch=n * (spec.micro_rollout_batch or 1))
+        if estimate(s)["stages"][s.stage]["fits"]:
+            return n
+        n *= 2
+    return None
+
+
+def check_runs() -> list[dict]:
+    """Every recorded fastrlhf run: predicted vs measured phase times (band 30%)."""
+    out = []
+    for name, rec, raw in run_records():
+        c = compare(rec)
+        rows = {ph: r for ph, r in c["phases"].items() if r["measured_seconds"] and not (
+            ph == "reward" and rec.reward_config is None)}
+        out.append({"id": name, "command": raw.get("command"), "phases": rows, "iteration": c["iteration"],
+                    "within_band": all(abs(r["ratio"] - 1) <= 0.30 for r in rows.values())})
+    return out
+
+
+def check_heldout() -> list[dict]:
+    out = []
+    for p in heldout_points():
+        for row in p["published"]["rows"]:
+            spec = spec_of(p["setup"], **row["setup"])
+            r = estimate(spec)["stages"]["ppo"]
+            seconds = r["seconds"] * row.get("iterations", 1)
+            lo, hi = (x * row.get("iterations", 1) for x in r["seconds_range"])
+            out.append({"id": f"{p['id']}:{row['case']}", "published_s": row["seconds"], "predicted_s": seconds,
+                        "range_s": [lo, hi], "ratio": seconds / row["seconds"], "fits": r["fits"],
+                        "dominant_phase": r["dominant_phase"]})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_cpu_into_devices() -> dict:
+    import os
+
+    from fastrlhf.estimate.hardware import probe_cpu
+
+    one = probe_cpu(threads=1)
+    every = probe_cpu(threads=os.cpu_count() or 1)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    spec = {"name": "recording CPU", "memory_bytes": total, "bandwidth": every["bandwidth"],
+            "peak_flops": every["peak_flops"], "threads": every["threads"],
+            "peak_flops_1_thread": one["peak_flops"], "load_avg": os.getloadavg(),
+            "command": "python -m fastrlhf.estimate.calibrate --probe-cpu"}
+    path = DATA / "devices.json"
+    path.write_text(json.dumps({"cpu": spec}, indent=1) + "\n")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastrlhf.estimate.calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="refit the coefficients and write data/efficiency.json")
+    p.add_argument("--heldout", action="store_true", help="also predict OpenRLHF's published benchmark")
+    p.add_argument("--probe-cpu", action="store_true", help="measure this CPU into data/devices.json")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.probe_cpu:
+        print(json.dumps(probe_cpu_into_devices(), indent=1))
+    if args.write:
+        tables = {"cpu": fit("cpu")}
+        tables["gpu"] = apply_fig6_range(fit("gpu"))
+        write(tables)
+    report = {"published": check_published(), "runs": check_runs()}
+    if args.heldout:
+        report["heldout"] = check_heldout()
+    if args.json:
+        print(json.dumps(report, indent=1, default=float))
+        return 0
+    for kind, table in (("gpu", timing.coefficients("gpu")), ("cpu", timing.coefficients("cpu"))):
+        print(f"{kind} coefficients:")
+        for f, e in table.items():
+            if e["value"] or e["from"] != ["prior"]:
+                print(f"  {f:<12} {e['value']:.4g}  range {e['range'][0]:.4g}-{e['range'][1]:.4g}  from {', '.join(e['from'])}")
+    print(json.dumps(report, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
