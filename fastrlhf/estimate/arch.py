@@ -89,7 +89,8 @@ class Arch:
 
     def matmul_params(self, lm_head: bool = True) -> int:
         """Weights a token multiplies through (2 FLOPs each): every layer's linears (+ lm_head)."""
-        n = self.layers * self.layer_linear_params() + (2 * self.embed * self.hidden if self.embed != self.hidden else 0)
+        n = self.layers * self.layer_linear_params()
+        n += 2 * self.embed * self.hidden if self.embed != self.hidden else 0  # OPT-350m's projections
         return n + (self.head_params() if lm_head else 0)
 
 

@@ -128,7 +128,8 @@ def read_run(out: str | Path, argv: list[str] | None = None) -> RunRecord:
     summary = out / "summary.json"
     device = json.loads(summary.read_text()).get("ppo", {}).get("device", "") if summary.is_file() else ""
     return RunRecord(out=str(out), config=config, device=device or "unknown",
-                     prompt_len=_prompt_len(out, config), rows=rows, model_config=_model_config(policy_dir(out, config)),
+                     prompt_len=_prompt_len(out, config), rows=rows,
+                     model_config=_model_config(policy_dir(out, config)),
                      reward_config=_reward_config(out, config), device_name=_device_name(device))
 
 
@@ -217,10 +218,11 @@ def compare(record: RunRecord, spec=None) -> dict:
                        "measured_peak_bytes": measured_m.get(phase)}
     total_p = sum(r["predicted_seconds"] for r in rows.values())
     total_m = sum(r["measured_seconds"] or 0.0 for r in rows.values())
-    return {"spec_gpu": spec.gpu, "phases": rows, "iteration": {"predicted_seconds": total_p, "measured_seconds": total_m,
-                                                                 "ratio": total_p / total_m if total_m else None},
-            "memory_note": ("CUDA max_memory_allocated per phase" if spec.gpu != "cpu" else
-                            "CPU: measured = process peak RSS (includes the Python/torch runtime), predicted = tensors")}
+    iteration = {"predicted_seconds": total_p, "measured_seconds": total_m,
+                 "ratio": total_p / total_m if total_m else None}
+    note = ("CUDA max_memory_allocated per phase" if spec.gpu != "cpu" else
+            "CPU: measured = process peak RSS (includes the Python/torch runtime), predicted = tensors")
+    return {"spec_gpu": spec.gpu, "phases": rows, "iteration": iteration, "memory_note": note}
 
 
 def compare_main(args, explicit: set[str]) -> int:

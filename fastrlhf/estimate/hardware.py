@@ -6,6 +6,10 @@ GPU figures are the vendors' data sheets (dense, no sparsity): NVIDIA V100 (SXM2
 TFLOP/s), H200 SXM (4.8 TB/s, 989 TFLOP/s), RTX A6000 (768 GB/s, 154.8 TFLOP/s fp16 with fp32
 accumulate). `pcie` is the host link each GPU offloads over (PCIe 3.0 x16 ~16 GB/s for V100 hosts,
 PCIe 4.0 x16 ~32 GB/s for A100/A800/A6000, PCIe 5.0 x16 ~64 GB/s for H100/H200), per direction.
+`link` is the GPU-to-GPU bandwidth inside a node per GPU and direction (NVLink: V100 SXM3 in a DGX-2
+300 GB/s bidirectional, A100 600, A800 400, H100/H200 900; the A6000 has PCIe only), `network`
+between nodes per GPU and direction (DGX-2: 8 x 100 Gb/s InfiniBand for 16 GPUs; DGX A100 / HGX A800:
+one 200 Gb/s HDR port per GPU; DGX H100: one 400 Gb/s NDR port per GPU), `node_gpus` GPUs per node.
 
 `cpu` is the CPU a `fastrlhf` run uses (`--gpu cpu`): its figures are the ones measured on the
 machine that made the recorded CPU runs (bench/results/cpu_*.json; fastrlhf/estimate/data/
@@ -31,6 +35,9 @@ class Device:
     bandwidth: float  # bytes/s, device memory
     peak_flops: float  # dense bf16 / fp16 FLOP/s (fp32 on a CPU)
     pcie: float = 0.0  # bytes/s per direction to host memory (offload)
+    link: float = 0.0  # bytes/s per GPU and direction to GPUs of its node
+    network: float = 0.0  # bytes/s per GPU and direction to other nodes
+    node_gpus: int = 8
     kind: str = "gpu"  # gpu or cpu
     context_bytes: int = 1 * GIB  # CUDA context + allocator slack, not in max_memory_allocated
     threads: int = 0  # CPU: threads the probe used
@@ -38,13 +45,14 @@ class Device:
 
 
 GPUS = {
-    "v100-32g": Device("V100-SXM-32GB", 32 * GIB, 900e9, 125e12, pcie=16e9),
-    "a6000": Device("RTX-A6000-48GB", 48 * GIB, 768e9, 154.8e12, pcie=32e9),
-    "a100-40g": Device("A100-SXM4-40GB", 40 * GIB, 1.555e12, 312e12, pcie=32e9),
-    "a100-80g": Device("A100-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9),
-    "a800-80g": Device("A800-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9),
-    "h100": Device("H100-SXM5-80GB", 80 * GIB, 3.35e12, 989e12, pcie=64e9),
-    "h200": Device("H200-SXM-141GB", 141 * 10**9, 4.8e12, 989e12, pcie=64e9),
+    "v100-32g": Device("V100-SXM-32GB", 32 * GIB, 900e9, 125e12, pcie=16e9, link=150e9, network=6.25e9,
+                       node_gpus=16),
+    "a6000": Device("RTX-A6000-48GB", 48 * GIB, 768e9, 154.8e12, pcie=32e9, link=32e9, network=25e9),
+    "a100-40g": Device("A100-SXM4-40GB", 40 * GIB, 1.555e12, 312e12, pcie=32e9, link=300e9, network=25e9),
+    "a100-80g": Device("A100-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9, link=300e9, network=25e9),
+    "a800-80g": Device("A800-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9, link=200e9, network=25e9),
+    "h100": Device("H100-SXM5-80GB", 80 * GIB, 3.35e12, 989e12, pcie=64e9, link=450e9, network=50e9),
+    "h200": Device("H200-SXM-141GB", 141 * 10**9, 4.8e12, 989e12, pcie=64e9, link=450e9, network=50e9),
 }
 
 

@@ -13,8 +13,13 @@
 
 Colocated placement runs every phase on all GPUs; disaggregated placement gives generation, actor,
 critic, reference and reward their own pools (OpenRLHF's Ray layout): within a phase the pools
-work in parallel and the phase takes the slowest. Communication between GPUs (ZeRO gathers,
-weight sync to the generation engine) is not modelled.
+work in parallel and the phase takes the slowest. Collectives are ring all-gathers / reduce-scatters
+at the node's link or the network's bandwidth (hardware.py), counted as exposed (not overlapped
+with compute; the low end of a time range takes them as fully overlapped): ZeRO-3 gathers the
+weights for every forward and backward (FSDP2 under HF generate: for every decode step) and
+reduce-scatters gradients per micro-batch; ZeRO-1/2 reduce-scatter gradients and gather weights per
+optimizer step; replicated training all-reduces gradients; vLLM receives the actor's weights once per
+iteration. Tensor parallelism's own all-reduces are not counted.
 """
 
 from __future__ import annotations
@@ -322,6 +327,21 @@ def _head_tokens(spec: Spec, sequences: float, seq: int) -> float | None:
     return sequences * spec.gen_len if spec.logits == "linear" else None
 
 
+def collective(dev: Device, size_bytes: float, gpus: int, times: float = 1.0) -> dict[str, float]:
+    """Seconds of `times` ring all-gathers (or reduce-scatters) of `size_bytes` over `gpus` GPUs."""
+    if gpus <= 1 or not size_bytes:
+        return {}
+    bw = dev.link if gpus <= dev.node_gpus else dev.network
+    if not bw:
+        return {}
+    return {"comm": times * size_bytes * (gpus - 1) / gpus / bw}
+
+
+def gather_bytes(m: ModelState, spec: Spec) -> float:
+    """Bytes a ZeRO-3 gather of the model moves (its weights in the compute dtype)."""
+    return m.arch.params() * DTYPE_BYTES[spec.dtype]
+
+
 def forward_work(spec: Spec, arch: Arch, dev: Device, sequences: float, seq: int, *, lm_head: bool, micro: float,
                  host_bytes: float = 0.0) -> timing.Work:
     """No-grad forward of `sequences` sequences of `seq` tokens, `micro` at a time."""
@@ -361,6 +381,18 @@ def optimizer_work(spec: Spec, m: ModelState, dev: Device, steps: int) -> timing
     return timing.Work({"opt": steps * n * 28 / dev.bandwidth, "opt_tensors": tensors})
 
 
+def training_comm(spec: Spec, m: ModelState, dev: Device, *, micro_batches: int, steps: int) -> dict[str, float]:
+    """ZeRO-3 / FSDP full shard: gather the weights for forward and backward and reduce-scatter the
+    gradients, every micro-batch; ZeRO-1/2: reduce-scatter gradients + gather weights per step;
+    replicated: all-reduce (= reduce-scatter + all-gather) gradients per step."""
+    grads = m.trainable_params * DTYPE_BYTES[spec.dtype]
+    if m.zero == 3:
+        out = collective(dev, gather_bytes(m, spec), m.gpus, 2 * micro_batches)
+        comm = out.get("comm", 0.0) + collective(dev, grads, m.gpus, micro_batches).get("comm", 0.0)
+        return {"comm": comm} if comm else {}
+    return collective(dev, grads, m.gpus, 2 * steps)
+
+
 def _gen_weight_bytes(spec: Spec, m: ModelState) -> float:
     """Weights a decode step reads: stored bytes per parameter (fsdp2 full fine-tuning keeps fp32)."""
     per = DTYPE_BYTES[spec.dtype]
@@ -388,7 +420,8 @@ def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int) -> 
         w["calls:vllm"] += arch.layers
         w[f"decode:{spec.gen_engine}"] += (g * weights / tp + batch * kv_tok * (p * m + m * m / 2) / tp
                                            + batch * m * sample) / dev.bandwidth
-        w.add(compute(spec, "fwd", batch * m * (flops_tok + 4 * arch.layers * arch.hidden * (p + m / 2)) / tp, arch, dev))
+        decode_flops = batch * m * (flops_tok + 4 * arch.layers * arch.hidden * (p + m / 2))
+        w.add(compute(spec, "fwd", decode_flops / tp, arch, dev))
         w["calls:vllm"] += g * arch.layers
         w["steps:vllm"] += g
         kv = kv_cache_bytes(arch, sequences=batch, length=p + m, dtype=spec.dtype) / tp
@@ -398,7 +431,8 @@ def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int) -> 
         mb = per_gpu * tp  # ds-he gathers the micro-batches of its tensor-parallel group
         calls = math.ceil(sequences / mb)
         e = spec.gen_engine
-        w.add(compute(spec, "fwd", calls * forward_flops(arch, mb * p, p / 2, head_tokens=mb) / tp, arch, dev))  # prefill
+        prefill = calls * forward_flops(arch, mb * p, p / 2, head_tokens=mb)
+        w.add(compute(spec, "fwd", prefill / tp, arch, dev))
         w[f"calls:{e}"] += calls * arch.layers * (g + 1)
         w[f"steps:{e}"] += calls * g
         w[f"decode:{e}"] += calls * (g * weights / tp + mb * kv_tok * (p * g + g * g / 2) / tp
@@ -482,6 +516,15 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
 
     # 1. rollout
     gen_work, gen_mem = generation(spec, actor, dev, pools[gen_pool])
+    calls = math.ceil(total_seqs / max(1, pools[gen_pool] // spec.gen_tp)
+                      / ((spec.micro_rollout_batch or 10**9) * spec.gen_tp)) if spec.gen_engine != "vllm" else 1
+    if spec.gen_engine == "vllm":  # the actor's new weights, to every engine, once per iteration
+        gen_work.add(collective(dev, gather_bytes(actor, spec), pools[gen_pool] + (
+            actor.gpus if spec.placement == "disaggregated" else 0)))
+    elif actor.zero == 3 and spec.gen_engine == "ds-he":  # gathers the actor once per generate call
+        gen_work.add(collective(dev, gather_bytes(actor, spec), actor.gpus, calls))
+    elif actor.zero == 3:  # FSDP2 / ZeRO-3 under HF generate: every decode step gathers every layer
+        gen_work.add(collective(dev, gather_bytes(actor, spec), actor.gpus, calls * (spec.gen_len + 1)))
     mem = base(gen_pool)
     for k, v in gen_mem.items():
         mem[k] += v
@@ -504,6 +547,8 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         mb = micro_exp(rm)
         pool_work[pool] = forward_work(spec, rm.arch, dev, share(rm), seq, lm_head=False, micro=mb,
                                        host_bytes=rm.host_bytes if rm.offloaded else 0.0)
+        if rm.zero == 3:
+            pool_work[pool].add(collective(dev, gather_bytes(rm, spec), rm.gpus, math.ceil(share(rm) / mb)))
         mem = base(pool)
         mem["buffers"] += rm.gathered
         mem["activations"] += forward_working_bytes(rm.arch, tokens=mb * seq, seq=seq, dtype=spec.dtype,
@@ -528,6 +573,8 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         mb = micro_exp(m)
         w = forward_work(spec, m.arch, dev, share(m), seq, lm_head=m.lm_head, micro=mb,
                          host_bytes=m.host_bytes if m.offloaded else 0.0)
+        if m.zero == 3:
+            w.add(collective(dev, gather_bytes(m, spec), m.gpus, math.ceil(share(m) / mb)))
         pool_work.setdefault(pool, timing.Work()).add(w)
         mem = pool_mem.setdefault(pool, base(pool))
         mem["buffers"] = max(mem["buffers"], m.gathered)
@@ -561,6 +608,7 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         mb = min(spec.micro_batch, share(m))
         w = train_work(spec, m.arch, dev, share(m) * spec.ppo_epochs, seq, lm_head=m.lm_head, lora=lora, micro=mb)
         w.add(optimizer_work(spec, m, dev, steps))
+        w.add(training_comm(spec, m, dev, micro_batches=math.ceil(share(m) * spec.ppo_epochs / mb), steps=steps))
         if spec.offload == "params" and dev.kind == "gpu":
             passes = 3 + (1 if spec.gradient_checkpointing else 0)
             w["host"] += math.ceil(share(m) * spec.ppo_epochs / mb) * passes * m.arch.params() * 2 / m.gpus / dev.pcie
