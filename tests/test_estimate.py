@@ -308,6 +308,19 @@ def test_mean_response_length_matters_to_vllm_not_to_hf():
         est.estimate(gen_len=100, mean_gen_len=200)
 
 
+def test_vllm_runs_what_its_kv_cache_holds_and_queues_the_rest():
+    """vLLM gets gpu_memory_utilization (0.9) of the GPU: the KV cache never breaks the budget; more
+    prompts than it holds run in waves, each decoding to the longest response."""
+    base = dict(model="llama-2-7b", gen_engine="vllm", gpus=1, lora_rank=16, gen_len=1024, seq_len=1024, gpu="a100-80g")
+    small, big = _ppo(**base, rollout_batch=16), _ppo(**base, rollout_batch=512)
+    kv = lambda r: r["phases"]["rollout"]["memory_per_gpu_bytes"]["kv_cache"]  # noqa: E731
+    assert kv(big) < 512 / 16 * kv(small)  # capped, not 32x
+    assert big["phases"]["rollout"]["memory_per_gpu_bytes"]["peak"] <= 0.9 * est.GPUS["a100-80g"].memory_bytes
+    assert big["phases"]["rollout"]["seconds"] > 5 * small["phases"]["rollout"]["seconds"]
+    with pytest.raises(ValueError, match="vllm"):
+        est.estimate(placement="disaggregated", pools={"gen": 1, "actor": 1, "reference": 1, "reward": 1})
+
+
 def test_generation_tensor_parallel_splits_weights_and_kv():
     base = dict(model="llama-2-13b", rollout_batch=64, gpus=8, zero=3, gen_engine="vllm", gpu="a100-80g")
     one, four = _ppo(**base), _ppo(**base, gen_tp=4)

@@ -22,10 +22,11 @@ def published():
 
 def test_committed_coefficients_are_what_the_fit_gives():
     """data/efficiency.json is the output of `calibrate --write` on the committed points, not hand-tuned."""
+    tables = calibrate.fit_all()
     for kind in ("gpu", "cpu"):
-        fitted = calibrate.fit(kind)
+        fitted = tables[kind]
         committed = timing.coefficients(kind)
-        for feature in calibrate.FREE[kind]:
+        for feature in fitted:
             assert fitted[feature]["value"] == pytest.approx(committed[feature]["value"], rel=1e-6, abs=1e-15), \
                 (kind, feature)
             assert fitted[feature]["range"] == pytest.approx(committed[feature]["range"], rel=1e-6, abs=1e-15)
@@ -123,7 +124,7 @@ def test_compare_run_reads_the_trainers_rows(tmp_path, capsys):
     assert result["phases"]["update"]["measured_seconds"] == pytest.approx(0.05)
     assert est.main(["--compare-run", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "pred/meas" in text and "update" in text and "planner device cpu" in text
+    assert "pred/med" in text and "update" in text and "planner device cpu" in text
     assert est.main(["--compare-run", str(out), "--seq-len", "16", "--json"]) == 0  # given flags override the run's
     over = json.loads(capsys.readouterr().out)
     assert over["phases"]["update"]["predicted_seconds"] > result["phases"]["update"]["predicted_seconds"]
@@ -132,3 +133,21 @@ def test_compare_run_reads_the_trainers_rows(tmp_path, capsys):
 def test_compare_run_errors(tmp_path, capsys):
     assert est.main(["--compare-run", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_gpu_record_joins_the_gpu_calibration(tmp_path):
+    """The path a GPU run takes (`python -m fastrlhf.estimate.record ... -- fastrlhf ppo --model qwen2-0.5b ...`
+    on CUDA): its record names the GPU, the planner predicts it on that GPU in the trainer's CUDA precision,
+    and its phases become rows of the gpu fit (hf decoding, which no published point constrains)."""
+    from fastrlhf.estimate.compare import spec_from_run
+
+    cpu = json.loads((calibrate.RESULTS / "cpu_pipeline_tiny.json").read_text())
+    record = dict(cpu, device="cuda:0", device_name="NVIDIA H100 80GB HBM3", reward_config=None,
+                  machine=dict(cpu["machine"], omp_num_threads=None))
+    (tmp_path / "gpu_ppo_test.json").write_text(json.dumps(record))
+    spec = spec_from_run(RunRecord.from_json(record))
+    assert (spec.gpu, spec.dtype, spec.lora_rank, spec.reward) == ("h100", "bf16", 16, "rule")
+    rows = [r for r in calibrate.calibration_rows("gpu", tmp_path) if r[0].startswith("gpu_ppo_test")]
+    assert {label.split(":")[1] for label, _, _ in rows} == {"rollout", "logprobs", "advantages", "update"}
+    rollout = next(w for label, w, _ in rows if label.endswith("rollout"))
+    assert rollout["decode:hf"] > 0 and rollout["calls:hf"] > 0

@@ -46,6 +46,9 @@ FREE = {
 }
 # DeepSpeed-Chat's log cannot separate the forward's efficiency from the training's
 TIED = {"gpu": {"fwd": "train", "fwd/h": "train/h"}}
+# a recorded run's phase time: the fastest of its iterations after the first (the machine that made the CPU
+# records is shared with other jobs; contention only ever adds time); medians are reported beside it
+RUN_STAT = "min"
 
 
 def published_points() -> list[dict]:
@@ -152,7 +155,9 @@ def fig6_rows() -> list[tuple[str, timing.Work, float]]:
     return rows
 
 
-def calibration_rows(kind: str) -> list[tuple[str, timing.Work, float]]:
+def calibration_rows(kind: str, directory: Path = RESULTS) -> list[tuple[str, timing.Work, float]]:
+    """(label, work, measured seconds) of every quantity the class's coefficients are fitted to: the
+    published points and the recorded runs of that device class (a CUDA record joins the gpu class)."""
     rows = []
     if kind == "gpu":
         rows += fig6_rows()
@@ -162,12 +167,12 @@ def calibration_rows(kind: str) -> list[tuple[str, timing.Work, float]]:
                 rows += rows_for(p["id"], spec_of(p["setup"]), {
                     "rollout": pub["generate_s"], "dschat_training": pub["training_s"],
                     "dschat_others": pub["others_s"]})
-    for name, rec, _ in run_records():
+    for name, rec, _ in run_records(directory):
         spec = spec_from_run(rec)
         if ("cpu" if spec.gpu == "cpu" else "gpu") != kind:
             continue
-        measured = {ph: t for ph, t in rec.phase_seconds().items() if t > 0 and not (ph == "reward" and
-                                                                                   rec.reward_config is None)}
+        measured = {ph: t for ph, t in rec.phase_seconds(RUN_STAT).items()
+                    if t > 0 and not (ph == "reward" and rec.reward_config is None)}
         rows += rows_for(name, spec, measured)
     return rows
 
@@ -231,6 +236,28 @@ def fit(kind: str, rows=None) -> dict[str, dict]:
     for t, s in tied.items():
         table[t] = dict(table[s], note=f"tied to {s}")
     return table
+
+
+def fit_all() -> dict[str, dict]:
+    """Both classes. GPU coefficients that no GPU point constrains take stated priors: HF and vLLM decode
+    at the bandwidth fraction fitted to DeepSpeed's inference kernels (no HF / vLLM GPU run is
+    recorded), and HF's host overhead per layer call and per decode step as measured in the CPU runs
+    (HF generate waits on the host every step; the host work is the same Python and dispatch)."""
+    cpu = fit("cpu")
+    gpu = fit("gpu")
+    constrained = {f for _, w, _ in calibration_rows("gpu") for f, v in w.items() if v}
+    for engine in ("hf", "vllm"):
+        feature = f"decode:{engine}"
+        if feature not in constrained:
+            gpu[feature] = dict(gpu["decode:ds-he"])
+            gpu[feature]["from"] = [f"prior = decode:ds-he ({', '.join(gpu['decode:ds-he']['from'])}); "
+                                    f"no {engine} GPU run"]
+    for feature in ("calls:hf", "steps:hf"):
+        if feature not in constrained:
+            gpu[feature] = dict(cpu[feature])
+            gpu[feature]["from"] = [f"prior = the CPU runs' host overhead ({', '.join(cpu[feature]['from'])}); "
+                                    "no hf GPU run"]
+    return {"cpu": cpu, "gpu": gpu}
 
 
 def leave_one_out(kind: str = "cpu") -> dict[str, dict[str, float]]:
@@ -338,10 +365,10 @@ def min_gpus(spec: Spec, limit: int = 64) -> int | None:
 
 
 def check_runs() -> list[dict]:
-    """Every recorded fastrlhf run: predicted vs measured phase times (band 30%)."""
+    """Every recorded fastrlhf run: predicted vs measured phase times (band 30%, on RUN_STAT)."""
     out = []
     for name, rec, raw in run_records():
-        c = compare(rec)
+        c = compare(rec, stat=RUN_STAT)
         rows = {ph: r for ph, r in c["phases"].items() if r["measured_seconds"] and not (
             ph == "reward" and rec.reward_config is None)}
         out.append({"id": name, "command": raw.get("command"), "phases": rows, "iteration": c["iteration"],
@@ -383,24 +410,85 @@ def probe_cpu_into_devices() -> dict:
     return spec
 
 
+def _f(x: float, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}g}"
+
+
+def markdown(report: dict) -> str:
+    """The README tables: published points, recorded runs, held-out runs."""
+    out = ["| point | published | predicted | band | within |", "| --- | --- | --- | --- | --- |"]
+    for p in report["published"]:
+        if p["id"] == "dschat-log-opt1.3b-v100x16":
+            pub, pred = p["published"], p["predicted"]
+            for k, name in (("generate_s", "generate s"), ("training_s", "training s"), ("others_s", "others s"),
+                            ("e2e_s", "step s"), ("generate_share", "generate share")):
+                band = f"±{p['band']['generate_share']}" if k == "generate_share" else f"±{p['band']['phases']:.0%}"
+                ok = (abs(pred[k] - pub[k]) <= p["band"]["generate_share"] if k == "generate_share"
+                      else abs(pred[k] / pub[k] - 1) <= p["band"]["phases"])
+                out.append(f"| DS-Chat log, OPT-1.3B + 350M, 16 x V100: {name} | {_f(pub[k])} | {_f(pred[k])} | "
+                           f"{band} | {'yes' if ok else 'NO'} |")
+        elif p["id"].endswith("-memory"):
+            out.append(f"| DS-Chat log: peak allocated GB | {p['published'] / 1e9:.2f} | {p['predicted'] / 1e9:.2f} | "
+                       f"±{p['band']['peak']:.0%} | {'yes' if p['within_band'] else 'NO'} |")
+        elif p["id"].startswith("dschat-blog-fig5"):
+            out.append(f"| DS-Chat blog fig. 5, OPT-1.3B, 8 x A100-40G: generate share (digitised) | "
+                       f"{_f(p['published'])} | {_f(p['predicted'])} | ±{p['band']['generate_share']} | "
+                       f"{'yes' if p['within_band'] else 'NO'} |")
+        elif p["id"].startswith("dschat-blog-fig6"):
+            for r in p["rows"]:
+                out.append(f"| DS-Chat blog fig. 6, {r['model']} training s/sequence/GPU | "
+                           f"{_f(r['published_s_per_seq'])} | {_f(r['predicted_s_per_seq'])} | "
+                           f"±{p['band']['training_time']:.0%} | "
+                           f"{'yes' if r['within_band'] else 'NO'} |")
+        elif p["id"].startswith("dschat-blog-8-31"):
+            for r in p["rows"]:
+                out.append(f"| DS-Chat Llama-2 blog fig. 4, Llama-2-7B min V100-32G, {r['case']} | {r['published']} | "
+                           f"{r['predicted']} | x2 | {'yes' if r['within_band'] else 'NO'} |")
+    out += ["", "| DS-Chat README table 1 (validation, not fitted) | published | predicted | pred/pub | batch/GPU |",
+            "| --- | --- | --- | --- | --- |"]
+    for p in report["published"]:
+        if p["id"] == "dschat-readme-table1-step3-e2e":
+            for r in p["rows"]:
+                if r.get("predicted_s") is None:
+                    out.append(f"| {r['case']} | {r['published']} | judged not to fit | - | - |")
+                else:
+                    out.append(f"| {r['case']} | {r['published']} | {r['predicted_s'] / 3600:.2f} h | "
+                               f"{r['ratio']:.2f} | {r['batch_per_gpu']} |")
+    out += ["", "| recorded run (CPU) | phase | measured s (min / median) | predicted s | range | pred/min |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for run in report["runs"]:
+        for ph, r in run["phases"].items():
+            out.append(f"| {run['id']} | {ph} | {_f(r['measured_seconds'])} / {_f(r['median_seconds'])} | "
+                       f"{_f(r['predicted_seconds'])} | {_f(r['range'][0])}-{_f(r['range'][1])} | {r['ratio']:.2f} |")
+    if "heldout" in report:
+        out += ["", "| OpenRLHF benchmark (held out) | published s | predicted s | range | pred/pub |",
+                "| --- | --- | --- | --- | --- |"]
+        for r in report["heldout"]:
+            out.append(f"| {r['id'].replace('openrlhf-readme-', '')} | {r['published_s']:.0f} | "
+                       f"{r['predicted_s']:.0f} | {r['range_s'][0]:.0f}-{r['range_s'][1]:.0f} | {r['ratio']:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastrlhf.estimate.calibrate", description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help="refit the coefficients and write data/efficiency.json")
     p.add_argument("--heldout", action="store_true", help="also predict OpenRLHF's published benchmark")
     p.add_argument("--probe-cpu", action="store_true", help="measure this CPU into data/devices.json")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the README tables")
     args = p.parse_args(argv)
     if args.probe_cpu:
         print(json.dumps(probe_cpu_into_devices(), indent=1))
     if args.write:
-        tables = {"cpu": fit("cpu")}
-        tables["gpu"] = fit("gpu")
-        write(tables)
+        write(fit_all())
     report = {"published": check_published(), "runs": check_runs(), "leave_one_out_cpu": leave_one_out("cpu")}
     if args.heldout:
         report["heldout"] = check_heldout()
     if args.json:
         print(json.dumps(report, indent=1, default=float))
+        return 0
+    if args.markdown:
+        print(markdown(report))
         return 0
     for kind, table in (("gpu", timing.coefficients("gpu")), ("cpu", timing.coefficients("cpu"))):
         print(f"{kind} coefficients:")

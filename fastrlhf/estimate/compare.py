@@ -200,19 +200,22 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 
 
-def compare(record: RunRecord, spec=None) -> dict:
-    """Per phase: predicted seconds (and range) and peak bytes beside the measured ones."""
+def compare(record: RunRecord, spec=None, stat: str = "median") -> dict:
+    """Per phase: predicted seconds (and range) and peak bytes beside the measured ones; `ratio` =
+    predicted / measured by `stat` (median, or min: the fastest iteration)."""
     from fastrlhf.estimate.plan import estimate
 
     spec = spec or spec_from_run(record)
     result = estimate(spec)["stages"]["ppo"]
-    measured_t = record.phase_seconds()
+    medians, mins = record.phase_seconds("median"), record.phase_seconds("min")
+    measured_t = medians if stat == "median" else mins
     measured_m = record.phase_peak_bytes()
     rows = {}
     for phase in RUN_PHASES:
         p = result["phases"][phase]
         m = measured_t.get(phase)
         rows[phase] = {"predicted_seconds": p["seconds"], "range": p["seconds_range"], "measured_seconds": m,
+                       "median_seconds": medians.get(phase), "min_seconds": mins.get(phase),
                        "ratio": p["seconds"] / m if m else None,
                        "predicted_peak_bytes": p["memory_per_gpu_bytes"]["peak"],
                        "measured_peak_bytes": measured_m.get(phase)}
@@ -222,7 +225,7 @@ def compare(record: RunRecord, spec=None) -> dict:
                  "ratio": total_p / total_m if total_m else None}
     note = ("CUDA max_memory_allocated per phase" if spec.gpu != "cpu" else
             "CPU: measured = process peak RSS (includes the Python/torch runtime), predicted = tensors")
-    return {"spec_gpu": spec.gpu, "phases": rows, "iteration": iteration, "memory_note": note}
+    return {"spec_gpu": spec.gpu, "stat": stat, "phases": rows, "iteration": iteration, "memory_note": note}
 
 
 def compare_main(args, explicit: set[str]) -> int:
@@ -245,18 +248,19 @@ def compare_main(args, explicit: set[str]) -> int:
         return 0
     print(f"{record.out}: {len(record.rows)} PPO iterations on {record.device} {record.device_name}".rstrip()
           + f" (medians{' after the first' if len(record.rows) >= 3 else ''}); planner device {spec.gpu}")
-    print(f"{'phase':<11} {'predicted s':>12} {'range':>19} {'measured s':>11} {'pred/meas':>9} "
+    print(f"{'phase':<11} {'predicted s':>12} {'range':>19} {'median s':>9} {'min s':>9} {'pred/med':>9} "
           f"{'pred peak GB':>13} {'meas peak GB':>13}")
+    nan = float("nan")
     for phase, r in out["phases"].items():
         lo, hi = r["range"]
-        meas = r["measured_seconds"]
         ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
         mp = r["measured_peak_bytes"]
-        print(f"{phase:<11} {r['predicted_seconds']:>12.4f} {lo:>9.4f}-{hi:<9.4f} "
-              f"{meas if meas is not None else float('nan'):>11.4f} {ratio:>9} "
-              f"{r['predicted_peak_bytes'] / 1e9:>13.3f} {mp / 1e9 if mp else float('nan'):>13.3f}")
+        med = r["median_seconds"] if r["median_seconds"] is not None else nan
+        low = r["min_seconds"] if r["min_seconds"] is not None else nan
+        print(f"{phase:<11} {r['predicted_seconds']:>12.4f} {lo:>9.4f}-{hi:<9.4f} {med:>9.4f} {low:>9.4f} {ratio:>9} "
+              f"{r['predicted_peak_bytes'] / 1e9:>13.3f} {mp / 1e9 if mp else nan:>13.3f}")
     it = out["iteration"]
-    print(f"{'iteration':<11} {it['predicted_seconds']:>12.4f} {'':>19} {it['measured_seconds']:>11.4f} "
+    print(f"{'iteration':<11} {it['predicted_seconds']:>12.4f} {'':>19} {it['measured_seconds']:>9.4f} {'':>9} "
           f"{it['ratio']:>9.2f}")
     print(out["memory_note"])
     return 0

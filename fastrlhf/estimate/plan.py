@@ -188,6 +188,9 @@ def _check(spec: Spec) -> None:
                or not isinstance(v, int) or v <= 0}
         if bad:
             raise ValueError(f"pools: expected positive GPU counts for {', '.join(POOLS)}, got {bad}")
+        if spec.gen_engine != "vllm":
+            raise ValueError("gen_engine: disaggregated placement generates on its own pool, which needs an engine "
+                             "with its own weights (vllm); hf and ds-he generate with the actor's weights")
     elif spec.pools:
         raise ValueError("pools: only with placement='disaggregated' (colocated runs use gpus)")
 
@@ -401,8 +404,18 @@ def _gen_weight_bytes(spec: Spec, m: ModelState) -> float:
     return m.arch.params() * per
 
 
-def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int) -> tuple[timing.Work, dict]:
-    """Work of one engine (gen_tp GPUs) generating its share, and its memory."""
+VLLM_MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
+VLLM_PREFILL_TOKENS = 8192  # tokens per prefill step (vLLM's chunked prefill), bounds its activations
+
+
+def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int,
+               resident: float = 0.0) -> tuple[timing.Work, dict, int]:
+    """Work of one engine (gen_tp GPUs) generating its share, its memory per GPU, and its generate
+    calls (hf / ds-he: micro-rollout batches one after another; vllm: waves).
+
+    vllm: its KV cache gets what gpu_memory_utilization (0.9) of the GPU leaves after the other
+    models in the pool (`resident`) and its own weights; as many sequences run at once as their
+    blocks fit (at prompt + mean response length), the rest wait for a later wave."""
     arch, tp, db = actor.arch, spec.gen_tp, DTYPE_BYTES[spec.dtype]
     engines = max(1, engine_gpus // tp)
     sequences = spec.rollout_batch * spec.num_generations / engines  # per engine
@@ -415,17 +428,23 @@ def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int) -> 
     w = timing.Work()
     flops_tok = 2 * arch.matmul_params(True)
     if spec.gen_engine == "vllm":
-        batch = sequences  # continuous batching: all at once
+        batch = sequences
+        act = forward_working_bytes(arch, tokens=min(batch * p, VLLM_PREFILL_TOKENS) / tp, seq=p, dtype=spec.dtype,
+                                    flash_attention=spec.flash_attention)
+        budget = VLLM_MEMORY_UTILIZATION * dev.memory_bytes - resident - arch.params() * db / tp - act
+        per_seq = kv_tok * (p + m) / tp
+        running = max(1, min(batch, math.floor(budget / per_seq))) if budget > 0 else 1
+        waves = math.ceil(batch / running)
         w.add(compute(spec, "fwd", forward_flops(arch, batch * p, p / 2, head_tokens=batch) / tp, arch, dev))  # prefill
-        w["calls:vllm"] += arch.layers
-        w[f"decode:{spec.gen_engine}"] += (g * weights / tp + batch * kv_tok * (p * m + m * m / 2) / tp
+        w["calls:vllm"] += arch.layers * waves
+        w[f"decode:{spec.gen_engine}"] += (waves * g * weights / tp + batch * kv_tok * (p * m + m * m / 2) / tp
                                            + batch * m * sample) / dev.bandwidth
         decode_flops = batch * m * (flops_tok + 4 * arch.layers * arch.hidden * (p + m / 2))
         w.add(compute(spec, "fwd", decode_flops / tp, arch, dev))
-        w["calls:vllm"] += g * arch.layers
-        w["steps:vllm"] += g
-        kv = kv_cache_bytes(arch, sequences=batch, length=p + m, dtype=spec.dtype) / tp
-        mb = batch
+        w["calls:vllm"] += waves * g * arch.layers
+        w["steps:vllm"] += waves * g
+        kv = running * per_seq
+        mb = running
     else:
         per_gpu = spec.micro_rollout_batch or math.ceil(sequences / tp)
         mb = per_gpu * tp  # ds-he gathers the micro-batches of its tensor-parallel group
@@ -440,10 +459,12 @@ def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int) -> 
         w.add(compute(spec, "fwd", calls * mb * g * (flops_tok + 4 * arch.layers * arch.hidden * (p + g / 2)) / tp,
                       arch, dev))
         kv = kv_cache_bytes(arch, sequences=mb, length=p + g, dtype=spec.dtype) / tp
+    if spec.gen_engine == "vllm":
+        return w, {"kv_cache": kv, "logits": mb * sample / tp, "activations": act}, waves
     mem = {"kv_cache": kv, "logits": mb * sample / tp,
            "activations": forward_working_bytes(arch, tokens=mb * p / tp, seq=p, dtype=spec.dtype,
                                                 flash_attention=spec.flash_attention)}
-    return w, mem
+    return w, mem, calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,9 +536,8 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         return min(share(model), spec.micro_rollout_batch or share(model))
 
     # 1. rollout
-    gen_work, gen_mem = generation(spec, actor, dev, pools[gen_pool])
-    calls = math.ceil(total_seqs / max(1, pools[gen_pool] // spec.gen_tp)
-                      / ((spec.micro_rollout_batch or 10**9) * spec.gen_tp)) if spec.gen_engine != "vllm" else 1
+    gen_work, gen_mem, calls = generation(spec, actor, dev, pools[gen_pool],
+                                          resident=_finish(base(gen_pool))["peak"])
     if spec.gen_engine == "vllm":  # the actor's new weights, to every engine, once per iteration
         gen_work.add(collective(dev, gather_bytes(actor, spec), pools[gen_pool] + (
             actor.gpus if spec.placement == "disaggregated" else 0)))
