@@ -138,6 +138,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-run", metavar="OUT",
                    help="a fastrlhf run directory: its measured PPO phases beside the prediction for its "
                         "configuration (flags given here override what is read from the run)")
+    p.add_argument("--run-args", metavar="ARGS", default=None,
+                   help="--compare-run of a stand-alone `fastrlhf ppo` run, which writes no config.json: its "
+                        "arguments, quoted ('--model qwen2-0.5b --steps 10 ...')")
     return p
 
 
@@ -245,10 +248,12 @@ def format_table(result: dict, spec: Spec) -> str:
         c = coef[k]["value"] + coef[f"{k}/h"]["value"] * 1024 / hidden
         return 1 / c if c else float("inf")
 
+    generates = any("rollout" in r.get("phases", {}) for r in result["stages"].values())
+    decode = (f"{spec.gen_engine} decode at {1 / dec['value']:.2f} of memory bandwidth "
+              f"(from {', '.join(dec['from'])}); " if generates else "")
     lines.append(f"time ({kind}): at this model's width training MFU {mfu('train'):.2f}, forward MFU {mfu('fwd'):.2f}; "
-                 f"{spec.gen_engine} decode at {1 / dec['value']:.2f} of memory bandwidth "
-                 f"(from {', '.join(dec['from'])}); a range takes every coefficient at an end of its calibrated "
-                 "range; fits = peak + CUDA context <= GPU memory")
+                 f"{decode}a range takes every coefficient at an end of its calibrated range; fits = peak + CUDA "
+                 "context <= GPU memory")
     return "\n".join(lines)
 
 

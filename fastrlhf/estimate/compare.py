@@ -37,14 +37,17 @@ class RunRecord:
     device_name: str = ""  # torch.cuda.get_device_name when recorded on CUDA
     cpu_threads: int | None = None  # OMP_NUM_THREADS the run was started with (None: the trainer's rule)
 
-    def phase_seconds(self, stat: str = "median") -> dict[str, float]:
+    def phase_seconds(self, stat: str = "median", key: str = "time") -> dict[str, float]:
         """Seconds per iteration of each phase over the iterations after the warm-up one (from 3 rows on):
-        their median, or their minimum (`min`: on a machine shared with other jobs, contention only
-        ever adds time, so the fastest iteration is the closest to the run's own cost)."""
+        their median or minimum, of the wall time (`time/<phase>`, what the trainer logs) or of the
+        process's CPU time (`cpu/<phase>`, added by `record --cpu-time`)."""
         rows = self.rows[1:] if len(self.rows) >= 3 else self.rows
         reduce = {"median": statistics.median, "min": min}[stat]
-        return {ph: reduce([r[f"time/{ph}"] for r in rows]) for ph in RUN_PHASES
-                if rows and all(f"time/{ph}" in r for r in rows)}
+        return {ph: reduce([r[f"{key}/{ph}"] for r in rows]) for ph in RUN_PHASES
+                if rows and all(f"{key}/{ph}" in r for r in rows)}
+
+    def has_cpu_time(self) -> bool:
+        return bool(self.rows) and all(f"cpu/{ph}" in r for r in self.rows for ph in RUN_PHASES)
 
     def phase_seconds_spread(self) -> dict[str, tuple[float, float]]:
         rows = self.rows[1:] if len(self.rows) >= 3 else self.rows
@@ -60,7 +63,7 @@ class RunRecord:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out["rows"] = [{k: v for k, v in r.items() if k.startswith(("time/", "memory/")) or k in
+        out["rows"] = [{k: v for k, v in r.items() if k.startswith(("time/", "memory/", "cpu/")) or k in
                         ("step", "response_length", "tokens_per_s")} for r in self.rows]
         out["median_phase_seconds"] = self.phase_seconds()
         out["min_phase_seconds"] = self.phase_seconds("min")
@@ -87,7 +90,8 @@ def _ppo_config(out: Path, argv: list[str] | None) -> dict:
         return cfg["ppo"] if "ppo" in cfg else cfg
     if argv is None:
         raise ValueError(f"compare-run: {path} does not exist; the run's configuration is needed "
-                         "(fastrlhf pipeline writes it; for a stand-alone `fastrlhf ppo`, pass its arguments)")
+                         "(fastrlhf pipeline writes it; for a stand-alone `fastrlhf ppo`, give its arguments "
+                         "with --run-args '...')")
     from fastrlhf.config import PPOConfig, parse_args, to_dict
 
     return to_dict(parse_args(PPOConfig, argv))
@@ -200,15 +204,16 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 
 
-def compare(record: RunRecord, spec=None, stat: str = "median") -> dict:
+def compare(record: RunRecord, spec=None, stat: str = "median", key: str = "time") -> dict:
     """Per phase: predicted seconds (and range) and peak bytes beside the measured ones; `ratio` =
-    predicted / measured by `stat` (median, or min: the fastest iteration)."""
+    predicted / measured (`key` time: wall, cpu: CPU seconds; `stat` median or min over iterations)."""
     from fastrlhf.estimate.plan import estimate
 
     spec = spec or spec_from_run(record)
     result = estimate(spec)["stages"]["ppo"]
     medians, mins = record.phase_seconds("median"), record.phase_seconds("min")
-    measured_t = medians if stat == "median" else mins
+    measured_t = record.phase_seconds(stat, key)
+    cpu = record.phase_seconds("median", "cpu") if record.has_cpu_time() else {}
     measured_m = record.phase_peak_bytes()
     rows = {}
     for phase in RUN_PHASES:
@@ -216,6 +221,7 @@ def compare(record: RunRecord, spec=None, stat: str = "median") -> dict:
         m = measured_t.get(phase)
         rows[phase] = {"predicted_seconds": p["seconds"], "range": p["seconds_range"], "measured_seconds": m,
                        "median_seconds": medians.get(phase), "min_seconds": mins.get(phase),
+                       "cpu_median_seconds": cpu.get(phase),
                        "ratio": p["seconds"] / m if m else None,
                        "predicted_peak_bytes": p["memory_per_gpu_bytes"]["peak"],
                        "measured_peak_bytes": measured_m.get(phase)}
@@ -225,16 +231,17 @@ def compare(record: RunRecord, spec=None, stat: str = "median") -> dict:
                  "ratio": total_p / total_m if total_m else None}
     note = ("CUDA max_memory_allocated per phase" if spec.gpu != "cpu" else
             "CPU: measured = process peak RSS (includes the Python/torch runtime), predicted = tensors")
-    return {"spec_gpu": spec.gpu, "stat": stat, "phases": rows, "iteration": iteration, "memory_note": note}
+    return {"spec_gpu": spec.gpu, "stat": stat, "key": key, "phases": rows, "iteration": iteration, "memory_note": note}
 
 
 def compare_main(args, explicit: set[str]) -> int:
     """`fastrlhf estimate --compare-run OUT [flags]`."""
     import dataclasses
+    import shlex
 
     from fastrlhf.estimate.cli import spec_from_args
 
-    record = read_run(args.compare_run)
+    record = read_run(args.compare_run, argv=shlex.split(args.run_args) if args.run_args else None)
     spec = spec_from_run(record, args.gpu)
     given = spec_from_args(args)
     fields = {f.name for f in dataclasses.fields(spec)}
@@ -248,7 +255,7 @@ def compare_main(args, explicit: set[str]) -> int:
         return 0
     print(f"{record.out}: {len(record.rows)} PPO iterations on {record.device} {record.device_name}".rstrip()
           + f" (medians{' after the first' if len(record.rows) >= 3 else ''}); planner device {spec.gpu}")
-    print(f"{'phase':<11} {'predicted s':>12} {'range':>19} {'median s':>9} {'min s':>9} {'pred/med':>9} "
+    print(f"{'phase':<11} {'predicted s':>12} {'range':>19} {'median s':>9} {'min s':>9} {'cpu s':>9} {'pred/med':>9} "
           f"{'pred peak GB':>13} {'meas peak GB':>13}")
     nan = float("nan")
     for phase, r in out["phases"].items():
@@ -257,10 +264,12 @@ def compare_main(args, explicit: set[str]) -> int:
         mp = r["measured_peak_bytes"]
         med = r["median_seconds"] if r["median_seconds"] is not None else nan
         low = r["min_seconds"] if r["min_seconds"] is not None else nan
-        print(f"{phase:<11} {r['predicted_seconds']:>12.4f} {lo:>9.4f}-{hi:<9.4f} {med:>9.4f} {low:>9.4f} {ratio:>9} "
+        cpu = r["cpu_median_seconds"] if r["cpu_median_seconds"] is not None else nan
+        print(f"{phase:<11} {r['predicted_seconds']:>12.4f} {lo:>9.4f}-{hi:<9.4f} {med:>9.4f} {low:>9.4f} {cpu:>9.4f} "
+              f"{ratio:>9} "
               f"{r['predicted_peak_bytes'] / 1e9:>13.3f} {mp / 1e9 if mp else nan:>13.3f}")
     it = out["iteration"]
-    print(f"{'iteration':<11} {it['predicted_seconds']:>12.4f} {'':>19} {it['measured_seconds']:>9.4f} {'':>9} "
+    print(f"{'iteration':<11} {it['predicted_seconds']:>12.4f} {'':>19} {it['measured_seconds']:>9.4f} {'':>19} "
           f"{it['ratio']:>9.2f}")
     print(out["memory_note"])
     return 0

@@ -78,28 +78,30 @@ def device_names() -> tuple[str, ...]:
 
 
 def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
-    """Measure this CPU: fp32 matmul FLOP/s (1024^3 GEMMs) and copy bandwidth (64 MiB tensors)."""
+    """Measure this CPU: fp32 matmul FLOP/s (1024^3 GEMMs) and copy bandwidth (64 MiB tensors). On one
+    thread the rates are per second of the process's CPU time (other jobs' load does not enter)."""
     import time
 
     import torch
 
     if threads:
         torch.set_num_threads(threads)
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     for _ in range(3):
         a @ b
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    n, start = 0, clock()
+    while clock() - start < seconds:
         a @ b
         n += 1
-    flops = 2 * 1024**3 * n / (time.perf_counter() - start)
+    flops = 2 * 1024**3 * n / (clock() - start)
     src = torch.empty(16 * 1024**2)  # 64 MiB
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    n, start = 0, clock()
+    while clock() - start < seconds:
         dst.copy_(src)
         n += 1
-    bandwidth = 2 * src.numel() * 4 * n / (time.perf_counter() - start)  # read + write
+    bandwidth = 2 * src.numel() * 4 * n / (clock() - start)  # read + write
     return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads()}

@@ -612,7 +612,8 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
 
     # 4. advantages
     pool = _pool_of(spec, "actor")
-    phases["advantages"] = _phase({pool: base(pool)}, {pool: timing.Work({"steps:adv": spec.gen_len})}, dev, 0.0)
+    work = timing.Work({"adv": 1.0, "steps:adv": spec.gen_len})
+    phases["advantages"] = _phase({pool: base(pool)}, {pool: work}, dev, 0.0)
 
     # 5. update: ppo_epochs over the rollout, actor (+ critic) forward + backward, optimizer steps
     pool_mem, pool_work = {}, {}

@@ -8,6 +8,12 @@ after, torch version, git commit), the PPO stage's configuration, the prompt len
 rollouts were padded to, and per logged step the time and peak memory of each phase
 (`time/<phase>`, `memory/<phase>` rows of OUT/metrics.jsonl). `fastrlhf estimate
 --compare-run OUT` reads the same rows; `fastrlhf.estimate.calibrate` reads these records.
+
+`--cpu-time` also records the process's CPU seconds of each phase (`cpu/<phase>`): the command runs
+in a Python that wraps fastrlhf.metrics.PhaseTimer.phase to read time.process_time() around each
+phase (the trainer's files are not changed). On a machine shared with other jobs a one-thread
+run's wall time grows with their load (measured here: up to 2.3x); its CPU time is what the phase
+costs on a core of its own.
 """
 
 from __future__ import annotations
@@ -43,6 +49,31 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+# run `fastrlhf` with CPU seconds per phase added to the metrics rows (argv: the fastrlhf arguments)
+CPU_TIME_BOOT = """
+import contextlib, sys, time
+import fastrlhf.metrics as metrics
+_phase, _stats = metrics.PhaseTimer.phase, metrics.PhaseTimer.step_stats
+
+@contextlib.contextmanager
+def phase(self, name):
+    start = time.process_time()
+    with _phase(self, name):
+        yield
+    cpu = self.__dict__.setdefault("_cpu_seconds", {})
+    cpu[name] = cpu.get(name, 0.0) + time.process_time() - start
+
+def step_stats(self):
+    stats = _stats(self)
+    stats.update({f"cpu/{k}": v for k, v in self.__dict__.pop("_cpu_seconds", {}).items()})
+    return stats
+
+metrics.PhaseTimer.phase, metrics.PhaseTimer.step_stats = phase, step_stats
+from fastrlhf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _out_dir(command: list[str]) -> Path:
     for i, token in enumerate(command):
         if token == "--out" and i + 1 < len(command):
@@ -56,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastrlhf.estimate.record", description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="where to write the record")
     p.add_argument("--note", default="", help="free text stored in the record")
+    p.add_argument("--cpu-time", action="store_true", help="also record CPU seconds per phase (cpu/<phase>)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- fastrlhf ppo|pipeline ... --out DIR")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -66,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()
     start = time.time()
-    subprocess.run(command, check=True)
+    argv = [sys.executable, "-c", CPU_TIME_BOOT, *command[1:]] if args.cpu_time else command
+    subprocess.run(argv, check=True)
     wall = time.time() - start
     load_after = os.getloadavg()
     run = read_run(out, argv=command[2:] if command[1] == "ppo" else None)
@@ -75,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": shlex.join(command),
         "note": args.note,
+        "cpu_time": "cpu/<phase>: time.process_time() around fastrlhf.metrics.PhaseTimer.phase (record --cpu-time)"
+        if args.cpu_time else None,
         "wall_seconds": round(wall, 2),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_avg_before": load_before,
                     "load_avg_after": load_after, "torch": torch.__version__, "python": platform.python_version(),

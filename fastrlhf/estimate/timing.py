@@ -13,8 +13,9 @@ opt                         optimizer bytes (AdamW reads 4, writes 3        1 / 
                             tensors) / bandwidth
 host                        bytes over the host link (offload) / link       1 (physical, not fitted)
 cpu_adam                    parameters the host optimizer updates           seconds per parameter
-fixed                       one per phase that runs (advantages, rule       seconds
-                            rewards: small host work)
+adv, steps:adv              the advantages phase, and its per-token steps   seconds
+                            (KL-shaped rewards, GAE's recursion)
+fixed                       a rule reward's call (small host work)          seconds
 
 The coefficients of each device class ("gpu", "cpu") live in fastrlhf/estimate/data/efficiency.json,
 each with its range and the calibration points it came from (`python -m fastrlhf.estimate.calibrate`
