@@ -227,6 +227,10 @@ def format_table(result: dict, spec: Spec) -> str:
         for pool, f in r["pools"].items():
             verdict = "fits" if f["fits"] else f"does NOT fit: {f['component']} is the largest part"
             lines.append(f"{stage}: pool {pool} ({f['gpus']} GPU): peak {_gb(f['peak'])} GB in {f['phase']}, {verdict}")
+            held = [f"{name} {_gb(m['weights'] + m['gradients'] + m['optimizer'] + m['buffers'])}"
+                    f" (w {_gb(m['weights'])} g {_gb(m['gradients'])} opt {_gb(m['optimizer'])}"
+                    f" buf {_gb(m['buffers'])})" for name, m in r["models"].items() if m["pool"] == pool]
+            lines.append(f"    states per GPU, GB: {'; '.join(held)}")
         if "advice" in r:
             lines.append("  one change at a time:")
             for a in r["advice"]["single"]:

@@ -31,7 +31,6 @@ layer by layer for their forward (DeepSpeed-Chat --offload_reference_model, Open
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from fastrlhf.estimate.arch import LINEARS, Arch
@@ -246,6 +245,3 @@ def logit_bytes(arch: Arch, *, tokens: int, dtype: str, mode: str, backward: boo
 def kv_cache_bytes(arch: Arch, *, sequences: float, length: float, dtype: str) -> float:
     return 2 * arch.layers * arch.kv_dim * length * sequences * DTYPE_BYTES[dtype]
 
-
-def replace_arch(m: ModelState, arch: Arch) -> ModelState:
-    return dataclasses.replace(m, arch=arch)

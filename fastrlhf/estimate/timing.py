@@ -83,8 +83,3 @@ def breakdown(work: dict, kind: str) -> dict[str, float]:
     table = coefficients(kind)
     return {k: v * table[k]["value"] for k, v in work.items() if v}
 
-
-def efficiency(kind: str, feature: str) -> float:
-    """The efficiency a coefficient stands for (1 / coefficient for the MFU and bandwidth terms)."""
-    c = coefficients(kind)[feature]["value"]
-    return 1.0 / c if c else float("inf")
