@@ -1,0 +1,107 @@
+"""Devices the planner knows: memory, HBM bandwidth, dense bf16/fp16 peak, host link.
+
+GPU figures are the vendors' data sheets (dense, no sparsity): NVIDIA V100 (SXM2/SXM3 32 GB:
+900 GB/s, 125 TFLOP/s tensor), A100 SXM4 40/80 GB (1555 / 2039 GB/s, 312 TFLOP/s bf16), A800 SXM4
+80 GB (the A100 80 GB's memory and compute, NVLink cut to 400 GB/s), H100 SXM5 (3.35 TB/s, 989
+TFLOP/s), H200 SXM (4.8 TB/s, 989 TFLOP/s), RTX A6000 (768 GB/s, 154.8 TFLOP/s fp16 with fp32
+accumulate). `pcie` is the host link each GPU offloads over (PCIe 3.0 x16 ~16 GB/s for V100 hosts,
+PCIe 4.0 x16 ~32 GB/s for A100/A800/A6000, PCIe 5.0 x16 ~64 GB/s for H100/H200), per direction.
+`link` is the GPU-to-GPU bandwidth inside a node per GPU and direction (NVLink: V100 SXM3 in a DGX-2
+300 GB/s bidirectional, A100 600, A800 400, H100/H200 900; the A6000 has PCIe only), `network`
+between nodes per GPU and direction (DGX-2: 8 x 100 Gb/s InfiniBand for 16 GPUs; DGX A100 / HGX A800:
+one 200 Gb/s HDR port per GPU; DGX H100: one 400 Gb/s NDR port per GPU), `node_gpus` GPUs per node.
+
+`cpu` is the CPU a `fastrlhf` run uses (`--gpu cpu`): its figures are the ones measured on the
+machine that made the recorded CPU runs (bench/results/cpu_*.json; fastrlhf/estimate/data/
+devices.json holds them with the probe command), since a CPU's peak depends on its cores and
+on what else runs on it. `python -m fastrlhf.estimate.calibrate --probe-cpu` measures this one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+GIB = 1024**3
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes/s, device memory
+    peak_flops: float  # dense bf16 / fp16 FLOP/s (fp32 on a CPU)
+    pcie: float = 0.0  # bytes/s per direction to host memory (offload)
+    link: float = 0.0  # bytes/s per GPU and direction to GPUs of its node
+    network: float = 0.0  # bytes/s per GPU and direction to other nodes
+    node_gpus: int = 8
+    kind: str = "gpu"  # gpu or cpu
+    context_bytes: int = 1 * GIB  # CUDA context + allocator slack, not in max_memory_allocated
+    threads: int = 0  # CPU: threads the probe used
+    peak_flops_1_thread: float = 0.0  # CPU: the probe on one thread
+
+
+GPUS = {
+    "v100-32g": Device("V100-SXM-32GB", 32 * GIB, 900e9, 125e12, pcie=16e9, link=150e9, network=6.25e9,
+                       node_gpus=16),
+    "a6000": Device("RTX-A6000-48GB", 48 * GIB, 768e9, 154.8e12, pcie=32e9, link=32e9, network=25e9),
+    "a100-40g": Device("A100-SXM4-40GB", 40 * GIB, 1.555e12, 312e12, pcie=32e9, link=300e9, network=25e9),
+    "a100-80g": Device("A100-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9, link=300e9, network=25e9),
+    "a800-80g": Device("A800-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9, link=200e9, network=25e9),
+    "h100": Device("H100-SXM5-80GB", 80 * GIB, 3.35e12, 989e12, pcie=64e9, link=450e9, network=50e9),
+    "h200": Device("H200-SXM-141GB", 141 * 10**9, 4.8e12, 989e12, pcie=64e9, link=450e9, network=50e9),
+}
+
+
+@cache
+def cpu_device() -> Device:
+    """The recorded CPU (data/devices.json): measured matmul FLOP/s and copy bandwidth."""
+    spec = json.loads((DATA / "devices.json").read_text())["cpu"]
+    return Device(spec["name"], int(spec["memory_bytes"]), float(spec["bandwidth"]), float(spec["peak_flops"]),
+                  kind="cpu", context_bytes=0, threads=int(spec["threads"]),
+                  peak_flops_1_thread=float(spec["peak_flops_1_thread"]))
+
+
+def device(name: str) -> Device:
+    if name == "cpu":
+        return cpu_device()
+    if name not in GPUS:
+        raise ValueError(f"gpu: expected one of {', '.join([*GPUS, 'cpu'])}, got {name!r}")
+    return GPUS[name]
+
+
+def device_names() -> tuple[str, ...]:
+    return (*GPUS, "cpu")
+
+
+def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
+    """Measure this CPU: fp32 matmul FLOP/s (1024^3 GEMMs) and copy bandwidth (64 MiB tensors). On one
+    thread the rates are per second of the process's CPU time (other jobs' load does not enter)."""
+    import time
+
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        a @ b
+    n, start = 0, clock()
+    while clock() - start < seconds:
+        a @ b
+        n += 1
+    flops = 2 * 1024**3 * n / (clock() - start)
+    src = torch.empty(16 * 1024**2)  # 64 MiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    n, start = 0, clock()
+    while clock() - start < seconds:
+        dst.copy_(src)
+        n += 1
+    bandwidth = 2 * src.numel() * 4 * n / (clock() - start)  # read + write
+    return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads()}

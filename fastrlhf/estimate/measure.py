@@ -1,0 +1,93 @@
+"""`fastrlhf estimate --measure`: predicted vs measured state bytes of a tiny model's training step.
+
+The tiny model is held as this trainer holds its policy: on CPU fp32 weights and AdamW; on CUDA
+full fine-tuning keeps fp32 weights under bf16 autocast (fp32 gradients and AdamW states), LoRA a
+bf16 base with fp32 adapters (peft upcasts them). Those are the fsdp2 engine's bytes per parameter.
+"""
+
+from __future__ import annotations
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+              "tie_word_embeddings": False, "max_position_embeddings": 128}
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def build_tiny_model(lora_rank: int = 0, config: dict | None = None, dtype=None):
+    """A small transformers LlamaForCausalLM (+ peft LoRA on every linear when lora_rank > 0)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in (config or TINY_LLAMA).items() if k != "model_type"}
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    if dtype is not None:
+        model = model.to(dtype)
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
+                 "up": "up_proj", "down": "down_proj"}
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                 target_modules=list(names.values())))
+    return model
+
+
+def measure_states(model, steps: int = 2, batch: int = 2, seq: int = 16) -> dict:
+    """Run AdamW steps on random tokens; exact bytes of parameters, gradients, optimizer states."""
+    import contextlib
+
+    import torch
+
+    device = next(model.parameters()).device
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    vocab = model.config.vocab_size
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # keep grads so they can be counted
+    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
+    out = {
+        "weights": _tensor_bytes(p for p in model.parameters()),
+        "gradients": _tensor_bytes(p.grad for p in trainable),
+        "optimizer": _tensor_bytes(states),
+    }
+    if device.type == "cuda":
+        out["peak"] = torch.cuda.max_memory_allocated(device)
+    return out
+
+
+def measure(lora_rank: int = 0, device: str | None = None) -> dict:
+    """Predicted vs measured bytes for one SFT step of the tiny model (fp32 on CPU; the trainer's
+    CUDA precision on CUDA)."""
+    import torch
+
+    from fastrlhf.estimate.plan import estimate
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bf16" if device == "cuda" else "fp32"
+    storage = torch.bfloat16 if (device == "cuda" and lora_rank) else torch.float32
+    batch, seq = 2, 16
+    model = build_tiny_model(lora_rank, dtype=storage).to(device)
+    measured = measure_states(model, batch=batch, seq=seq)
+    result = estimate(model=TINY_LLAMA, stage="sft", engine="fsdp2", dtype=dtype, lora_rank=lora_rank,
+                      micro_batch=batch, seq_len=seq, gen_len=0, logits="materialised", flash_attention=False,
+                      gpu="cpu" if device == "cpu" else "h100")
+    predicted = result["stages"]["sft"]["memory_per_gpu_bytes"]
+    return {"device": device, "dtype": dtype, "lora_rank": lora_rank, "predicted": predicted, "measured": measured}

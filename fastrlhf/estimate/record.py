@@ -1,0 +1,127 @@
+"""Run a `fastrlhf ppo|pipeline` command and record its PPO phases as JSON (a planner calibration point).
+
+    python -m fastrlhf.estimate.record --json bench/results/cpu_ppo_tiny.json -- \
+        fastrlhf pipeline --out runs/cpu_tiny
+
+The record holds the exact command, the machine (CPU model, cores, load average before and
+after, torch version, git commit), the PPO stage's configuration, the prompt length the
+rollouts were padded to, and per logged step the time and peak memory of each phase
+(`time/<phase>`, `memory/<phase>` rows of OUT/metrics.jsonl). `fastrlhf estimate
+--compare-run OUT` reads the same rows; `fastrlhf.estimate.calibrate` reads these records.
+
+`--cpu-time` also records the process's CPU seconds of each phase (`cpu/<phase>`): the command runs
+in a Python that wraps fastrlhf.metrics.PhaseTimer.phase to read time.process_time() around each
+phase (the trainer's files are not changed). On a machine shared with other jobs a one-thread
+run's wall time grows with their load (measured here: up to 2.3x); its CPU time is what the phase
+costs on a core of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fastrlhf.estimate.compare import read_run
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# run `fastrlhf` with CPU seconds per phase added to the metrics rows (argv: the fastrlhf arguments)
+CPU_TIME_BOOT = """
+import contextlib, sys, time
+import fastrlhf.metrics as metrics
+_phase, _stats = metrics.PhaseTimer.phase, metrics.PhaseTimer.step_stats
+
+@contextlib.contextmanager
+def phase(self, name):
+    start = time.process_time()
+    with _phase(self, name):
+        yield
+    cpu = self.__dict__.setdefault("_cpu_seconds", {})
+    cpu[name] = cpu.get(name, 0.0) + time.process_time() - start
+
+def step_stats(self):
+    stats = _stats(self)
+    stats.update({f"cpu/{k}": v for k, v in self.__dict__.pop("_cpu_seconds", {}).items()})
+    return stats
+
+metrics.PhaseTimer.phase, metrics.PhaseTimer.step_stats = phase, step_stats
+from fastrlhf.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _out_dir(command: list[str]) -> Path:
+    for i, token in enumerate(command):
+        if token == "--out" and i + 1 < len(command):
+            return Path(command[i + 1])
+        if token.startswith("--out="):
+            return Path(token.split("=", 1)[1])
+    raise ValueError("command: pass --out DIR so the run's metrics can be found")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastrlhf.estimate.record", description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="where to write the record")
+    p.add_argument("--note", default="", help="free text stored in the record")
+    p.add_argument("--cpu-time", action="store_true", help="also record CPU seconds per phase (cpu/<phase>)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- fastrlhf ppo|pipeline ... --out DIR")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if len(command) < 2 or command[1] not in ("ppo", "pipeline"):
+        raise SystemExit("record: expected `-- fastrlhf ppo|pipeline ... --out DIR`")
+    out = _out_dir(command)
+    import torch
+
+    load_before = os.getloadavg()
+    start = time.time()
+    argv = [sys.executable, "-c", CPU_TIME_BOOT, *command[1:]] if args.cpu_time else command
+    subprocess.run(argv, check=True)
+    wall = time.time() - start
+    load_after = os.getloadavg()
+    run = read_run(out, argv=command[2:] if command[1] == "ppo" else None)
+    if os.environ.get("OMP_NUM_THREADS"):
+        run.cpu_threads = int(os.environ["OMP_NUM_THREADS"])
+    record = {
+        "command": shlex.join(command),
+        "note": args.note,
+        "cpu_time": "cpu/<phase>: time.process_time() around fastrlhf.metrics.PhaseTimer.phase (record --cpu-time)"
+        if args.cpu_time else None,
+        "wall_seconds": round(wall, 2),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_avg_before": load_before,
+                    "load_avg_after": load_after, "torch": torch.__version__, "python": platform.python_version(),
+                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        "git_commit": _git_commit(),
+        **run.to_json(),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
