@@ -1,5 +1,5 @@
-"""The op contract's constants, one home each. Imports nothing: `reference.py` (torch only),
-the kernels (torch and triton only) and the ops may all import it."""
+"""Constants with one home each. Imports nothing: `reference.py` (torch only), the kernels (torch and
+triton only), the ops, the trainer and the planner (which imports no torch) may all import it."""
 
 IGNORE_INDEX = -100  # labels equal to it get log-prob 0 and no gradient (PyTorch's cross-entropy default)
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp (policy ratio, k3 KL), as verl
@@ -19,3 +19,7 @@ SINGLETON_MODES = ("score", "zero")  # a group of one: baseline 0, std 1 (verl);
 WHITEN_MODES = ("none", "tokens", "sequences")
 VAR_EPS_MODES = ("add", "clamp")  # token whitening: rsqrt(var + eps) (verl), rsqrt(max(var, eps)) (OpenRLHF)
 DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
+
+# Sizes the trainer uses and the planner predicts with
+CHUNK_BUDGET_BYTES = 64 * 2**20  # the linear ops cut tokens into chunks whose [rows, V] logits fit this
+SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one intra-op thread (devices.cpu_threads_for)

@@ -36,7 +36,6 @@ from typing import NamedTuple
 
 import torch
 
-
 log = logging.getLogger("fastrlhf")
 
 IGNORE_INDEX = -100  # label of a token that is not scored (the ops' `ignore_index`)

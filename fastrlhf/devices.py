@@ -7,7 +7,7 @@ import os
 
 import torch
 
-SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one intra-op thread (see cpu_threads_for)
+from fastrlhf.constants import SMALL_MODEL_PARAMS
 
 
 def resolve_device(name: str) -> torch.device:

@@ -70,8 +70,8 @@ def test_config_json_path(tmp_path):
 
 def test_training_preset_names_resolve_to_the_trainers_models():
     """`--model qwen2-0.5b` is `fastrlhf ppo --model qwen2-0.5b`: fastrlhf.models' config, not a copy."""
-    from fastrlhf.data import build_char_tokenizer
     from fastrlhf.models import BUILTIN_MODELS
+    from fastrlhf.task import build_char_tokenizer
 
     for name in BUILTIN_MODELS:
         config = BUILTIN_MODELS[name](len(build_char_tokenizer()))
@@ -278,15 +278,6 @@ def test_phase_names_are_the_trainers():
     from fastrlhf.metrics import PPO_PHASES
 
     assert est.PPO_PHASES == RUN_PHASES == PPO_PHASES
-
-
-def test_constants_copied_from_the_trainer_stay_equal():
-    from fastrlhf._linear import CHUNK_BUDGET_BYTES
-    from fastrlhf.estimate.memory import LINEAR_CHUNK_BYTES
-    from fastrlhf.models import SMALL_MODEL_PARAMS
-
-    assert LINEAR_CHUNK_BYTES == CHUNK_BUDGET_BYTES
-    assert plan.SMALL_MODEL_PARAMS == SMALL_MODEL_PARAMS
 
 
 def test_micro_rollout_batch_bounds_the_kv_cache_and_costs_time():

@@ -93,7 +93,7 @@ def _fake_run(tmp_path):
     and the SFT policy and reward model it used (tiny, random)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fastrlhf.data import build_char_tokenizer
+    from fastrlhf.task import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

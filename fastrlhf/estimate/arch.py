@@ -190,7 +190,7 @@ def _builtin(name: str) -> Arch | None:
         return None
     if name not in BUILTIN_MODELS:
         return None
-    from fastrlhf.data import build_char_tokenizer
+    from fastrlhf.task import build_char_tokenizer
 
     config = BUILTIN_MODELS[name](len(build_char_tokenizer())).to_dict()
     return arch_from_config(config, f"fastrlhf built-in {name!r}")

@@ -104,7 +104,8 @@ def policy_dir(out: Path, config: dict) -> str:
 
 def _prompt_len(out: Path, config: dict) -> int:
     """Tokens the rollouts' prompts are left-padded to: the longest prompt, cut at max_prompt_len."""
-    from fastrlhf.data import build_char_tokenizer, read_jsonl, synthetic_prompt_rows
+    from fastrlhf.data import BUILTIN, load_table
+    from fastrlhf.task import build_char_tokenizer, synthetic_prompt_rows
 
     model = policy_dir(out, config)
     if Path(model).is_dir():
@@ -113,9 +114,14 @@ def _prompt_len(out: Path, config: dict) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model)
     else:
         tokenizer = build_char_tokenizer()
-    rows = read_jsonl(config["data"], ("prompt",)) if config.get("data") else synthetic_prompt_rows(4096, 0)
-    longest = max(len(tokenizer(r["prompt"], add_special_tokens=True)["input_ids"]) for r in rows)
-    return min(longest, int(config["max_prompt_len"]))
+    data = config.get("data") or "auto"
+    if data in ("auto", BUILTIN):  # a run that trained on the built-in task (the trainer refuses "auto" otherwise)
+        prompts = [r["prompt"] for r in synthetic_prompt_rows(4096, 0)]
+    else:
+        prompts = load_table(data, {"prompt": config.get("prompt_key", "prompt")}, where="compare-run data")["prompt"]
+    longest = max(len(tokenizer(p, add_special_tokens=True)["input_ids"]) for p in prompts)
+    cap = int(config.get("max_prompt_len") or 0)  # 0: auto, the longest prompt (within the model's positions)
+    return min(longest, cap) if cap > 0 else longest
 
 
 def read_run(out: str | Path, argv: list[str] | None = None) -> RunRecord:
@@ -141,8 +147,8 @@ def _model_config(model: str) -> dict:
     path = Path(model)
     if path.is_dir():
         return json.loads((path / "config.json").read_text())
-    from fastrlhf.data import build_char_tokenizer
     from fastrlhf.models import BUILTIN_MODELS
+    from fastrlhf.task import build_char_tokenizer
 
     if model not in BUILTIN_MODELS:
         raise ValueError(f"compare-run: the run's model {model!r} is neither a directory nor a built-in")

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fastrlhf.constants import CHUNK_BUDGET_BYTES
 from fastrlhf.estimate.arch import LINEARS, Arch
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4 bits + double-quantised constants (QLoRA paper sec. 3)
-LINEAR_CHUNK_BYTES = 64 * 2**20  # fastrlhf._linear.CHUNK_BUDGET_BYTES (a test keeps them equal)
 
 # engine -> precision -> bytes per trainable parameter (the table `--help` prints)
 STATE_BYTES = {
@@ -236,7 +236,7 @@ def logit_bytes(arch: Arch, *, tokens: int, dtype: str, mode: str, backward: boo
     """
     db, n_v = DTYPE_BYTES[dtype], tokens * arch.vocab
     if mode == "linear":
-        return min(LINEAR_CHUNK_BYTES, n_v * 8) + (arch.vocab * arch.embed * 4 if backward else 0)
+        return min(CHUNK_BUDGET_BYTES, n_v * 8) + (arch.vocab * arch.embed * 4 if backward else 0)
     if mode == "fused":
         return n_v * db * (2 if backward else 1)
     return n_v * (db + 4 + 4 + (8 if backward else 0))

@@ -28,6 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from fastrlhf.constants import SMALL_MODEL_PARAMS
 from fastrlhf.estimate import timing
 from fastrlhf.estimate.arch import LINEARS, Arch, format_params, parse_params, resolve_model, scaled
 from fastrlhf.estimate.hardware import Device, device
@@ -52,7 +53,6 @@ ENGINES = ("fsdp2", "deepspeed")
 GEN_ENGINES = timing.GEN_ENGINES
 OFFLOADS = ("none", "optimizer", "params")
 LOGITS = ("linear", "fused", "materialised")
-SMALL_MODEL_PARAMS = 20_000_000  # fastrlhf.models: CPU runs of smaller models use one thread (a test keeps them equal)
 
 
 @dataclass

@@ -41,7 +41,7 @@ import functools
 import torch
 from torch import Tensor
 
-from fastrlhf.constants import IGNORE_INDEX, KL_ESTIMATORS
+from fastrlhf.constants import CHUNK_BUDGET_BYTES, IGNORE_INDEX, KL_ESTIMATORS
 from fastrlhf.ops._common import as_rows, check_device, check_float, check_int, check_number, out_dtype, use_triton
 from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
@@ -55,9 +55,8 @@ from fastrlhf.ops.losses import (
     token_weights,
 )
 
-# Logits one chunk may hold (input dtype). 64 MiB gives >= 100-row matmuls at V = 151936 in bf16
-# on GPU; the torch path's float32 temporaries are per block of rows inside ops.logprobs, not per chunk.
-CHUNK_BUDGET_BYTES = 64 * 2**20
+# Logits one chunk may hold (input dtype): CHUNK_BUDGET_BYTES (64 MiB) gives >= 100-row matmuls at V = 151936
+# in bf16 on GPU; the torch path's float32 temporaries are per block of rows inside ops.logprobs, not per chunk.
 CHUNK_MULTIPLE = 16  # chunk rows are a multiple of this (tensor-core friendly), unless N is smaller
 
 
