@@ -357,6 +357,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
         "device": str(device), "lora_rank": cfg.lora_rank, "advantage": cfg.advantage,
         "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
+        "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
     }
     if builtin:
         summary["true_score_before"] = true_before

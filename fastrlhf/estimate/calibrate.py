@@ -27,7 +27,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastrlhf.estimate import timing
+import fastrlhf.estimate.timing as timing
 from fastrlhf.estimate.arch import resolve_model
 from fastrlhf.estimate.compare import RunRecord, compare, spec_from_run
 from fastrlhf.estimate.hardware import DATA
@@ -135,7 +135,7 @@ def fig6_rows() -> list[tuple[str, timing.Work, float]]:
     """Figure 6's training TFLOPs as rows: per GPU and sequence, the published training time is
     (actor + critic FLOPs in DeepSpeed-Chat's accounting) / TFLOPs; the planner's work for the same
     sequence is its own FLOPs over the peak. Setups: the release scripts (point `assumed`)."""
-    from fastrlhf.estimate import plan
+    import fastrlhf.estimate.plan as plan
 
     p = next(p for p in published_points() if p["id"] == "dschat-blog-fig6-train-tflops")
     rows = []

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from fastrlhf.estimate import timing
+import fastrlhf.estimate.timing as timing
 from fastrlhf.estimate.arch import LINEARS, PRESETS, format_params
 from fastrlhf.estimate.hardware import device, device_names
 from fastrlhf.estimate.memory import state_table
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_run:
             from fastrlhf.estimate.compare import compare_main
 
-            return compare_main(args, _explicit(argv))
+            return compare_main(args, _explicit(argv), spec_from_args(args))
         spec = spec_from_args(args)
         result = estimate(spec)
     except (ValueError, TypeError) as err:

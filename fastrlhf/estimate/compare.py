@@ -136,7 +136,9 @@ def read_run(out: str | Path, argv: list[str] | None = None) -> RunRecord:
         raise ValueError(f"compare-run: {metrics} has no PPO rows with phase times (time/rollout, ...)")
     config = _ppo_config(out, argv)
     summary = out / "summary.json"
-    device = json.loads(summary.read_text()).get("ppo", {}).get("device", "") if summary.is_file() else ""
+    ppo = json.loads(summary.read_text()).get("ppo", {}) if summary.is_file() else {}
+    device = ppo.get("device", "")
+    config.update({k: ppo[k] for k in ("max_prompt_len", "max_new_tokens") if ppo.get(k)})  # lengths as resolved
     return RunRecord(out=str(out), config=config, device=device or "unknown",
                      prompt_len=_prompt_len(out, config), rows=rows,
                      model_config=_model_config(policy_dir(out, config)),
@@ -240,16 +242,14 @@ def compare(record: RunRecord, spec=None, stat: str = "median", key: str = "time
     return {"spec_gpu": spec.gpu, "stat": stat, "key": key, "phases": rows, "iteration": iteration, "memory_note": note}
 
 
-def compare_main(args, explicit: set[str]) -> int:
-    """`fastrlhf estimate --compare-run OUT [flags]`."""
+def compare_main(args, explicit: set[str], given) -> int:
+    """`fastrlhf estimate --compare-run OUT [flags]`: `given` is the Spec of the command line, whose
+    `explicit` flags override what is read from the run."""
     import dataclasses
     import shlex
 
-    from fastrlhf.estimate.cli import spec_from_args
-
     record = read_run(args.compare_run, argv=shlex.split(args.run_args) if args.run_args else None)
     spec = spec_from_run(record, args.gpu)
-    given = spec_from_args(args)
     fields = {f.name for f in dataclasses.fields(spec)}
     names = {k.replace("-", "_") for k in explicit} & fields
     if "no_flash" in explicit:

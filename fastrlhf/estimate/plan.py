@@ -28,8 +28,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import fastrlhf.estimate.timing as timing
 from fastrlhf.constants import SMALL_MODEL_PARAMS
-from fastrlhf.estimate import timing
 from fastrlhf.estimate.arch import LINEARS, Arch, format_params, parse_params, resolve_model, scaled
 from fastrlhf.estimate.hardware import Device, device
 from fastrlhf.estimate.memory import (
