@@ -104,7 +104,8 @@ def _fake_run(tmp_path):
     from fastrlhf.config import PipelineConfig, to_dict
 
     (tmp_path / "config.json").write_text(json.dumps(to_dict(PipelineConfig())))
-    (tmp_path / "summary.json").write_text(json.dumps({"ppo": {"device": "cpu", "max_prompt_len": 32, "max_new_tokens": 16}}))
+    ppo = {"device": "cpu", "max_prompt_len": 32, "max_new_tokens": 16}  # the lengths as the stage resolved them
+    (tmp_path / "summary.json").write_text(json.dumps({"ppo": ppo}))
     rows = []
     for step in range(1, 5):
         row = {"stage": "ppo", "step": step, "response_length": 9.0}
