@@ -18,7 +18,7 @@ def worst(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def assert_close_to_ref(out, ref64, ref_same_dtype, *, atol, name="output"):
-    """DESIGN.md rule: |out - ref64| <= 2 * max|ref_same_dtype - ref64| + atol, plus the
+    """docs/ops.md rule: |out - ref64| <= 2 * max|ref_same_dtype - ref64| + atol, plus the
     rounding of the float32 output itself (2 eps32 * |ref64|, elementwise): a float32 result
     cannot be closer than its own last bit, however lucky the same-dtype reference was.
 

@@ -1,4 +1,4 @@
-"""Imports point down and never loop (DESIGN.md): read from the source with `ast`, every import
+"""Imports point down and never loop (the layering: cli -> stages -> ops -> kernels): read with `ast`, every import
 statement (module level and inside functions) of every fastrlhf module."""
 
 import ast

@@ -1,6 +1,8 @@
 """ops.logprobs (log-prob + entropy, forward and backward) against reference.py in float64,
 on both backends: err(op vs ref64) <= 2 * err(reference in the same dtype vs ref64) + atol."""
 
+import importlib
+
 import pytest
 import torch
 from helpers import assert_close_to_ref, poison_outputs
@@ -240,3 +242,27 @@ def test_entropy_matches_reference(backend, dtype, atol):
     # the same numbers as the entropy logprobs returns
     _, h = ops.logprobs(logits, torch.randint(0, 100, (B, T)), temperature=1.3, return_entropy=True)
     torch.testing.assert_close(outs[0][0], h, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)])
+def test_torch_path_blocks_of_rows(monkeypatch, dtype, atol):
+    """The torch path's blocks of rows, one row each here: block edges, a view that cannot be
+    flattened (one span per sequence), K labels, the in-place backward."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
+    monkeypatch.setattr(importlib.import_module("fastrlhf.ops.logprobs"), "BLOCK_BYTES_PER_THREAD", 1)
+    B, T, V = 2, 7, 1271
+    full = (torch.randn(B, T + 1, V) * 3).to(dtype)
+    labels = _labels(B, T, V)
+    _check_against_reference(ops.logprobs, full[:, :-1], labels, atol, temperature=0.9)
+    g_logp, g_ent = torch.randn(B, T, 3), torch.randn(B, T)
+    topk = torch.randint(0, V, (B, T, 3))
+    out = _fwd_bwd(ops.logprobs, full[:, :-1], topk, g_logp, g_ent)
+    r64 = _fwd_bwd(ref.logprobs, full[:, :-1].double(), topk, g_logp, g_ent)
+    same = _fwd_bwd(ref.logprobs, full[:, :-1], topk, g_logp, g_ent)
+    for name, o, r, s in zip(("logp", "entropy", "d_logits"), out, r64, same):
+        assert_close_to_ref(o, r, s, atol=atol, name=name)
+    leaf = full.clone().requires_grad_()
+    view = leaf[:, :-1] * 1.0
+    logp, ent = ops.logprobs(view, topk, return_entropy=True, inplace_backward=True)
+    (dx,) = torch.autograd.grad((logp, ent), view, (g_logp, g_ent))
+    torch.testing.assert_close(dx, out[2], rtol=0, atol=0)

@@ -1,6 +1,6 @@
 """Property tests (hypothesis) over random shapes and masks, on both backends.
 
-Each property holds for every B, T and mask: agreement with reference.py in float64 (DESIGN.md
+Each property holds for every B, T and mask: agreement with reference.py in float64 (docs/ops.md
 rule), and invariances the conventions promise (what lies under mask = 0 never matters).
 """
 
