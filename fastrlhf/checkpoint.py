@@ -17,9 +17,12 @@ and then moved into place with `os.replace`, so a crash never leaves half a chec
 `latest` only ever names a complete one.
 
 What a checkpoint holds is written and read by `_write_state` / `_read_state` alone; the
-rest (folders, the `latest` pointer, pruning, resume) does not look inside. Sharded
-checkpoints (torch.distributed.checkpoint: every rank writes its shards into the same
-temporary folder, rank 0 publishes it once all are done) replace those two functions.
+rest (folders, the `latest` pointer, pruning, resume) does not look inside. Under torchrun
+`_write_sharded` / `_read_sharded` replace them: torch.distributed.checkpoint writes the
+sharded weights and optimizer state (`.metadata` + one `.distcp` file per rank, reshardable
+to another number of ranks), and each rank its own `rank_NNNNN.pt` (step, RNG, extra). Every
+rank writes into the same temporary folder; rank 0 publishes it once all are done. A
+sharded checkpoint also resumes in a single process; a single-process one only there.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fastrlhf import distributed
+
 log = logging.getLogger("fastrlhf")
 
 LATEST = "latest"
 CONFIG_FILE = "config.json"
 RESUME_FREE_KEYS = ("steps", "stop_after", "resume", "overwrite", "log_every", "save_every", "eval_every",
-                    "tensorboard")  # keys a resumed run may change
+                    "tensorboard", "shard")  # keys a resumed run may change (sharded checkpoints reshard)
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -103,9 +108,10 @@ def save_model_dir(lm, tokenizer, path: Path, extra: dict[str, dict[str, torch.T
 
 
 def rng_state() -> dict:
+    """CPU, Python and CUDA generator states (under torchrun: this rank's GPU only)."""
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state() if distributed.active() else torch.cuda.get_rng_state_all()
     return state
 
 
@@ -114,7 +120,10 @@ def set_rng_state(state: dict) -> None:
     version, _, gauss = random.getstate()
     random.setstate((version, tuple(state["python"]), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        if isinstance(state["cuda"], torch.Tensor):
+            torch.cuda.set_rng_state(state["cuda"])
+        else:
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -142,24 +151,82 @@ def _read_state(folder: Path, module: nn.Module, optimizer) -> dict:
     return torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
 
 
+def _rank_file(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"rank_{rank:05d}.pt"
+
+
+def _write_sharded(folder: Path, module: nn.Module, weights: dict[str, torch.Tensor], optimizer, meta: dict) -> None:
+    """Under torchrun: the weights named in `weights` and the optimizer state, sharded
+    (torch.distributed.checkpoint, every rank joins), and this rank's meta."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(module, optimizer)
+    model_state = {k: v for k, v in model_state.items() if k in weights}
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+    torch.save(dict(meta, world_size=distributed.world_size()), _rank_file(folder, distributed.rank()))
+
+
+def _read_sharded(folder: Path, module: nn.Module, optimizer) -> dict:
+    """Load a torch.distributed.checkpoint folder into `module` and `optimizer` (on any number
+    of ranks, or one plain process); returns this rank's meta (rank 0's when the checkpoint
+    was written by fewer ranks, with a warning: the RNG streams then differ from an
+    uninterrupted run)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    model_state, optim_state = get_state_dict(module, optimizer)
+    model_state = {k: v for k, v in model_state.items() if f"model.{k}" in saved}
+    unknown = {k[len("model."):] for k in saved if k.startswith("model.")} - set(model_state)
+    if unknown:
+        raise ValueError(f"checkpoint {str(folder)!r} holds tensors the model does not have: {sorted(unknown)[:5]}")
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
+    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(strict=False))
+    own = _rank_file(folder, distributed.rank())
+    meta = torch.load(own if own.is_file() else _rank_file(folder, 0), map_location="cpu", weights_only=True)
+    if meta["world_size"] != distributed.world_size():
+        log.warning("checkpoint %s was written by %d rank(s), resumed on %d: weights and optimizer state are "
+                    "resharded; the random streams differ from an uninterrupted run", folder, meta["world_size"],
+                    distributed.world_size())
+    return meta
+
+
 def save_checkpoint(stage_dir: Path, step: int, weights: dict[str, torch.Tensor], optimizer, extra: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, module: nn.Module | None = None) -> Path:
     """stage_dir/checkpoints/step_{step:06d}/, then `latest` points at it. Only this checkpoint
     and the newest `keep - 1` before it stay; any with a later step (from a run this one
-    replaces) are removed, so `latest` always names the newest checkpoint on disk."""
+    replaces) are removed, so `latest` always names the newest checkpoint on disk. Under
+    torchrun every rank calls this (`module`: the model that holds `weights`)."""
     root = Path(stage_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = staging_dir(final)
-    _write_state(tmp, weights, optimizer, {"step": step, "rng": rng_state(), "extra": extra})
-    publish_dir(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST)
-    older = sorted(p for p in root.glob("step_*") if p.name < final.name)
-    newer = [p for p in root.glob("step_*") if p.name > final.name]
-    for old in older[:max(0, len(older) - (keep - 1))] + newer:
-        shutil.rmtree(old, ignore_errors=True)
+    meta = {"step": step, "rng": rng_state(), "extra": extra}
+    if distributed.active():
+        if module is None:
+            raise ValueError("save_checkpoint: a sharded checkpoint needs the module that holds the weights")
+        tmp = final.with_name(f".{final.name}.tmp")  # one name every rank knows
+        with distributed.main_first() as main:
+            if main:
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+        _write_sharded(tmp, module, weights, optimizer, meta)
+        distributed.barrier()  # every rank's shards are on disk
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = staging_dir(final)
+        _write_state(tmp, weights, optimizer, meta)
+    with distributed.main_first() as main:
+        if main:
+            publish_dir(tmp, final)
+            pointer = root / f".{LATEST}.tmp"
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, root / LATEST)
+            older = sorted(p for p in root.glob("step_*") if p.name < final.name)
+            newer = [p for p in root.glob("step_*") if p.name > final.name]
+            for old in older[:max(0, len(older) - (keep - 1))] + newer:
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -178,7 +245,14 @@ def latest_checkpoint(stage_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, module: nn.Module, optimizer) -> dict:
     """Load weights into `module`, the optimizer state and the RNG state; returns {"step", "extra"}."""
-    state = _read_state(Path(path), module, optimizer)
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        state = _read_sharded(path, module, optimizer)
+    elif distributed.active():
+        raise ValueError(f"checkpoint {str(path)!r} was written by a single process; resume it without torchrun, or "
+                         "start over with --overwrite")
+    else:
+        state = _read_state(path, module, optimizer)
     set_rng_state(state["rng"])
     return {"step": int(state["step"]), "extra": state["extra"]}
 

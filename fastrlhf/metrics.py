@@ -35,10 +35,14 @@ PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
 def setup_logging() -> None:
     """INFO lines with a time stamp on stderr; Python warnings go through logging too (so they
     never land on a progress bar's line). Without a terminal, the Hugging Face libraries' own
-    progress bars are switched off and the stages' progress is logged as lines (`progress`)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    progress bars are switched off and the stages' progress is logged as lines (`progress`).
+    Under torchrun, ranks other than 0 log errors only (rank 0 speaks for the run)."""
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR,
+                        format="%(asctime)s %(levelname)s " + (f"[rank {rank}] " if rank else "") + "%(message)s",
+                        datefmt="%H:%M:%S")
     logging.captureWarnings(True)
-    if not sys.stderr.isatty():
+    if not sys.stderr.isatty() or rank:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by transformers on import
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -246,8 +250,23 @@ class LineProgress:
         pass
 
 
-def progress(total: int, initial: int, desc: str):
-    """A tqdm bar on a terminal; `LineProgress` (log lines) otherwise."""
+class NoProgress:
+    """What ranks other than 0 get: the same methods, no output."""
+
+    def set_postfix(self, refresh: bool = True, **values) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, initial: int, desc: str, *, show: bool = True):
+    """A tqdm bar on a terminal; `LineProgress` (log lines) otherwise; nothing if not `show`."""
+    if not show:
+        return NoProgress()
     if sys.stderr.isatty():
         return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=0.5)
     return LineProgress(total, initial, desc)

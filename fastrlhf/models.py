@@ -186,6 +186,16 @@ def load_causal_lm(source, *, device: torch.device, dtype: torch.dtype = torch.f
     return model, tokenizer
 
 
+def empty_copy(lm):
+    """A causal LM of `lm`'s class and configuration whose weights are to be assigned (build
+    it under `torch.device("meta")`): what a sharded run's final model is exported into."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(copy.deepcopy(unwrap(lm).config))
+
+
 # ---------------------------------------------------------------- accessors
 
 

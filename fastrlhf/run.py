@@ -15,6 +15,9 @@ stays in the stage, top to bottom:
             run.save(step, weights, extra)
     if not run.finish(step):                                     # stopped early (--stop_after)
         return {"stopped_at": step}
+
+Under torchrun every rank runs the same loop; `StageRun` reduces the logged metrics over the
+ranks (fastrlhf.distributed.reduce_metrics) and only rank 0 writes files or shows progress.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ from pathlib import Path
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from fastrlhf import task
-from fastrlhf.checkpoint import resume_from_checkpoint, save_checkpoint
+from fastrlhf import distributed, task
+from fastrlhf.checkpoint import resume_from_checkpoint, save_checkpoint, start_run_dir
 from fastrlhf.data import AUTO, BUILTIN
 from fastrlhf.devices import resolve_device
-from fastrlhf.metrics import LineProgress, RunLogger, progress, update_summary
+from fastrlhf.metrics import LineProgress, RunLogger, progress, to_floats, update_summary
 from fastrlhf.models import BUILTIN_MODELS, ModelSource, model_source
 from fastrlhf.plots import plot_curves
 from fastrlhf.rollout import generate
@@ -101,24 +104,36 @@ def describe_data(data: str, rows: int) -> str:
 # ---------------------------------------------------------------- the run
 
 
+def start_stage_dir(folder: Path, config: dict, *, resume: bool, overwrite: bool, **kwargs) -> None:
+    """`checkpoint.start_run_dir` on rank 0 (every rank waits for it; one process: the call itself)."""
+    with distributed.main_first() as main:
+        if main:
+            start_run_dir(folder, config, resume=resume, overwrite=overwrite, **kwargs)
+
+
 class StageRun:
     """One stage's run in OUT/<stage>/: `step` and `extra` (from the latest checkpoint when
-    resuming, else 0 and {}), `stop` (the step this invocation ends at), the logger and the bar."""
+    resuming, else 0 and {}), `stop` (the step this invocation ends at), the logger and the bar.
+    Under torchrun every rank makes one; rank 0's writes the files."""
 
     def __init__(self, stage: str, cfg, *, model: torch.nn.Module, optimizer):
-        self.stage, self.cfg, self.optimizer = stage, cfg, optimizer
+        self.stage, self.cfg, self.model, self.optimizer = stage, cfg, model, optimizer
         self.out = Path(cfg.out)
         self.dir = self.out / stage
+        self.main = distributed.is_main()
         resumed = resume_from_checkpoint(self.dir, model, optimizer, cfg.resume, stage)
         self.resumed = resumed is not None
         self.step, self.extra = resumed if self.resumed else (0, {})
-        self.logger = RunLogger(self.out, stage, resume_step=self.step if self.resumed else None,
-                                tensorboard=cfg.tensorboard)
-        if not self.resumed:
-            update_summary(self.out, stage, None)  # a fresh run's summary must not show an earlier run's
+        self._rows: list[dict] = []  # what this rank logged (ranks other than 0 write no file)
+        self.logger = None
+        if self.main:
+            self.logger = RunLogger(self.out, stage, resume_step=self.step if self.resumed else None,
+                                    tensorboard=cfg.tensorboard)
+            if not self.resumed:
+                update_summary(self.out, stage, None)  # a fresh run's summary must not show an earlier run's
         self.stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, self.step + cfg.stop_after)
         self._context = contextlib.ExitStack()
-        self.bar = progress(cfg.steps, self.step, stage)
+        self.bar = progress(cfg.steps, self.step, stage, show=self.main)
         if not isinstance(self.bar, LineProgress):
             self._context.enter_context(logging_redirect_tqdm())  # log lines above the bar, not on it
         self.start = time.perf_counter()
@@ -132,35 +147,42 @@ class StageRun:
         self.bar.update(1)
 
     def log(self, step: int, stats: dict) -> dict:
+        """Write a metrics row (reduced over ranks: every rank calls this at the same steps)."""
+        stats = distributed.reduce_metrics(stats)
+        if self.logger is None:
+            row = {"stage": self.stage, "step": step, **to_floats(stats)}
+            self._rows.append(row)
+            return row
         return self.logger.log(step, stats)
 
     def save(self, step: int, weights: dict[str, torch.Tensor], extra: dict) -> Path:
-        return save_checkpoint(self.dir, step, weights, self.optimizer, extra)
+        return save_checkpoint(self.dir, step, weights, self.optimizer, extra, module=self.model)
 
     def finish(self, step: int) -> bool:
         """Close the bar and the logger. False (and a log line) when this invocation stopped
         before the last step; the stage then returns without a final model."""
         self.bar.close()
         self._context.close()
-        self.logger.close()
+        if self.logger is not None:
+            self.logger.close()
         if step < self.cfg.steps:
             log.info("%s: stopped after step %d of %d (resume with --resume)", self.stage, step, self.cfg.steps)
             return False
         return True
 
     def rows(self) -> list[dict]:
-        """This stage's metrics rows, oldest first."""
-        return self.logger.rows()
+        """This stage's metrics rows, oldest first (other ranks: those of this invocation)."""
+        return self.logger.rows() if self.logger is not None else list(self._rows)
 
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start
 
     def write_summary(self, summary: dict) -> dict:
-        return update_summary(self.out, self.stage, summary)
+        return update_summary(self.out, self.stage, summary) if self.main else summary
 
     def plot(self, keys: list[str], filename: str) -> Path | None:
-        return plot_curves(self.rows(), self.stage, keys, self.out / "plots" / filename)
+        return plot_curves(self.rows(), self.stage, keys, self.out / "plots" / filename) if self.main else None
 
 
 # ---------------------------------------------------------------- the built-in task's true score
@@ -184,8 +206,8 @@ def evaluate_true_score(lm, tokenizer, prompt_ids: list[list[int]], prompts: lis
 
 
 def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
-    """True if `value` is finite; otherwise warn that this optimizer step is skipped."""
-    if bool(torch.isfinite(value).all()):
+    """True if `value` is finite (on every rank); otherwise warn that this optimizer step is skipped."""
+    if distributed.all_finite(value):
         return True
     warnings.warn(f"step {step}: non-finite {what} ({value.detach().float().flatten()[:1].item()}); "
                   "skipping this optimizer step", stacklevel=2)
@@ -195,14 +217,15 @@ def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
 def guarded_step(optimizer, loss: torch.Tensor, params, step: int, *, lr: float,
                  warmup_steps: int = WARMUP_STEPS, max_grad_norm: float = 1.0) -> bool:
     """One optimizer step with linear warm-up and gradient clipping; a non-finite loss or
-    gradient norm skips it (with a warning). Returns whether the step was applied."""
+    gradient norm skips it (with a warning). Returns whether the step was applied. Under
+    torchrun every rank takes the same decision (a loss non-finite on any rank skips it)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * min(1.0, (step + 1) / warmup_steps)
     optimizer.zero_grad(set_to_none=True)
     if not finite_or_warn(loss, "loss", step):
         return False
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = distributed.gradient_norm(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not finite_or_warn(grad_norm, "gradient norm", step):
         optimizer.zero_grad(set_to_none=True)
         return False
