@@ -338,15 +338,19 @@ class DPOConfig:
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
     resume: bool = False
     """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from steps, stop_after, log_every, save_every, eval_every and tensorboard)."""
+    recorded one, apart from steps, stop_after, log_every, save_every, eval_every, tensorboard and shard)."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over."""
     tensorboard: bool = False
     """Also write TensorBoard event files under OUT/tb/."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    shard: str = "full"
+    """Under torchrun, FSDP2 sharding over the ranks: `full` (parameters, gradients and optimizer
+    states; ZeRO-3), `grad_op` (gradients and optimizer states; parameters stay gathered from
+    forward to backward; ZeRO-2) or `none` (replicated). Ignored in a single process."""
     device: str = "auto"
-    """`auto` (CUDA if available), `cpu` or `cuda`."""
+    """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
 
 
 @dataclass

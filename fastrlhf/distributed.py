@@ -360,6 +360,23 @@ def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((x.float() - mean.float()) * torch.rsqrt(var.float() + 1e-8)) * m
 
 
+def outcome_advantages(scores: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`ops.outcome_advantages(scores, mask, **kwargs)` with each prompt's group on one rank;
+    its whitening over the batch's tokens (the reinforce_pp estimators' default) then uses the
+    global batch's moments (`whiten`). On one process it is the op itself."""
+    from fastrlhf import ops
+    from fastrlhf.ops.advantages import DEFAULT_WHITEN
+
+    if not active():
+        return ops.outcome_advantages(scores, mask, **kwargs)
+    mode = kwargs.pop("whiten", None) or DEFAULT_WHITEN[kwargs.get("estimator", "grpo")]
+    if mode == "sequences" or kwargs.get("scale") == "batch":
+        raise ValueError("outcome_advantages: whiten='sequences' and scale='batch' use batch statistics that are not "
+                         "gathered over ranks; under torchrun use the group statistics or token whitening")
+    advantages = ops.outcome_advantages(scores, mask, whiten="none", **kwargs)
+    return whiten(advantages, mask) if mode == "tokens" else advantages
+
+
 # ---------------------------------------------------------------- sharding
 
 

@@ -30,15 +30,16 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 
-from fastrlhf import ops, task
-from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf import distributed, ops, task
+from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import DPOConfig, run_cli, to_dict
 from fastrlhf.data import BUILTIN, Batch, Encoder, truncate_prompts
-from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.devices import autocast
 from fastrlhf.heads import ActorCritic
 from fastrlhf.metrics import log, setup_logging, to_floats
-from fastrlhf.models import ModelSource, load_causal_lm
+from fastrlhf.models import ModelSource, empty_copy, load_causal_lm
 from fastrlhf.rm import pair_batch, prepare_pairs
 from fastrlhf.run import (
     EVAL_BATCH_SIZE,
@@ -48,6 +49,7 @@ from fastrlhf.run import (
     evaluate_true_score,
     guarded_step,
     stage_model,
+    start_stage_dir,
 )
 
 TINY_LR = 1e-3  # a model grown from the built-in `tiny`
@@ -88,22 +90,28 @@ def dpo_step_loss(policy: ActorCritic, batch: Batch, cfg: DPOConfig, device):
 
 
 @torch.no_grad()
-def heldout_accuracy(policy: ActorCritic, enc: dict, idx: list[int], pad_id: int, device) -> float:
-    """Fraction of held-out pairs whose implicit reward is higher for the chosen response."""
-    was_training = policy.training
-    policy.eval()
-    hits = 0
-    for i in range(0, len(idx), EVAL_BATCH_SIZE // 2):
-        part = idx[i:i + EVAL_BATCH_SIZE // 2]
-        batch = pair_batch(enc, part, pad_id).to(device)
-        ref_chosen, ref_rejected = reference_sums(policy, batch, device)
-        with autocast(device):
-            h, head = response_hidden(policy, batch, reference=False)
-            sums = ops.linear_sequence_logprobs(h, head.weight.to(h.dtype), batch.responses, batch.response_mask,
-                                                bias=head.bias)
-        hits += int((sums[:len(part)] - ref_chosen > sums[len(part):] - ref_rejected).sum())
-    policy.train(was_training)
-    return hits / max(1, len(idx))
+def heldout_accuracy(model: distributed.ShardedModel, data: Dataset, idx: list[int], pad_id: int, device) -> float:
+    """Fraction of the held-out pairs `idx` (rows of `data`) whose implicit reward is higher for
+    the chosen response; each rank scores its share."""
+    rows = distributed.local_rows(data, idx)
+
+    def count(policy: ActorCritic) -> int:
+        was_training = policy.training
+        policy.eval()
+        hits, n = 0, len(rows["prompt"])
+        for i in range(0, n, EVAL_BATCH_SIZE // 2):
+            part = range(i, min(n, i + EVAL_BATCH_SIZE // 2))
+            batch = pair_batch(rows, part, pad_id).to(device)
+            ref_chosen, ref_rejected = reference_sums(policy, batch, device)
+            with autocast(device):
+                h, head = response_hidden(policy, batch, reference=False)
+                sums = ops.linear_sequence_logprobs(h, head.weight.to(h.dtype), batch.responses, batch.response_mask,
+                                                    bias=head.bias)
+            hits += int((sums[:len(part)] - ref_chosen > sums[len(part):] - ref_rejected).sum())
+        policy.train(was_training)
+        return hits
+
+    return distributed.all_sum(model.run(count, gathered=True)).item() / max(1, len(idx))
 
 
 @dataclasses.dataclass
@@ -130,6 +138,8 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
                  "dpo")
     if cfg.lora_rank < 0:
         raise ValueError(f"dpo: lora_rank must be >= 0, got {cfg.lora_rank}")
+    distributed.check_shard(cfg.shard, "dpo")
+    distributed.check_global_batch("dpo", batch_size=cfg.batch_size)
     try:  # beta, loss_type and label_smoothing as the op checks them
         ops.dpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=cfg.beta,
                      loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing)
@@ -157,13 +167,16 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
 def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
-    start_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
-    # 0. setup: the policy and its reference (frozen copy, or LoRA disabled), optimizer, resume
-    device = resolve_device(cfg.device)
+    device = distributed.setup(cfg.device, to_dict(cfg), "dpo")  # torchrun: process group, same config everywhere
+    start_stage_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: the policy and its reference (frozen copy, or LoRA disabled; sharded under torchrun),
+    #    optimizer, resume
     torch.manual_seed(cfg.seed)
     lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
     policy = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=False)
-    enc, train_idx, eval_idx = plan.enc, plan.train_idx, plan.eval_idx
+    model = distributed.shard_model(policy, cfg.shard, device)
+    distributed.seed_per_rank(cfg.seed)  # ranks sample different responses (true score)
+    data, train_idx, eval_idx = Dataset.from_dict(plan.enc), plan.train_idx, plan.eval_idx
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     run = StageRun("dpo", cfg, model=policy, optimizer=optimizer)
@@ -171,7 +184,7 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     builtin = bool(plan.eval_prompts)
 
     def true_score() -> float:  # the built-in task's score of responses sampled for held-out prompts
-        return evaluate_true_score(policy.policy, tokenizer, plan.eval_ids, plan.eval_prompts,
+        return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
                                    max_new_tokens=cfg.max_new_tokens, temperature=1.0, device=device)
 
     true_before = run.extra.get("true_before")
@@ -183,11 +196,15 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     policy.train()
 
     while step < run.stop:
-        # 1. batch: B pairs -> 2B rows, the chosen responses first, then the rejected ones
-        idx = [train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,)).tolist()]
-        batch = pair_batch(enc, idx, pad_id).to(device)
-        # 2-3. reference sums, then the policy's sums and the DPO loss in one fused pass
-        loss, stats = dpo_step_loss(policy, batch, cfg, device)
+        # 1. batch: B pairs (rank 0's draw; each rank its share) -> 2B rows, the chosen responses
+        #    first, then the rejected ones
+        idx = distributed.broadcast_list([train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,))
+                                          .tolist()])
+        rows = distributed.local_rows(data, idx)
+        batch = pair_batch(rows, range(len(rows["prompt"])), pad_id).to(device)
+        # 2-3. reference sums, then the policy's sums and the DPO loss in one fused pass (a mean over
+        #      this rank's equal share: FSDP's gradient average makes it the global batch's mean)
+        loss, stats = model.run(dpo_step_loss, batch, cfg, device)
         # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
         if not guarded_step(optimizer, loss, trainable, step, lr=cfg.lr):
             skipped += 1
@@ -199,7 +216,7 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
             row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
             row["skipped_nonfinite"] = skipped
             if run.due(step, cfg.eval_every):
-                row["accuracy"] = heldout_accuracy(policy, enc, eval_idx, pad_id, device)
+                row["accuracy"] = heldout_accuracy(model, data, eval_idx, pad_id, device)
             run.log(step, row)
             window = []
         if run.due(step, cfg.save_every):
@@ -207,15 +224,18 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
 
     if not run.finish(step):
         return {"stopped_at": step}
-    # 6. final policy (LoRA merged), true score after, summary, plot
-    policy.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
+    state_bytes = distributed.state_bytes_summary(policy, optimizer)  # this rank's parameters, gradients, optimizer
+    # 6. final policy (LoRA merged, written by rank 0), true score after, summary, plot
+    distributed.export(policy, lambda: ActorCritic(empty_copy(lm), lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                   value_head=False),
+                       lambda m: m.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data)))
     logged = run.rows()
     summary = {"steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
                "loss_final": logged[-1]["loss"] if logged else None,
                "accuracy": logged[-1].get("accuracy") if logged else None, "eval_pairs": len(eval_idx),
                "reward_margin_final": logged[-1]["reward_margin"] if logged else None,
                "loss_type": cfg.loss_type, "beta": cfg.beta, "lora_rank": cfg.lora_rank,
-               "device": str(device), "model_dir": str(run.dir / "final")}
+               "device": str(device), "model_dir": str(run.dir / "final"), **state_bytes}
     if builtin:
         summary["true_score_before"] = true_before
         summary["true_score_after"] = true_score()
@@ -231,4 +251,4 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
 
 def main(argv: list[str]) -> int:
     setup_logging()
-    return run_cli(DPOConfig, argv, "fastrlhf dpo", train)
+    return run_cli(DPOConfig, argv, "fastrlhf dpo", distributed.entry(train))

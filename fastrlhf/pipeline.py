@@ -22,11 +22,12 @@ import json
 import time
 from pathlib import Path
 
-from fastrlhf import dpo, ppo, rm, sft
-from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf import distributed, dpo, ppo, rm, sft
+from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PipelineConfig, run_cli, to_dict
 from fastrlhf.metrics import log, setup_logging, update_summary
 from fastrlhf.rewards import is_rule
+from fastrlhf.run import start_stage_dir
 
 OUTPUTS = ("config.json", "sft", "rm", "ppo", "dpo", "metrics.jsonl", "summary.json", "plots", "tb")  # --overwrite
 ALGOS = ("ppo", "dpo")
@@ -65,8 +66,9 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
 
 def run(cfg: PipelineConfig) -> dict:
     resolved, stages = prepare(cfg)
+    distributed.setup(stages[0][2].cfg.device, resolved, "pipeline")  # torchrun: every rank, the same config
     out = Path(cfg.out)
-    start_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, remove=OUTPUTS)
+    start_stage_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, remove=OUTPUTS)
     start = time.perf_counter()
     for name, train, plan in stages:
         if cfg.resume and (out / name / "final").is_dir():
@@ -76,6 +78,8 @@ def run(cfg: PipelineConfig) -> dict:
         if "stopped_at" in result:
             log.info("pipeline: stopped inside %s; run again with --resume", name)
             return result
+    if not distributed.is_main():
+        return {}
     summary = update_summary(out, "pipeline", {"seconds": time.perf_counter() - start})
     headline = {k: round(v, 4) for k, v in _headline(summary, cfg.algo).items() if v is not None}
     log.info("pipeline: done in %.0f s\n%s", summary["pipeline"]["seconds"], json.dumps(headline, indent=2))
@@ -105,4 +109,4 @@ def _headline(summary: dict, algo: str) -> dict:
 
 def main(argv: list[str]) -> int:
     setup_logging()
-    return run_cli(PipelineConfig, argv, "fastrlhf pipeline", run)
+    return run_cli(PipelineConfig, argv, "fastrlhf pipeline", distributed.entry(run))

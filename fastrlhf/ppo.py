@@ -29,15 +29,16 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 
-from fastrlhf import ops, task
-from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf import distributed, ops, task
+from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
 from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
 from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
-from fastrlhf.models import ModelSource, load_causal_lm, same_tokenizer
+from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_tokenizer
 from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
@@ -50,6 +51,7 @@ from fastrlhf.run import (
     finite_or_warn,
     resolve_data,
     stage_model,
+    start_stage_dir,
 )
 
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
@@ -73,10 +75,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var(returns - values) / Var(returns) over the response tokens."""
-    var_r = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    diff = returns - values
-    var_d = masked_mean((diff - masked_mean(diff, mask)) ** 2, mask)
+    """1 - Var(returns - values) / Var(returns) over the response tokens (of every rank)."""
+    _, var_r, _ = distributed.masked_moments(returns, mask)
+    _, var_d, _ = distributed.masked_moments(returns - values, mask)
     return 1.0 - var_d / var_r.clamp(min=1e-8)
 
 
@@ -101,55 +102,78 @@ def forward_logprobs_values(ac: ActorCritic, rollout: Rollout, *, temperature: f
     return old_logp, values, ref_logp
 
 
+def micro_batch_losses(ac, b, idx, old_logp, old_values, advantages, returns, cfg: PPOConfig, device,
+                       num_tokens: int, ref_logp=None, kl_coef: float = 0.0):
+    """Actor loss and value loss (None without a critic) of the rows `idx` of the batch `b`, each
+    divided by `num_tokens` (the minibatch's token count over every rank), and their stats."""
+    P = b.prompt_len
+    mask, labels = b.response_mask[idx], b.labels[idx]
+    with autocast(device):
+        hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
+    h = hidden[:, P - 1:-1]
+    head = ac.lm_head
+    # TODO(ops): pass dp_size=distributed.world_size() once the ops take it, instead of the
+    # loss_scale() ppo_update multiplies by
+    actor_loss, stats = ops.linear_ppo_actor_loss(
+        h, head.weight.to(h.dtype), labels, old_logp[idx], advantages[idx], mask, bias=head.bias,
+        temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
+        ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=kl_coef, kl_estimator="k3",
+        global_num_tokens=num_tokens)
+    v_loss = None
+    if old_values is not None:
+        v_loss, v_stats = ops.value_loss(values[:, P - 1:-1].float(), old_values[idx], returns[idx], mask,
+                                         clip=cfg.value_clip, global_num_tokens=num_tokens)
+        stats = dict(stats, value_loss=v_loss.detach(), value_clipfrac=v_stats["clipfrac"])
+    return actor_loss, v_loss, stats
+
+
 def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages, returns, cfg: PPOConfig,
                device, step: int, *, ref_logp=None, kl_coef: float = 0.0) -> dict:
     """Phase 5: `ppo_epochs` passes over the rollout in minibatches of `mini_batch_size`, each
     the sum of micro-batches (gradient accumulation; the losses are divided by the minibatch's
     token count, so the split does not change the gradient). With `ref_logp`, kl_coef x k3 KL
     is part of the actor loss. Without a critic (`old_values` None) there is no value loss.
-    Returns mean stats."""
+    Returns mean stats.
+
+    `ac`: the actor-critic, or the `ShardedModel` around it. Under torchrun the sizes are
+    global: each rank takes its share of every minibatch and micro-batch from its own
+    rollout, the losses divide by the minibatch's token count over all ranks, and the stats
+    are summed over ranks."""
+    model = distributed.as_sharded(ac)
     b = rollout.batch
-    B, P = b.input_ids.shape[0], b.prompt_len
-    head = ac.lm_head
-    params = [p for p in ac.parameters() if p.requires_grad]
+    B = b.input_ids.shape[0]
+    n = distributed.world_size()
+    mini_size, micro_size = cfg.mini_batch_size // n, cfg.micro_batch_size // n
+    params = [p for p in model.parameters() if p.requires_grad]
     sums, n_updates, skipped = {}, 0, 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B).tolist()
-        for start in range(0, B, cfg.mini_batch_size):
-            mini = order[start:start + cfg.mini_batch_size]
-            num_tokens = int(b.response_mask[mini].sum())
+        for start in range(0, B, mini_size):
+            mini = order[start:start + mini_size]
+            num_tokens = int(distributed.all_sum(b.response_mask[mini].sum()).item())
             optimizer.zero_grad(set_to_none=True)
             finite, mini_stats = True, {}
-            for m0 in range(0, len(mini), cfg.micro_batch_size):
-                idx = torch.tensor(mini[m0:m0 + cfg.micro_batch_size], device=device)
-                mask, labels = b.response_mask[idx], b.labels[idx]
-                with autocast(device):
-                    hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
-                h = hidden[:, P - 1:-1]
-                actor_loss, stats = ops.linear_ppo_actor_loss(
-                    h, head.weight.to(h.dtype), labels, old_logp[idx], advantages[idx], mask, bias=head.bias,
-                    temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
-                    ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=kl_coef, kl_estimator="k3",
-                    global_num_tokens=num_tokens)
-                loss = actor_loss
-                if old_values is not None:
-                    v_loss, v_stats = ops.value_loss(values[:, P - 1:-1].float(), old_values[idx], returns[idx],
-                                                     mask, clip=cfg.value_clip, global_num_tokens=num_tokens)
-                    loss = loss + cfg.vf_coef * v_loss
-                    stats = dict(stats, value_loss=v_loss.detach(), value_clipfrac=v_stats["clipfrac"])
+            for m0 in range(0, len(mini), micro_size):
+                idx = torch.tensor(mini[m0:m0 + micro_size], device=device)
+                actor_loss, v_loss, stats = model.run(micro_batch_losses, b, idx, old_logp, old_values, advantages,
+                                                      returns, cfg, device, num_tokens, ref_logp, kl_coef)
+                loss = actor_loss if v_loss is None else actor_loss + cfg.vf_coef * v_loss
                 if not finite_or_warn(loss, "PPO loss", step):
                     finite = False
                     break
-                loss.backward()
-                # losses add up over micro-batches; per-token means are weighted by their token share
-                share = float(mask.sum()) / max(1, num_tokens)
+                (loss * distributed.loss_scale()).backward()
+                # losses add up over micro-batches (and ranks); per-token means are weighted by
+                # their token share of the minibatch
+                share = float(b.response_mask[idx].sum()) / max(1, num_tokens)
                 stats = to_floats(stats)
                 if "kl" in stats:  # the loss term's k3 per token; "kl" is the per-sequence k1 below
                     stats["kl_k3"] = stats.pop("kl")
                 for k, v in stats.items():
                     mini_stats[k] = mini_stats.get(k, 0.0) + (v if k in ADDITIVE_STATS else v * share)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm) if finite else None
-            if not finite or not finite_or_warn(grad_norm, "gradient norm", step):
+            if finite:
+                grad_norm = distributed.gradient_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                finite = finite_or_warn(grad_norm, "gradient norm", step)
+            if not finite:
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
@@ -157,8 +181,17 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
             n_updates += 1
             for k, v in dict(mini_stats, grad_norm=grad_norm.item()).items():
                 sums[k] = sums.get(k, 0.0) + v
+    per_rank = [k for k in sums if k != "grad_norm"]  # the gradient norm is global already
+    totals = distributed.all_sum(torch.tensor([sums[k] for k in per_rank], dtype=torch.float64)).tolist()
+    sums.update(zip(per_rank, totals))
     means = {k: v / max(1, n_updates) for k, v in sums.items()}
     return dict(means, skipped_nonfinite=skipped)
+
+
+def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device) -> Rollout:
+    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids})."""
+    return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature, device=device)
 
 
 @dataclasses.dataclass
@@ -196,12 +229,20 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     cfg = dataclasses.replace(cfg)
     check_common(cfg, ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
                        "log_every", "save_every", "eval_prompts"), "ppo")
+    distributed.check_shard(cfg.shard, "ppo")
+    distributed.check_global_batch("ppo", rollout_batch_size=cfg.rollout_batch_size,
+                                   mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size)
     if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
         raise ValueError(f"ppo: rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
                          f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
     if cfg.temperature <= 0:
         raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
     check_advantage(cfg)
+    if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
+        raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
+                         f"(rollout_batch_size {cfg.rollout_batch_size} / num_generations {cfg.num_generations}) must "
+                         f"divide evenly over the {distributed.world_size()} ranks: each rank keeps all the responses "
+                         "to its prompts")
     resolve_dtype(cfg.dtype, resolve_device(cfg.device), lora=cfg.lora_rank > 0)
     try:
         ops.token_kl(torch.zeros(1), torch.zeros(1), estimator=cfg.kl_estimator)
@@ -251,26 +292,28 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
     out = Path(cfg.out)
-    start_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
-    # 0. setup: actor-critic (+ reference), reward, optimizer; resume if asked
-    device = resolve_device(cfg.device)
+    device = distributed.setup(cfg.device, to_dict(cfg), "ppo")  # torchrun: process group, same config everywhere
+    start_stage_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: actor-critic (+ reference; sharded under torchrun), reward, optimizer; resume if asked
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
     lm, tokenizer = load_causal_lm(plan.model, device=device, dtype=dtype,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
     critic = cfg.advantage == "gae"
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=critic)
+    model = distributed.shard_model(ac, cfg.shard, device)
+    distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
     reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
     builtin = cfg.data == BUILTIN
-    prompts, prompt_ids, eval_prompts, eval_ids = plan.prompts, plan.prompt_ids, plan.eval_prompts, plan.eval_ids
+    data = Dataset.from_dict({"prompt": plan.prompts, "prompt_ids": plan.prompt_ids})
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
     kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     timer = PhaseTimer(device)
 
     def true_score() -> float:  # the built-in task's score of responses sampled for held-out prompts
-        return evaluate_true_score(ac.policy, tokenizer, eval_ids, eval_prompts, max_new_tokens=cfg.max_new_tokens,
-                                   temperature=cfg.temperature, device=device)
+        return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
+                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
 
     run = StageRun("ppo", cfg, model=ac, optimizer=optimizer)
     step, skipped, true_before = run.step, 0, None
@@ -286,20 +329,21 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
 
     while step < run.stop:
         t0 = time.perf_counter()
-        # 1. rollout: num_generations responses per prompt, side by side
+        # 1. rollout: num_generations responses per prompt, side by side (rank 0 draws the prompts;
+        #    each rank its share, whole groups)
         with timer.phase("rollout"):
             G = cfg.num_generations
-            idx = [i for i in torch.randint(len(prompts), (cfg.rollout_batch_size // G,)).tolist() for _ in range(G)]
-            rollout = generate(ac.policy, tokenizer, [prompt_ids[i] for i in idx], [prompts[i] for i in idx],
-                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
+            idx = distributed.broadcast_list(torch.randint(len(data), (cfg.rollout_batch_size // G,)).tolist())
+            rows = distributed.local_rows(data, [i for i in idx for _ in range(G)])
+            rollout = model.run(sample, tokenizer, rows, cfg, device, gathered=True)
         # 2. reward: one score per sequence
         with timer.phase("reward"):
             scores = reward_fn(rollout)
             rollout = rollout._replace(scores=scores)
         # 3. old log-probs and values (one actor-critic forward), reference log-probs
         with timer.phase("logprobs"):
-            old_logp, old_values, ref_logp = forward_logprobs_values(ac, rollout, temperature=cfg.temperature,
-                                                                     device=device)
+            old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout,
+                                                       temperature=cfg.temperature, device=device)
         # 4. KL-shaped per-token rewards (the KL goes to the loss instead with kl_in_loss), then GAE,
         #    or critic-free: one score per response (verl's token_level_rewards.sum(-1)) compared
         #    within each prompt's group of G responses
@@ -307,22 +351,24 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
             mask = rollout.batch.response_mask
             rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask,
                                             kl_coef=0.0 if cfg.kl_in_loss else kl_ctl.coef, estimator=cfg.kl_estimator)
-            if critic:
-                advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
+            if critic:  # whitened with the global batch's moments
+                advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=False)
+                advantages = distributed.whiten(advantages, mask)
             else:
-                advantages = ops.outcome_advantages(rewards.sum(-1), mask, group_size=G, estimator=cfg.advantage)
+                advantages = distributed.outcome_advantages(rewards.sum(-1), mask, group_size=G,
+                                                            estimator=cfg.advantage)
                 returns = None
         # 5. PPO epochs: clipped policy loss (+ k3 KL with kl_in_loss) + value loss (with a critic)
         with timer.phase("update"):
-            update_stats = ppo_update(ac, optimizer, rollout, old_logp, old_values, advantages, returns, cfg,
+            update_stats = ppo_update(model, optimizer, rollout, old_logp, old_values, advantages, returns, cfg,
                                       device, step, ref_logp=ref_logp if cfg.kl_in_loss else None,
                                       kl_coef=kl_ctl.coef if cfg.kl_in_loss else 0.0)
         skipped += update_stats.pop("skipped_nonfinite")
-        # 6. KL controller, metrics, checkpoint
-        kl = ((old_logp - ref_logp) * mask).sum(-1).mean().item()  # per-sequence k1 KL to the reference
+        # 6. KL controller, metrics (each rank's share; StageRun.log averages them), checkpoint
+        kl = distributed.all_mean(((old_logp - ref_logp) * mask).sum(-1).mean())  # per-sequence k1 KL, global
         kl_ctl.update(kl, cfg.rollout_batch_size)
         step += 1
-        n_tokens = mask.sum().item()
+        n_tokens = distributed.all_sum(mask.sum()).item()
         stats = {"reward": scores.mean().item(), "kl": kl, "kl_coef": kl_ctl.coef,
                  "response_length": mask.sum(-1).mean().item(),
                  "tokens_per_s": n_tokens / (time.perf_counter() - t0),
@@ -344,28 +390,40 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
 
     if not run.finish(step):
         return {"stopped_at": step}
-    # 7. final policy, true score after, summary, plots
-    ac.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
+    state_bytes = distributed.state_bytes_summary(ac, optimizer)  # this rank's parameters, gradients, optimizer
+    # 7. final policy (written by rank 0), true score after, summary, plots
+    distributed.export(ac, lambda: ActorCritic(empty_copy(lm), lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                               value_head=critic),
+                       lambda m: m.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data)))
     logged = run.rows()
+    phase_seconds, phase_seconds_mean = distributed.max_and_mean(
+        {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES})
+    phase_peak, phase_peak_mean = distributed.max_and_mean(
+        {k: timer.total_peak[k] for k in PPO_PHASES if k in timer.total_peak})
     summary = {
         "steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
         "reward_first": logged[0]["reward"] if logged else None,
         "reward_final": logged[-1]["reward"] if logged else None,
         "kl_final": logged[-1]["kl"] if logged else None,
-        "phase_seconds": {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES},
-        "phase_peak_memory_bytes": {k: int(timer.total_peak[k]) for k in PPO_PHASES if k in timer.total_peak},
+        "phase_seconds": phase_seconds,
+        "phase_peak_memory_bytes": {k: int(v) for k, v in phase_peak.items()},
         "tokens_per_s": sum(r["tokens_per_s"] for r in logged) / max(1, len(logged)),
         "device": str(device), "lora_rank": cfg.lora_rank, "advantage": cfg.advantage,
         "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
         "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
+        **state_bytes,
     }
+    if distributed.active():  # per-rank figures: max above, mean here
+        summary.update(ranks=distributed.world_size(), shard=cfg.shard, phase_seconds_mean=phase_seconds_mean,
+                       phase_peak_memory_bytes_mean=phase_peak_mean)
     if builtin:
         summary["true_score_before"] = true_before
         summary["true_score_after"] = true_score()
     run.write_summary(summary)
     run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
-    plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
-                timer.memory_kind)
+    if distributed.is_main():
+        plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
+                    timer.memory_kind)
     if builtin:
         log.info("ppo: done, true score %.3f -> %.3f, final KL %.3f", summary["true_score_before"],
                  summary["true_score_after"], summary["kl_final"])
@@ -377,4 +435,4 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
 
 def main(argv: list[str]) -> int:
     setup_logging()
-    return run_cli(PPOConfig, argv, "fastrlhf ppo", train)
+    return run_cli(PPOConfig, argv, "fastrlhf ppo", distributed.entry(train))

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from datasets import Dataset
 
-from fastrlhf import task
-from fastrlhf.checkpoint import check_run_dir, start_run_dir
+from fastrlhf import distributed, task
+from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import RMConfig, run_cli, to_dict
 from fastrlhf.data import (
     BUILTIN,
@@ -35,11 +36,20 @@ from fastrlhf.data import (
     truncate_prompts,
     truncate_responses,
 )
-from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.devices import autocast
 from fastrlhf.heads import RewardModel
 from fastrlhf.metrics import log, setup_logging
-from fastrlhf.models import ModelSource, load_causal_lm
-from fastrlhf.run import EVAL_BATCH_SIZE, StageRun, check_common, describe_data, guarded_step, resolve_data, stage_model
+from fastrlhf.models import ModelSource, empty_copy, load_causal_lm
+from fastrlhf.run import (
+    EVAL_BATCH_SIZE,
+    StageRun,
+    check_common,
+    describe_data,
+    guarded_step,
+    resolve_data,
+    stage_model,
+    start_stage_dir,
+)
 
 NORM_PAIRS = 1024  # training pairs whose scores set the normalisation
 TINY_LR = 1e-3  # a model grown from the built-in `tiny`
@@ -60,33 +70,50 @@ def pair_batch(enc: dict, idx: list[int], pad_id: int):
     return pack(prompts + prompts, responses, pad_id)
 
 
-def _pair_scores(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device):
+def _pair_scores(model: RewardModel, enc: dict, idx, pad_id: int, device):
+    """Scores of the chosen and of the rejected responses of the pairs `idx` of `enc`."""
     batch = pair_batch(enc, idx, pad_id).to(device)
     with autocast(device):
         scores = model(batch.input_ids, batch.attention_mask, batch.position_ids)
     return scores[: len(idx)], scores[len(idx):]
 
 
-@torch.no_grad()
-def accuracy(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device) -> float:
-    """Fraction of pairs with r(chosen) > r(rejected)."""
-    was_training = model.training
-    model.eval()
-    hits = 0
-    for i in range(0, len(idx), EVAL_BATCH_SIZE):
-        chosen, rejected = _pair_scores(model, enc, idx[i:i + EVAL_BATCH_SIZE], pad_id, device)
-        hits += int((chosen > rejected).sum())
-    model.train(was_training)
-    return hits / max(1, len(idx))
+def _chunks(n: int) -> list[range]:
+    return [range(i, min(n, i + EVAL_BATCH_SIZE)) for i in range(0, n, EVAL_BATCH_SIZE)]
 
 
 @torch.no_grad()
-def score_stats(model: RewardModel, enc: dict, idx: list[int], pad_id: int, device) -> tuple[float, float]:
+def accuracy(model: distributed.ShardedModel, data: Dataset, idx: list[int], pad_id: int, device) -> float:
+    """Fraction of the pairs `idx` (rows of `data`) with r(chosen) > r(rejected); each rank
+    scores its share."""
+    rows = distributed.local_rows(data, idx)
+
+    def hits(rm: RewardModel) -> int:
+        was_training = rm.training
+        rm.eval()
+        n = 0
+        for part in _chunks(len(rows["prompt"])):
+            chosen, rejected = _pair_scores(rm, rows, part, pad_id, device)
+            n += int((chosen > rejected).sum())
+        rm.train(was_training)
+        return n
+
+    return distributed.all_sum(model.run(hits, gathered=True)).item() / max(1, len(idx))
+
+
+@torch.no_grad()
+def score_stats(model: distributed.ShardedModel, data: Dataset, idx: list[int], pad_id: int,
+                device) -> tuple[float, float]:
     """Mean and standard deviation of the scores of the chosen and rejected responses of `idx`."""
-    model.eval()
-    scores = torch.cat([torch.cat(_pair_scores(model, enc, idx[i:i + EVAL_BATCH_SIZE], pad_id, device))
-                        for i in range(0, len(idx), EVAL_BATCH_SIZE)])
-    return scores.mean().item(), scores.std().clamp(min=1e-6).item()
+    rows = distributed.local_rows(data, idx)
+
+    def scores(rm: RewardModel) -> torch.Tensor:
+        rm.eval()
+        parts = [torch.cat(_pair_scores(rm, rows, part, pad_id, device)) for part in _chunks(len(rows["prompt"]))]
+        return torch.cat(parts) if parts else torch.zeros(0, device=device)  # a rank may get no rows
+
+    mean, std = distributed.mean_and_std(model.run(scores, gathered=True))
+    return mean, max(std, 1e-6)
 
 
 @dataclasses.dataclass
@@ -154,6 +181,8 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
     cfg = dataclasses.replace(cfg)
     check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm")
+    distributed.check_shard(cfg.shard, "rm")
+    distributed.check_global_batch("rm", batch_size=cfg.batch_size)
     model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")
     cfg.model = model.spec
     enc, train_idx, eval_idx = prepare_pairs(cfg, model, "rm", key_prefix)
@@ -168,14 +197,15 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
 def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
+    device = distributed.setup(cfg.device, to_dict(cfg), "rm")  # torchrun: process group, same config everywhere
     stage_dir = Path(cfg.out) / "rm"
-    start_run_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
-    # 0. setup: SFT model + score head, optimizer, resume
-    device = resolve_device(cfg.device)
+    start_stage_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: SFT model + score head (sharded under torchrun), optimizer, resume
     torch.manual_seed(cfg.seed)
     lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
     model = RewardModel(lm)
-    enc, train_idx, eval_idx = plan.enc, plan.train_idx, plan.eval_idx
+    sharded = distributed.shard_model(model, cfg.shard, device)
+    data, train_idx, eval_idx = Dataset.from_dict(plan.enc), plan.train_idx, plan.eval_idx
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("rm", cfg, model=model, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
@@ -184,10 +214,14 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     model.train()
 
     while step < run.stop:
-        # 1. batch of pairs: chosen and rejected for the same prompts, scored in one forward
-        idx = [train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,)).tolist()]
-        chosen, rejected = _pair_scores(model, enc, idx, pad_id, device)
-        # 2. Bradley-Terry loss
+        # 1. batch of pairs (rank 0's draw; each rank its share): chosen and rejected for the
+        #    same prompts, scored in one forward
+        idx = distributed.broadcast_list([train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,))
+                                          .tolist()])
+        rows = distributed.local_rows(data, idx)
+        chosen, rejected = sharded.run(_pair_scores, rows, range(len(rows["prompt"])), pad_id, device)
+        # 2. Bradley-Terry loss (a mean over this rank's equal share: FSDP's gradient average
+        #    over ranks makes it the global batch's mean)
         loss = bradley_terry_loss(chosen, rejected)
         # 3. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
         if not guarded_step(optimizer, loss, model.parameters(), step, lr=cfg.lr):
@@ -200,7 +234,7 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
             stats = {"loss": sum(w[0] for w in window) / len(window),
                      "train_accuracy": sum(w[1] for w in window) / len(window), "skipped_nonfinite": skipped}
             if run.due(step, cfg.eval_every):
-                stats["accuracy"] = accuracy(model, enc, eval_idx, pad_id, device)
+                stats["accuracy"] = accuracy(sharded, data, eval_idx, pad_id, device)
             run.log(step, stats)
             window = []
         if run.due(step, cfg.save_every):
@@ -208,18 +242,20 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
 
     if not run.finish(step):
         return {"stopped_at": step}
+    state_bytes = distributed.state_bytes_summary(model, optimizer)  # this rank's parameters, gradients, optimizer
     # 5. normalise the scores to mean 0, std 1 on training responses (Ziegler et al. 2019), so the
     #    PPO stage's KL coefficient and value targets have a known scale; pairwise order is unchanged
     norm_idx = train_idx[:NORM_PAIRS]
-    mean, std = score_stats(model, enc, norm_idx, pad_id, device)
+    mean, std = score_stats(sharded, data, norm_idx, pad_id, device)
     model.normalize_(mean, std)
-    # 6. final model, held-out accuracy, summary, plot
-    model.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data))
+    # 6. final model (written by rank 0), held-out accuracy, summary, plot
+    distributed.export(model, lambda: RewardModel(empty_copy(lm)), lambda m: m.save_pretrained(
+        run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data)))
     logged = run.rows()
     summary = {"accuracy": logged[-1]["accuracy"], "eval_pairs": len(eval_idx),
                "loss_final": logged[-1]["loss"] if logged else None, "steps": step,
                "skipped_nonfinite": skipped, "seconds": run.seconds,
-               "score_mean_before_normalisation": mean, "score_std_before_normalisation": std,
+               "score_mean_before_normalisation": mean, "score_std_before_normalisation": std, **state_bytes,
                "model_dir": str(run.dir / "final")}
     run.write_summary(summary)
     run.plot(["loss", "accuracy"], "rm_curves.png")
@@ -229,4 +265,4 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
 
 def main(argv: list[str]) -> int:
     setup_logging()
-    return run_cli(RMConfig, argv, "fastrlhf rm", train)
+    return run_cli(RMConfig, argv, "fastrlhf rm", distributed.entry(train))

@@ -189,17 +189,27 @@ class StageRun:
 
 
 @torch.no_grad()
-def evaluate_true_score(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, max_new_tokens: int,
+def evaluate_true_score(model, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, max_new_tokens: int,
                         temperature: float, device: torch.device) -> float:
-    """Mean true score (the built-in task's rule, fastrlhf.task) of responses sampled from `lm`
-    to held-out prompts, EVAL_BATCH_SIZE prompts per generate call (PPO and DPO, before and after)."""
-    scores = []
-    for i in range(0, len(prompts), EVAL_BATCH_SIZE):
-        r = generate(lm, tokenizer, prompt_ids[i:i + EVAL_BATCH_SIZE], prompts[i:i + EVAL_BATCH_SIZE],
-                     max_new_tokens=max_new_tokens, temperature=temperature, device=device)
-        scores += task.true_score(r.prompts, r.responses)
-    return sum(scores) / len(scores)
+    """Mean true score (the built-in task's rule, fastrlhf.task) of responses sampled from the
+    policy of `model` (an ActorCritic, or the ShardedModel around one) to held-out prompts,
+    EVAL_BATCH_SIZE prompts per generate call (PPO and DPO, before and after). Under torchrun
+    each rank samples for its share of the prompts."""
+    from datasets import Dataset
 
+    rows = distributed.local_rows(Dataset.from_dict({"prompt": prompts, "prompt_ids": prompt_ids}),
+                                  list(range(len(prompts))))
+
+    def total(ac) -> float:
+        scores = []
+        for i in range(0, len(rows["prompt"]), EVAL_BATCH_SIZE):
+            r = generate(ac.policy, tokenizer, rows["prompt_ids"][i:i + EVAL_BATCH_SIZE],
+                         rows["prompt"][i:i + EVAL_BATCH_SIZE], max_new_tokens=max_new_tokens,
+                         temperature=temperature, device=device)
+            scores += task.true_score(r.prompts, r.responses)
+        return sum(scores)
+
+    return distributed.all_sum(distributed.as_sharded(model).run(total, gathered=True)).item() / len(prompts)
 
 
 # ---------------------------------------------------------------- the optimizer step

@@ -14,9 +14,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 
-from fastrlhf import task
-from fastrlhf.checkpoint import check_run_dir, save_model_dir, start_run_dir
+from fastrlhf import distributed, task
+from fastrlhf.checkpoint import check_run_dir, save_model_dir
 from fastrlhf.config import SFTConfig, run_cli, to_dict
 from fastrlhf.data import (
     BUILTIN,
@@ -28,11 +29,11 @@ from fastrlhf.data import (
     truncate_prompts,
     truncate_responses,
 )
-from fastrlhf.devices import autocast, resolve_device
+from fastrlhf.devices import autocast
 from fastrlhf.metrics import log, setup_logging
-from fastrlhf.models import ModelSource, hidden_states, load_causal_lm, model_source
+from fastrlhf.models import ModelSource, empty_copy, hidden_states, load_causal_lm, model_source
 from fastrlhf.rollout import token_logprobs
-from fastrlhf.run import StageRun, check_common, describe_data, guarded_step, resolve_data
+from fastrlhf.run import StageRun, check_common, describe_data, guarded_step, resolve_data, start_stage_dir
 
 TINY_LR = 3e-3  # the built-in `tiny` model (random init, 0.9M parameters)
 MODEL_LR = 5e-6  # any other model: OpenRLHF 0.11's train_sft default (--adam.lr)
@@ -58,6 +59,8 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     """Check the whole configuration and resolve its defaults, loading no model weights."""
     cfg = dataclasses.replace(cfg)
     check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "num_examples"), "sft")
+    distributed.check_shard(cfg.shard, "sft")
+    distributed.check_global_batch("sft", batch_size=cfg.batch_size)
     model = model_source(cfg.model, where="sft model")
     cfg.data = resolve_data(cfg.data, model, "sft", f"--{key_prefix}data")
     builtin = cfg.data == BUILTIN
@@ -85,16 +88,24 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     return SFTPlan(cfg, model, prompt_ids, response_ids)
 
 
+def response_logprobs(lm, batch, device) -> torch.Tensor:
+    """Log-probs [B, R] of the response tokens, straight from the hidden states."""
+    with autocast(device):
+        hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, batch.position_ids)
+    return token_logprobs(lm, batch, hidden)
+
+
 def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
+    device = distributed.setup(cfg.device, to_dict(cfg), "sft")  # torchrun: process group, same config everywhere
     stage_dir = Path(cfg.out) / "sft"
-    start_run_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
-    # 0. setup: device, model, optimizer; resume from the latest checkpoint if asked
-    device = resolve_device(cfg.device)
+    start_stage_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
+    # 0. setup: model (sharded under torchrun), optimizer; resume from the latest checkpoint if asked
     torch.manual_seed(cfg.seed)
     lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
-    prompt_ids, response_ids = plan.prompt_ids, plan.response_ids
+    model = distributed.shard_model(lm, cfg.shard, device)
+    data = Dataset.from_dict({"prompt_ids": plan.prompt_ids, "response_ids": plan.response_ids})
     optimizer = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("sft", cfg, model=lm, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
@@ -102,22 +113,23 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
     lm.train()
 
     while step < run.stop:
-        # 1. batch: random (prompt, response) pairs, prompts left-padded, responses right-padded
-        idx = torch.randint(len(prompt_ids), (cfg.batch_size,)).tolist()
-        batch = pack([prompt_ids[i] for i in idx], [response_ids[i] for i in idx], tokenizer.pad_token_id)
-        batch = batch.to(device)
+        # 1. batch: random (prompt, response) pairs (rank 0's draw; each rank its share),
+        #    prompts left-padded, responses right-padded
+        idx = distributed.broadcast_list(torch.randint(len(data), (cfg.batch_size,)).tolist())
+        rows = distributed.local_rows(data, idx)
+        batch = pack(rows["prompt_ids"], rows["response_ids"], tokenizer.pad_token_id).to(device)
         # 2. forward: log-probs of the response tokens straight from the hidden states
-        with autocast(device):
-            hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, batch.position_ids)
-        logp = token_logprobs(lm, batch, hidden)
-        # 3. loss: mean negative log-likelihood over response tokens
-        loss = -(logp * batch.response_mask).sum() / batch.response_mask.sum()
+        logp = model.run(response_logprobs, batch, device)
+        # 3. loss: mean negative log-likelihood over the global batch's response tokens
+        n_tokens = distributed.all_sum(batch.response_mask.sum()).to(logp.dtype)
+        loss = -(logp * batch.response_mask).sum() / n_tokens
         # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
-        if not guarded_step(optimizer, loss, lm.parameters(), step, lr=cfg.lr):
+        if not guarded_step(optimizer, loss * distributed.loss_scale(), lm.parameters(), step, lr=cfg.lr):
             skipped += 1
         step += 1
-        window.append(loss.item())
-        run.advance(loss=f"{loss.item():.3f}")
+        loss_value = distributed.all_sum(loss.detach()).item()
+        window.append(loss_value)
+        run.advance(loss=f"{loss_value:.3f}")
         # 5. log and checkpoint
         if run.due(step, cfg.log_every):
             run.log(step, {"loss": sum(window) / len(window), "lr": optimizer.param_groups[0]["lr"],
@@ -128,11 +140,14 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
 
     if not run.finish(step):
         return {"stopped_at": step}
-    # 6. final model, summary, plot
-    save_model_dir(lm, tokenizer, stage_dir / "final", lineage=plan.model.lineage(cfg.data))
+    state_bytes = distributed.state_bytes_summary(lm, optimizer)  # this rank's parameters, gradients, optimizer
+    # 6. final model (one Hugging Face directory, written by rank 0), summary, plot
+    distributed.export(lm, lambda: empty_copy(lm), lambda m: save_model_dir(
+        m, tokenizer, stage_dir / "final", lineage=plan.model.lineage(cfg.data)))
     logged = run.rows()
     summary = {"loss_final": logged[-1]["loss"] if logged else None, "steps": step,
-               "skipped_nonfinite": skipped, "seconds": run.seconds, "model_dir": str(stage_dir / "final")}
+               "skipped_nonfinite": skipped, "seconds": run.seconds, "model_dir": str(stage_dir / "final"),
+               **state_bytes}
     run.write_summary(summary)
     run.plot(["loss"], "sft_loss.png")
     log.info("sft: done, final loss %.4f, model in %s", summary["loss_final"] or float("nan"), stage_dir / "final")
@@ -141,4 +156,4 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
 
 def main(argv: list[str]) -> int:
     setup_logging()
-    return run_cli(SFTConfig, argv, "fastrlhf sft", train)
+    return run_cli(SFTConfig, argv, "fastrlhf sft", distributed.entry(train))
