@@ -1,0 +1,104 @@
+"""One PPO update on a fixed rollout, in one plain process or under torchrun (run by
+tests/test_distributed.py):
+
+    python tests/dist_worker.py OUT.pt                            # one process: float64 and float32
+    torchrun --nproc-per-node 2 tests/dist_worker.py OUT.pt       # 2 ranks: float32, sharded
+
+The rollout (8 sequences, responses of different lengths, old log-probs perturbed so some
+ratios clip) is the same global batch on every rank; each rank takes its contiguous share.
+For every case rank 0 saves the full gradients after one optimizer step (AdamW at lr 0: the
+weights do not move, the gradients and optimizer states stay), the stats, and every rank's
+bytes of parameters, gradients and optimizer states.
+"""
+
+import sys
+
+import torch
+
+from fastrlhf import distributed, ops
+from fastrlhf.config import PPOConfig
+from fastrlhf.data import pack
+from fastrlhf.heads import ActorCritic
+from fastrlhf.models import load_causal_lm
+from fastrlhf.ppo import forward_logprobs_values, ppo_update
+from fastrlhf.rollout import Rollout
+
+B = 8  # sequences in the rollout (the global batch)
+CASES = {  # name: (lora_rank, gradient_checkpointing, shard)
+    "full": (0, False, "full"),
+    "lora_checkpointing_grad_op": (4, True, "grad_op"),
+    "lora_none": (4, False, "none"),
+}
+
+
+def fixed_rollout(tokenizer, device) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    """(rollout, scores [B], old_logp noise [B, R]) of a fixed global batch: prompts of 3-7
+    tokens, responses of 1-6 (uneven over the ranks' shares)."""
+    g = torch.Generator().manual_seed(1234)
+    letters = list(range(5, 30))
+    prompts = [[letters[i] for i in torch.randint(len(letters), (int(n),), generator=g)]
+               for n in torch.randint(3, 8, (B,), generator=g)]
+    lengths = [6, 1, 5, 2, 6, 6, 3, 4]
+    responses = [[letters[i] for i in torch.randint(len(letters), (n,), generator=g)] for n in lengths]
+    batch = pack(prompts, responses, tokenizer.pad_token_id).to(device)
+    scores = torch.randn(B, generator=g)
+    noise = 0.3 * torch.randn(batch.response_mask.shape, generator=g)
+    return Rollout(batch, [""] * B, [""] * B), scores.to(device), noise.to(device)
+
+
+def share(rollout: Rollout, *tensors):
+    """This rank's contiguous rows of the global batch."""
+    n = B // distributed.world_size()
+    rows = slice(distributed.rank() * n, (distributed.rank() + 1) * n)
+    b = rollout.batch
+    mine = type(b)(b.input_ids[rows], b.attention_mask[rows], b.position_ids[rows], b.response_mask[rows],
+                   b.prompt_len)
+    return (Rollout(mine, rollout.prompts[rows], rollout.responses[rows]), *(t[rows] for t in tensors))
+
+
+def one_update(case: str, dtype: torch.dtype, device) -> dict:
+    lora, checkpointing, shard = CASES[case]
+    torch.manual_seed(0)
+    lm, tokenizer = load_causal_lm("tiny", device=device, dtype=dtype, gradient_checkpointing=checkpointing)
+    ac = ActorCritic(lm, lora_rank=lora)
+    model = distributed.shard_model(ac, shard, device)
+    rollout, scores, noise = share(*fixed_rollout(tokenizer, device))
+    mask = rollout.batch.response_mask
+    old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout, temperature=1.0, device=device)
+    rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp + 0.1 * noise, mask, kl_coef=0.1)
+    advantages, returns = ops.gae(rewards, old_values, mask, gamma=1.0, lam=0.95, whiten=False)
+    local_mean = float((advantages * mask).sum() / mask.sum())
+    advantages = distributed.whiten(advantages, mask)
+    trainable = [p for p in ac.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
+    cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9)
+    stats = ppo_update(model, optimizer, rollout, old_logp + noise * mask, old_values, advantages, returns, cfg,
+                       device, step=0)
+    grads = {}
+    for name, p in ac.named_parameters():
+        if p.requires_grad:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.detach().cpu().clone()
+    per_rank = [None] * distributed.world_size()
+    mine = dict(distributed.state_bytes(ac, optimizer), tokens=float(mask.sum()), local_advantage_mean=local_mean)
+    if distributed.active():
+        torch.distributed.all_gather_object(per_rank, mine)
+    else:
+        per_rank = [mine]
+    return {"grads": grads, "stats": stats, "per_rank": per_rank}
+
+
+def main(out: str) -> None:
+    device = distributed.setup("cpu", {"worker": sys.argv[1:]}, "dist_worker")
+    runs = {}
+    dtypes = [torch.float32] if distributed.active() else [torch.float64, torch.float32]
+    for case in CASES:
+        for dtype in dtypes:
+            runs[f"{case}/{str(dtype)[6:]}"] = one_update(case, dtype, device)
+    if distributed.is_main():
+        torch.save({"world_size": distributed.world_size(), "runs": runs}, out)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
