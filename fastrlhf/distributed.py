@@ -37,6 +37,7 @@ import datetime
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -398,7 +399,8 @@ class ShardedModel(nn.Module):
     def run(self, fn: Callable, *args, gathered: bool = False, **kwargs):
         """fn(module, *args, **kwargs). `gathered`: every parameter is gathered once before and
         freed after, so fn may run any number of forwards, different on each rank (generation,
-        evaluation loops); otherwise every rank must run the same forwards (training, scoring)."""
+        evaluation loops); otherwise every rank must run the same forwards (training, scoring).
+        What fn returns must not be modified in place (FSDP hooks the backward on it)."""
 
         def call(module):  # the root's forward gets no tensor arguments (FSDP neither casts nor hooks them)
             return fn(module, *args, **kwargs)
@@ -488,6 +490,8 @@ def shard_model(module: nn.Module, mode: str, device: torch.device) -> ShardedMo
         fully_shard(layer, mesh=mesh, reshard_after_forward=root.layer_reshard, mp_policy=mp)
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     root.sharded = True
+    # the stages never change what `run` returns in place (FSDP warns in case a view is returned)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     root.run(lambda m: None)  # the root's forward must come first (FSDP's lazy init picks the root)
     log.info("distributed: %s sharded over %d ranks (--shard %s; %d decoder layers + root)%s",
              type(module).__name__, n, mode, len(layers),

@@ -8,15 +8,17 @@ The rollout (8 sequences, responses of different lengths, old log-probs perturbe
 ratios clip) is the same global batch on every rank; each rank takes its contiguous share.
 For every case rank 0 saves the full gradients after one optimizer step (AdamW at lr 0: the
 weights do not move, the gradients and optimizer states stay), the stats, and every rank's
-bytes of parameters, gradients and optimizer states.
+bytes of parameters, gradients and optimizer states. Under torchrun it then starts
+`fastrlhf sft` with another learning rate on rank 1 and records the error every rank gets.
 """
 
 import sys
+from pathlib import Path
 
 import torch
 
-from fastrlhf import distributed, ops
-from fastrlhf.config import PPOConfig
+from fastrlhf import distributed, ops, sft
+from fastrlhf.config import PPOConfig, SFTConfig
 from fastrlhf.data import pack
 from fastrlhf.heads import ActorCritic
 from fastrlhf.models import load_causal_lm
@@ -67,8 +69,9 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
     old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout, temperature=1.0, device=device)
     rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp + 0.1 * noise, mask, kl_coef=0.1)
     advantages, returns = ops.gae(rewards, old_values, mask, gamma=1.0, lam=0.95, whiten=False)
-    local_mean = float((advantages * mask).sum() / mask.sum())
+    whitened_here = ops.whiten(advantages, mask)  # with this rank's moments only
     advantages = distributed.whiten(advantages, mask)
+    local_vs_global = (whitened_here - advantages).abs().max().item()
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
     cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9)
@@ -80,7 +83,8 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name] = g.detach().cpu().clone()
     per_rank = [None] * distributed.world_size()
-    mine = dict(distributed.state_bytes(ac, optimizer), tokens=float(mask.sum()), local_advantage_mean=local_mean)
+    mine = dict(distributed.state_bytes(ac, optimizer), tokens=float(mask.sum()),
+                whiten_local_vs_global=local_vs_global)
     if distributed.active():
         torch.distributed.all_gather_object(per_rank, mine)
     else:
@@ -95,9 +99,23 @@ def main(out: str) -> None:
     for case in CASES:
         for dtype in dtypes:
             runs[f"{case}/{str(dtype)[6:]}"] = one_update(case, dtype, device)
+    mismatch = configured_differently(Path(out).parent / "mismatch") if distributed.active() else None
     if distributed.is_main():
-        torch.save({"world_size": distributed.world_size(), "runs": runs}, out)
+        torch.save({"world_size": distributed.world_size(), "runs": runs, "mismatch": mismatch}, out)
     distributed.shutdown()
+
+
+def configured_differently(out: Path) -> list:
+    """`fastrlhf sft`'s train() with lr 1e-3 on rank 1 (auto, 3e-3, on rank 0): the error
+    message and whether a model was built, of every rank."""
+    messages = None
+    try:
+        sft.train(SFTConfig(out=str(out), steps=1, num_examples=64, lr=0.001 if distributed.rank() == 1 else 0.0))
+    except ValueError as e:
+        messages = str(e)
+    gathered = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(gathered, {"error": messages, "model_dir": (out / "sft" / "final").exists()})
+    return gathered
 
 
 if __name__ == "__main__":
