@@ -97,9 +97,9 @@ def main() -> None:
     record = {
         "what": "peak memory per PPO phase of a sharded run (max/mean over ranks) and per-rank bytes of parameters, "
                 "gradients and AdamW states, beside the planner's prediction for the same run",
-        "command": shlex.join([sys.executable, "bench/dist_peak_memory.py", *sys.argv[1:]]),
-        "run_command": shlex.join(cmd).replace(str(work), "$WORK"),
-        "planner_command": shlex.join(planner_cmd).replace(str(work), "$WORK"),
+        "command": shlex.join(["python", "bench/dist_peak_memory.py", *sys.argv[1:]]),
+        "run_command": shlex.join(["python", *cmd[1:]]).replace(str(work), "$WORK"),
+        "planner_command": shlex.join(["python", *planner_cmd[1:]]).replace(str(work), "$WORK"),
         "environment": _environment(args.device),
         "measured": measured,
         "predicted": predicted,

@@ -78,14 +78,16 @@ def main() -> None:
         summary = json.loads((out / "summary.json").read_text())["sft"]
         runs[name] = {"max_over_ranks": summary["state_bytes"],
                       "mean_over_ranks": summary.get("state_bytes_mean", summary["state_bytes"]),
-                      "command": shlex.join(cmd).replace(str(work), "$WORK")}
+                      "command": shlex.join(["python", *cmd[1:]]).replace(str(work), "$WORK")}
     single = runs["single process"]["max_over_ranks"]
     for r in runs.values():
         r["per_rank_over_single_process"] = {k: r["max_over_ranks"][k] / single[k] for k in single}
     record = {
         "what": "bytes per rank of parameters, gradients and AdamW states after `fastrlhf sft` steps "
-                "(summary.json state_bytes: tensor storage of this rank's shards, FSDP2 padding included)",
-        "command": shlex.join([sys.executable, "bench/dist_state_bytes.py", *sys.argv[1:]]),
+                "(summary.json state_bytes: tensor storage of this rank's shards, FSDP2 padding included), read "
+                "after the last optimizer step. --shard grad_op keeps parameters sharded at that point too: FSDP2 "
+                "frees the gathered parameters after backward; they are whole from forward to backward only",
+        "command": shlex.join(["python", "bench/dist_state_bytes.py", *sys.argv[1:]]),
         "model": {"config": CONFIG, "num_params": num_params, "dtype": "float32", "optimizer": "AdamW",
                   "mixed_precision": "bf16 parameters gathered, fp32 reduction" if args.device == "cuda" else "none"},
         "device": args.device, "torch": torch.__version__, "python": platform.python_version(),

@@ -217,15 +217,18 @@ def main_first():
 
 
 def _as_tensor(x, device) -> torch.Tensor:
-    return x.detach().to(device=device, dtype=torch.float64) if isinstance(x, torch.Tensor) else \
-        torch.tensor(x, dtype=torch.float64, device=device)
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(device=device, dtype=torch.float64)
+    return torch.tensor(x, dtype=torch.float64, device=device)
 
 
 def _comm_device(x) -> torch.device:
+    """Where a collective's tensor must be: the current GPU under NCCL, else the CPU."""
     if isinstance(x, torch.Tensor) and x.device.type == "cuda":
         return x.device
-    return torch.device("cuda", torch.cuda.current_device()) if active() and dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    if active() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_sum(x) -> torch.Tensor:
@@ -235,13 +238,6 @@ def all_sum(x) -> torch.Tensor:
     if active():
         dist.all_reduce(t)
     return t.to(x.device) if isinstance(x, torch.Tensor) else t
-
-
-def all_max(x) -> torch.Tensor:
-    t = _as_tensor(x, _comm_device(x))
-    if active():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
 
 
 def all_mean(x) -> float:
@@ -555,10 +551,7 @@ def export(module: nn.Module, build: Callable[[], nn.Module], save: Callable[[nn
     if is_main():
         with torch.device("meta"):
             plain = build()
-        missing, unexpected = plain.load_state_dict(state, strict=False, assign=True)
-        if unexpected or missing:
-            raise RuntimeError(f"export: the gathered state dict does not fit the model (missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]})")
+        plain.load_state_dict(state, assign=True)
         for m in plain.modules():
             if hasattr(m, "tie_weights") and getattr(getattr(m, "config", None), "tie_word_embeddings", False):
                 m.tie_weights()  # assign=True replaced the tied tensors one by one
