@@ -60,7 +60,8 @@ def main() -> None:
     parser.add_argument("--rollout-batch", type=int, default=64)
     parser.add_argument("--mini-batch", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--out", default=None, help="default: bench/results/dist_peak_memory_DEVICE_MODEL_SHARD_NxN.json")
+    parser.add_argument("--out", default=None,
+                        help="default: bench/results/dist_peak_memory_DEVICE_MODEL_SHARD_Nx.json")
     args = parser.parse_args()
 
     from fastrlhf import task

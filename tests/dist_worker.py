@@ -8,17 +8,19 @@ The rollout (8 sequences, responses of different lengths, old log-probs perturbe
 ratios clip) is the same global batch on every rank; each rank takes its contiguous share.
 For every case rank 0 saves the full gradients after one optimizer step (AdamW at lr 0: the
 weights do not move, the gradients and optimizer states stay), the stats, and every rank's
-bytes of parameters, gradients and optimizer states. Under torchrun it then starts
-`fastrlhf sft` with another learning rate on rank 1 and records the error every rank gets.
+bytes of parameters, gradients and optimizer states. Then `fastrlhf dpo` trains 3 steps
+(`dpo_rows`), and, under torchrun, `fastrlhf sft` starts with another learning rate on rank 1
+(`configured_differently`).
 """
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 
-from fastrlhf import distributed, ops, sft
-from fastrlhf.config import PPOConfig, SFTConfig
+from fastrlhf import distributed, dpo, ops, sft, task
+from fastrlhf.config import DPOConfig, PPOConfig, SFTConfig
 from fastrlhf.data import pack
 from fastrlhf.heads import ActorCritic
 from fastrlhf.models import load_causal_lm
@@ -26,11 +28,24 @@ from fastrlhf.ppo import forward_logprobs_values, ppo_update
 from fastrlhf.rollout import Rollout
 
 B = 8  # sequences in the rollout (the global batch)
-CASES = {  # name: (lora_rank, gradient_checkpointing, shard)
-    "full": (0, False, "full"),
-    "lora_checkpointing_grad_op": (4, True, "grad_op"),
-    "lora_none": (4, False, "none"),
+CASES = {  # name: (lora_rank, gradient_checkpointing, shard, advantage)
+    "full": (0, False, "full", "gae"),
+    "lora_checkpointing_grad_op": (4, True, "grad_op", "gae"),
+    "lora_none": (4, False, "none", "gae"),
+    "grpo_kl_in_loss": (4, False, "full", "grpo"),  # groups of 2, k3 KL in the loss, no critic
+    "reinforce_pp": (0, False, "full", "reinforce_pp"),  # advantages whitened over the batch's tokens
 }
+GROUP = 2  # responses per prompt of the critic-free cases
+
+
+def dpo_config(folder: Path) -> DPOConfig:
+    """3 DPO steps with LoRA on the tiny model, from a file of the built-in task's pairs (a file:
+    no true-score sampling, whose randomness a rank spends on its share of the prompts only)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pairs = folder / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in task.synthetic_pairs(40, 0)))
+    return DPOConfig(out=str(folder / "run"), model="tiny", data=str(pairs), steps=3, batch_size=4, log_every=1,
+                     eval_every=3, save_every=10, lora_rank=4)
 
 
 def fixed_rollout(tokenizer, device) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
@@ -59,24 +74,32 @@ def share(rollout: Rollout, *tensors):
 
 
 def one_update(case: str, dtype: torch.dtype, device) -> dict:
-    lora, checkpointing, shard = CASES[case]
+    lora, checkpointing, shard, advantage = CASES[case]
+    critic = advantage == "gae"
     torch.manual_seed(0)
     lm, tokenizer = load_causal_lm("tiny", device=device, dtype=dtype, gradient_checkpointing=checkpointing)
-    ac = ActorCritic(lm, lora_rank=lora)
+    ac = ActorCritic(lm, lora_rank=lora, value_head=critic)
     model = distributed.shard_model(ac, shard, device)
     rollout, scores, noise = share(*fixed_rollout(tokenizer, device))
     mask = rollout.batch.response_mask
     old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout, temperature=1.0, device=device)
-    rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp + 0.1 * noise, mask, kl_coef=0.1)
-    advantages, returns = ops.gae(rewards, old_values, mask, gamma=1.0, lam=0.95, whiten=False)
-    whitened_here = ops.whiten(advantages, mask)  # with this rank's moments only
-    advantages = distributed.whiten(advantages, mask)
-    local_vs_global = (whitened_here - advantages).abs().max().item()
+    ref_logp = ref_logp + 0.1 * noise
+    rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask, kl_coef=0.1)
+    if critic:
+        advantages, returns = ops.gae(rewards, old_values, mask, gamma=1.0, lam=0.95, whiten=False)
+        here = ops.whiten(advantages, mask)  # with this rank's moments only
+        advantages = distributed.whiten(advantages, mask)
+    else:
+        returns = None
+        here = ops.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
+        advantages = distributed.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
+    local_vs_global = (here - advantages).abs().max().item()
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
     cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9)
+    kl_in_loss = case == "grpo_kl_in_loss"
     stats = ppo_update(model, optimizer, rollout, old_logp + noise * mask, old_values, advantages, returns, cfg,
-                       device, step=0)
+                       device, step=0, ref_logp=ref_logp if kl_in_loss else None, kl_coef=0.05 if kl_in_loss else 0.0)
     grads = {}
     for name, p in ac.named_parameters():
         if p.requires_grad:
@@ -99,10 +122,22 @@ def main(out: str) -> None:
     for case in CASES:
         for dtype in dtypes:
             runs[f"{case}/{str(dtype)[6:]}"] = one_update(case, dtype, device)
+    dpo_run = dpo_rows(Path(out).parent / "dpo")
     mismatch = configured_differently(Path(out).parent / "mismatch") if distributed.active() else None
     if distributed.is_main():
-        torch.save({"world_size": distributed.world_size(), "runs": runs, "mismatch": mismatch}, out)
+        torch.save({"world_size": distributed.world_size(), "runs": runs, "dpo": dpo_run, "mismatch": mismatch}, out)
     distributed.shutdown()
+
+
+def dpo_rows(out: Path) -> dict:
+    """`fastrlhf dpo` for 3 steps (LoRA, the built-in task): its metrics rows and summary, and
+    whether a final model was written."""
+    cfg = dpo_config(out)
+    summary = dpo.train(cfg)
+    run = Path(cfg.out)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] if distributed.is_main() \
+        else []
+    return {"rows": rows, "summary": summary, "final": (run / "dpo" / "final" / "model.safetensors").is_file()}
 
 
 def configured_differently(out: Path) -> list:

@@ -21,7 +21,7 @@ import dist_worker
 import pytest
 import torch
 
-from fastrlhf import distributed, ppo, sft
+from fastrlhf import distributed, dpo, ppo, sft
 from fastrlhf.config import PPOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,15 +107,19 @@ def test_ppo_update_gives_the_same_gradients_on_1_and_2_ranks(case, one_rank, tw
 
 
 def test_whitening_and_loss_normalisation_are_global(one_rank, two_ranks):
-    """The two shares differ: whitening a share with its own moments gives other advantages,
-    and the shares hold different token counts (per-rank token means would weight them
-    differently), so the equal gradients above come from global moments and counts."""
-    for case in dist_worker.CASES:
+    """The two shares differ: whitening a share with its own moments gives other advantages
+    (GAE, REINFORCE++), and the shares hold different token counts (per-rank token means would
+    weight them differently), so the equal gradients above come from global moments and
+    counts. GRPO's groups stay whole on one rank: its advantages need nothing global."""
+    for case, (_, _, _, advantage) in dist_worker.CASES.items():
         ranks = two_ranks["runs"][f"{case}/float32"]["per_rank"]
         (single,) = one_rank[f"{case}/float32"]["per_rank"]
         assert ranks[0]["tokens"] != ranks[1]["tokens"]
         assert ranks[0]["tokens"] + ranks[1]["tokens"] == single["tokens"]
-        assert min(r["whiten_local_vs_global"] for r in ranks) > 0.05
+        if advantage == "grpo":
+            assert max(r["whiten_local_vs_global"] for r in ranks) == 0.0
+        else:
+            assert min(r["whiten_local_vs_global"] for r in ranks) > 0.05, case
         assert single["whiten_local_vs_global"] == 0.0
     # on one process the global whitening is ops.whiten itself
     x, mask = torch.randn(4, 7), (torch.rand(4, 7) > 0.3).float()
@@ -137,6 +141,21 @@ def test_sharding_saves_what_it_claims(case, one_rank, two_ranks):
         for kind in ("params", "grads", "optimizer"):
             expected = single[kind] / 2 if kind in halved else single[kind]
             assert single[kind] > 0 and rank[kind] == pytest.approx(expected, rel=0.05), (kind, rank[kind], expected)
+
+
+def test_dpo_loss_curve_is_the_same_on_1_and_2_ranks(two_ranks, tmp_path):
+    """`fastrlhf dpo` (LoRA: the reference is the sharded policy with the adapter disabled):
+    the same losses, margins and held-out accuracy; one consolidated final model."""
+    cfg = dist_worker.dpo_config(tmp_path)
+    dpo.train(cfg)
+    one = [r for r in (json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines())
+           if r["stage"] == "dpo"]
+    two = [r for r in two_ranks["dpo"]["rows"] if r["stage"] == "dpo"]
+    assert [r["step"] for r in two] == [1, 2, 3] and two_ranks["dpo"]["final"]
+    for a, b in zip(one, two):
+        for k in ("loss", "reward_margin"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a, b)
+    assert two[-1]["accuracy"] == one[-1]["accuracy"]
 
 
 # ---------------------------------------------------------------- the CLI on 2 ranks
