@@ -10,8 +10,9 @@ with the rule reward (no reward model), full fine-tuning (lora_rank 0: a frozen 
 copy, sharded too), float32 master weights; on CUDA FSDP2 gathers bf16 parameters and reduces
 gradients in fp32. Measured: per phase, the peak of `torch.cuda.max_memory_allocated` (CPU:
 peak RSS) as max and mean over ranks, and the bytes of parameters, gradients and AdamW states
-per rank (OUT/summary.json). Predicted: `fastrlhf estimate --engine fsdp2 --zero 3` with the
-run's sizes (recorded as given, or with the error when the planner cannot answer).
+per rank (OUT/summary.json). Predicted: `fastrlhf estimate --compare-run` on that run (the
+planner reads the run's summary and arguments and predicts each phase for its configuration;
+recorded as it answers, or with its error).
 """
 
 from __future__ import annotations
@@ -64,9 +65,6 @@ def main() -> None:
                         help="default: bench/results/dist_peak_memory_DEVICE_MODEL_SHARD_Nx.json")
     args = parser.parse_args()
 
-    from fastrlhf import task
-    from fastrlhf.models import BUILTIN_MODELS
-
     work = Path(tempfile.mkdtemp(prefix="dist_peak_memory_"))
     run_dir = work / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
@@ -80,15 +78,10 @@ def main() -> None:
     measured = {k: summary[k] for k in ("phase_peak_memory_bytes", "phase_peak_memory_bytes_mean", "state_bytes",
                                         "state_bytes_mean", "phase_seconds", "ranks", "shard", "device")}
 
-    config_path = work / "config.json"
-    BUILTIN_MODELS[args.model](0).to_json_file(config_path)
-    micro_per_rank = args.micro_batch // args.nproc
-    planner_cmd = [sys.executable, "-m", "fastrlhf", "estimate", "--model", str(config_path), "--stage", "ppo",
-                   "--gpus", str(args.nproc), "--engine", "fsdp2", "--zero", "3" if args.shard == "full" else "2",
-                   "--dtype", "bf16", "--lora-rank", "0", "--micro-batch", str(micro_per_rank),
-                   "--seq-len", str(task.MAX_PROMPT_LEN), "--gen-len", str(task.MAX_NEW_TOKENS),
-                   "--rollout-batch", str(args.rollout_batch), "--mini-batch", str(args.mini_batch),
-                   "--ppo-epochs", "1", "--critic", "shared", "--reward", "rule", "--json"]
+    run_args = cmd[cmd.index("ppo") + 1:cmd.index("--out")]
+    zero = {"full": "3", "grad_op": "2", "none": "0"}[args.shard]
+    planner_cmd = [sys.executable, "-m", "fastrlhf", "estimate", "--compare-run", str(run_dir), "--run-args",
+                   shlex.join(run_args), "--gpus", str(args.nproc), "--engine", "fsdp2", "--zero", zero, "--json"]
     r = _run(planner_cmd, check=False)
     try:
         predicted = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr.strip()[-2000:]}
