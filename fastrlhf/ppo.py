@@ -112,8 +112,9 @@ def micro_batch_losses(ac, b, idx, old_logp, old_values, advantages, returns, cf
         hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
     h = hidden[:, P - 1:-1]
     head = ac.lm_head
-    # TODO(ops): pass dp_size=distributed.world_size() once the ops take it, instead of the
-    # loss_scale() ppo_update multiplies by
+    # Under torchrun each rank's loss is its share of the global mean (global_num_tokens); ppo_update
+    # multiplies only what it backpropagates by distributed.loss_scale() (FSDP averages gradients),
+    # rather than passing the ops' dp_size, so the logged losses stay true shares that sum over ranks.
     actor_loss, stats = ops.linear_ppo_actor_loss(
         h, head.weight.to(h.dtype), labels, old_logp[idx], advantages[idx], mask, bias=head.bias,
         temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
