@@ -4,12 +4,15 @@ What `patch()` replaces (rebound in every loaded trl module that imported it by 
 alias, e.g. `trl.experimental.*` trainers, and TRL 1.12's `trl.experimental.ppo.ppo_trainer`):
 
 trl.trainer.utils                             fastrlhf op               TRL's own still runs for
-selective_log_softmax                         logprobs                  an index of shape (..., K)
-entropy_from_logits                           logprobs(return_entropy)  -
-selective_log_softmax_and_entropy             logprobs(return_entropy)  an index of shape (..., K)
+selective_log_softmax                         logprobs                  an index whose shape is neither (...) nor
+                                                                        (..., K >= 1) (TRL's own error)
+entropy_from_logits                           entropy                   -
+selective_log_softmax_and_entropy             logprobs(return_entropy)  the same
 _ChunkedLogProbFunction: the fused LM head    linear_logprobs           softcapping, logit_scale != 1, outputs
-  that the GRPO, RLOO, DPO, KTO and SFT                                 other than log_probs / entropy
-  trainers add with add_fused_lm_head
+  that the GRPO, RLOO, DPO, KTO and SFT                                 other than log_probs / entropy (no op
+  trainers add with add_fused_lm_head                                   computes them)
+
+Top-K indices of shape (..., K) run fused: one read of the logits for all K.
 
 Not replaced: TRL 1.12 PPO's `masked_whiten` (it returns whitened values off the mask too,
 which fastrlhf's whiten zeroes; the trainer zeroes them right after, but the function's own
@@ -29,6 +32,7 @@ import torch
 
 import fastrlhf
 from fastrlhf.integrations import Patcher, peer_version
+from fastrlhf.integrations._conventions import float64_on_kernels
 
 SUPPORTED = "TRL >= 1.12"
 _PATCHER = Patcher("trl", "trl")
@@ -48,7 +52,7 @@ def patch() -> None:
     try:
         p = _PATCHER
         p.function(utils, "selective_log_softmax", _selective_log_softmax(utils.selective_log_softmax, out_dtype))
-        p.function(utils, "entropy_from_logits", _entropy_from_logits(out_dtype))
+        p.function(utils, "entropy_from_logits", _entropy_from_logits(utils.entropy_from_logits, out_dtype))
         if hasattr(utils, "selective_log_softmax_and_entropy"):
             p.function(utils, "selective_log_softmax_and_entropy",
                        _selective_log_softmax_and_entropy(utils.selective_log_softmax_and_entropy, out_dtype))
@@ -86,11 +90,18 @@ def _check_temperature(temperature):
 # ---------------------------------------------------------------- log-probs and entropy
 
 
+def _fused_index(logits, index) -> bool:
+    """An index fastrlhf.logprobs takes as TRL does: (...) or (..., K >= 1) over logits (..., V)."""
+    if not isinstance(index, torch.Tensor) or not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        return False
+    lead = logits.shape[:-1]
+    return index.shape == lead or (index.dim() == logits.dim() and index.shape[:-1] == lead and index.shape[-1] > 0)
+
+
 def _selective_log_softmax(original, out_dtype):
     def selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
         _check_temperature(temperature)
-        if index.dim() != logits.dim() - 1:
-            # TODO(ops: (..., K) labels): fastrlhf.logprobs with labels of shape logits.shape[:-1] + (K,)
+        if not _fused_index(logits, index) or float64_on_kernels(logits):
             return original(logits, index, temperature=temperature, row_mask=row_mask)
         logp = fastrlhf.logprobs(logits, index, temperature=temperature).to(out_dtype(logits, index, row_mask))
         if row_mask is not None:
@@ -100,12 +111,11 @@ def _selective_log_softmax(original, out_dtype):
     return selective_log_softmax
 
 
-def _entropy_from_logits(out_dtype):
+def _entropy_from_logits(original, out_dtype):
     def entropy_from_logits(logits, chunk_size=128):
-        # TODO(ops: entropy-only op): fastrlhf.entropy(logits) once it lands (one read, no label).
-        labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-        _, entropy = fastrlhf.logprobs(logits, labels, return_entropy=True)
-        return entropy.to(out_dtype(logits))
+        if float64_on_kernels(logits):
+            return original(logits, chunk_size)
+        return fastrlhf.entropy(logits).to(out_dtype(logits))
 
     return entropy_from_logits
 
@@ -113,8 +123,7 @@ def _entropy_from_logits(out_dtype):
 def _selective_log_softmax_and_entropy(original, out_dtype):
     def selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=True, temperature=1.0, row_mask=None):
         _check_temperature(temperature)
-        if index.dim() != logits.dim() - 1:
-            # TODO(ops: (..., K) labels)
+        if not _fused_index(logits, index) or float64_on_kernels(logits):
             return original(logits, index, entropy_requires_grad=entropy_requires_grad, temperature=temperature,
                             row_mask=row_mask)
         logp, entropy = fastrlhf.logprobs(logits, index, temperature=temperature, return_entropy=True)
@@ -143,7 +152,7 @@ def _chunked_logprob(original):
             args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale)
             wanted = set(outputs) if outputs is not None else None
             if (wanted is None or not wanted <= _FUSED_OUTPUTS or final_logit_softcapping is not None
-                    or logit_scale != 1.0):
+                    or logit_scale != 1.0 or float64_on_kernels(hidden, weight, bias)):
                 return original.apply(*args) if outputs is None else original.apply(*args, outputs)
             device = hidden.device.type
             if torch.is_autocast_enabled(device):  # TRL runs the projection in the autocast dtype

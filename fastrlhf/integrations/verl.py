@@ -1,31 +1,44 @@
 """fastrlhf ops inside verl (>= 0.9): `patch()` / `unpatch()`.
 
 What `patch()` replaces (module attributes are rebound in every loaded verl module that
-imported them by name, e.g. `verl.workers.utils.losses`, `verl.workers.engine.fsdp.transformer_impl`):
+imported them by name, e.g. `verl.workers.utils.losses`, `verl.workers.engine.fsdp.transformer_impl`,
+`verl.trainer.ppo.ray_trainer`; the other policy losses in core_algos call `agg_loss` through the
+module, so they aggregate through fastrlhf too):
 
 verl function                                 fastrlhf op               verl's own still runs for
 utils.torch_functional.logprobs_from_logits   logprobs                  the torch_npu cross-entropy path
-utils.torch_functional.entropy_from_logits    logprobs(return_entropy)  -
-trainer.ppo.core_algos.kl_penalty             token_kl                  "+" names (but k2+ / mse+), "full", unknown
-                                                                        names, broadcast shapes
+utils.torch_functional.entropy_from_logits    entropy                   -
+trainer.ppo.core_algos.kl_penalty             token_kl                  "full" and unknown names (verl raises),
+                                                                        broadcast shapes, low_var_kl / k3 of
+                                                                        non-finite log-probs
+core_algos.agg_loss                           agg_loss                  unknown modes and dp_size > 1 without the
+                                                                        global count (verl raises); counts <= 0
 core_algos.compute_gae_advantage_return       gae                       a non-binary (weighting) mask
   and ADV_ESTIMATOR_REGISTRY["gae"]
-core_algos.compute_policy_loss_vanilla        policy_loss               rollout_is_weights, dp_size > 1, token-sum,
-  and POLICY_LOSS_REGISTRY["vanilla"]                                   seq-mean-token-sum(-norm), seq-mean modes
-                                                                        with global_batch_size
-core_algos.compute_value_loss                 value_loss                the same aggregation cases
+core_algos.compute_policy_loss_vanilla        policy_loss               non-finite inputs; old_log_prob, advantages
+  and POLICY_LOSS_REGISTRY["vanilla"]                                   or weights that need a gradient; the agg
+                                                                        cases above
+core_algos.compute_value_loss                 value_loss                the same; seq-mean-token-mean where n_b + 1e-8
+                                                                        != n_b (float64, rows of weights summing
+                                                                        below ~0.2)
 
-Not replaced yet: `core_algos.agg_loss` (needs a public fastrlhf agg_loss).
-Call `patch()` before verl builds its workers: the engines keep `entropy_from_logits` in an
-attribute at construction time.
+Every agg mode (token-mean, token-sum, seq-mean-token-sum(-norm), seq-mean-token-mean), dp_size,
+batch_num_tokens, global_batch_size and loss_scale_factor, the straight-through names ("k1+",
+"k3+", "low_var_kl+", "abs+") and rollout_is_weights run fused. Call `patch()` before verl builds
+its workers: the engines keep `entropy_from_logits` in an attribute at construction time.
 
-Conventions kept (read from verl 0.9.1): outputs in verl's dtypes (`kl_penalty` and
-`entropy_from_logits` in the input dtype, `logprobs_from_logits` in the logits' dtype unless
-flash-attn's cross-entropy is in use, which gives float32); an empty mask gives a NaN loss
-(0 / 0, zero gradients) unless a global token count is given; GAE leaves each masked
-position with the advantage carried from the next response token (and returns = that +
-values), whitened with verl's own `masked_whiten`; policy-loss metrics are Python floats
-under verl's keys.
+Conventions kept (read from verl 0.9.1): outputs in verl's dtypes (found by running verl's own
+agg_loss on meta tensors; `kl_penalty` and `entropy_from_logits` in the input dtype,
+`logprobs_from_logits` in the logits' dtype unless flash-attn's cross-entropy is in use, which
+gives float32); without a global count an empty mask gives a NaN loss (0 / 0, zero gradients);
+the seq-mean modes multiply the loss by the mask, so a non-finite value at a mask = 0 token of a
+non-empty row makes the loss NaN (the token modes drop it); seq-mean-token-mean divides by
+n_b + 1e-8; a "+" KL is NaN where logprob - ref_logprob is not finite; low_var_kl clamps the
+log-ratio in its linear term too; GAE leaves each masked position with the advantage carried
+from the next response token (and returns = that + values), whitened with verl's own
+`masked_whiten`; policy-loss metrics are Python floats under verl's keys, masked means over
+mask.sum() + 1e-8. Non-finite policy / value loss inputs run verl's own function, whose
+gradients are NaN where fastrlhf's are 0.
 """
 
 from __future__ import annotations
@@ -35,38 +48,56 @@ import os
 import torch
 
 import fastrlhf
+from fastrlhf.constants import AGG_MODES
 from fastrlhf.integrations import Patcher, peer_version
+from fastrlhf.integrations._conventions import (
+    all_finite,
+    dtypes_of,
+    float64_on_kernels,
+    floats,
+    like,
+    needs_grad,
+    promoted,
+    row_mean_differs,
+    row_mean_factor,
+    same_shape,
+    scalar,
+)
 
 SUPPORTED = "verl >= 0.9"
 _PATCHER = Patcher("verl", "verl")
 
 _KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 _LOW_VAR_KL_CLAMP = 10.0  # verl clamps low_var_kl / k3 to +-10
+_BATCH_INFO = {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}  # agg_loss's keywords
+_POLICY_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 
 def patch() -> None:
-    """Replace verl's log-prob, entropy, KL, GAE, policy-loss and value-loss functions with
-    fastrlhf's ops (table in the module docstring). Idempotent."""
+    """Replace verl's log-prob, entropy, KL, aggregation, GAE, policy-loss and value-loss
+    functions with fastrlhf's ops (table in the module docstring). Idempotent."""
     if _PATCHER.active:
         return
     peer_version("verl", supported=SUPPORTED, minimum="0.9")
     import verl.trainer.ppo.core_algos as core_algos
     import verl.utils.torch_functional as verl_F
 
+    agg_loss = core_algos.agg_loss
     try:
         p = _PATCHER
         p.function(verl_F, "logprobs_from_logits", _logprobs_from_logits(verl_F.logprobs_from_logits, verl_F))
-        p.function(verl_F, "entropy_from_logits", _entropy_from_logits)
+        p.function(verl_F, "entropy_from_logits", _entropy_from_logits(verl_F.entropy_from_logits))
         p.function(core_algos, "kl_penalty", _kl_penalty(core_algos.kl_penalty))
+        p.function(core_algos, "agg_loss", _agg_loss(agg_loss))
         gae = _gae(core_algos.compute_gae_advantage_return, verl_F)
         if core_algos.ADV_ESTIMATOR_REGISTRY.get("gae") is core_algos.compute_gae_advantage_return:
             p.item(core_algos.ADV_ESTIMATOR_REGISTRY, "gae", gae, "core_algos.ADV_ESTIMATOR_REGISTRY")
         p.function(core_algos, "compute_gae_advantage_return", gae)
-        vanilla = _policy_loss_vanilla(core_algos.compute_policy_loss_vanilla, core_algos)
+        vanilla = _policy_loss_vanilla(core_algos.compute_policy_loss_vanilla, core_algos, agg_loss, verl_F)
         if core_algos.POLICY_LOSS_REGISTRY.get("vanilla") is core_algos.compute_policy_loss_vanilla:
             p.item(core_algos.POLICY_LOSS_REGISTRY, "vanilla", vanilla, "core_algos.POLICY_LOSS_REGISTRY")
         p.function(core_algos, "compute_policy_loss_vanilla", vanilla)
-        p.function(core_algos, "compute_value_loss", _value_loss(core_algos.compute_value_loss))
+        p.function(core_algos, "compute_value_loss", _value_loss(core_algos.compute_value_loss, agg_loss, verl_F))
     except BaseException:  # never leave a half-patched peer behind
         _PATCHER.undo()
         raise
@@ -77,48 +108,85 @@ def unpatch() -> None:
     _PATCHER.undo()
 
 
-# ---------------------------------------------------------------- helpers
+# ---------------------------------------------------------------- aggregation (verl's agg_loss arguments)
 
 
-def _result_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def _nan_if_empty(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """verl divides by the local count: 0 / 0 = NaN (with zero gradients) for an empty mask."""
-    return torch.where(count > 0, loss, torch.full_like(loss, float("nan")))
-
-
-def _is_binary(mask: torch.Tensor) -> bool:
-    return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
-
-
-def _fused_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size):
-    """(agg, global_num_tokens) when fastrlhf's aggregation equals verl's agg_loss for these
-    arguments today, else None."""
-    # TODO(ops: dp_size, global_num_seqs, token-sum, loss_scale_factor, fixed seq-mean-token-sum(-norm)):
-    # route every mode through the fused loss once the ops take verl's full agg_loss arguments.
-    if dp_size != 1:
+def _agg_keywords(mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
+    """fastrlhf.agg_loss keywords for verl's agg_loss arguments, or None where verl's own function
+    must run: an unknown mode or dp_size > 1 without the global count (verl raises its own
+    ValueError), or a count fastrlhf does not take (<= 0, non-finite, a non-integer dp_size).
+    verl passes all of `global_batch_info` to every mode; each mode reads only its own."""
+    if mode not in AGG_MODES:
         return None
-    if loss_agg_mode == "token-mean":
-        if isinstance(batch_num_tokens, torch.Tensor):
-            batch_num_tokens = batch_num_tokens.item()
-        if batch_num_tokens is not None and not batch_num_tokens > 0:
+    dp = scalar(dp_size)
+    if dp is None or dp < 1 or dp != int(dp):
+        return None
+    keywords = {"agg": mode, "dp_size": int(dp)}
+    if mode == "token-sum":
+        return keywords
+    name, count = ("global_num_tokens", batch_num_tokens) if mode == "token-mean" else \
+        ("global_num_seqs", global_batch_size)
+    if count is None:
+        if dp > 1:
             return None
-        return "token-mean", batch_num_tokens
-    if loss_agg_mode == "seq-mean-token-mean" and global_batch_size is None:
-        return "seq-mean-token-mean", None
-    return None
+    else:
+        count = scalar(count)
+        if count is None or not count > 0:
+            return None
+        keywords[name] = count
+    if mode == "seq-mean-token-sum-norm" and loss_scale_factor is not None:
+        factor = scalar(loss_scale_factor)
+        if factor is None or not factor > 0:
+            return None
+        keywords["loss_scale_factor"] = factor
+    return keywords
 
 
-def _local_count(mask: torch.Tensor, agg: str) -> torch.Tensor:
-    """The count verl divides by without global numbers: tokens, or non-empty sequences."""
-    if agg == "token-mean":
-        return mask.sum()
-    return (mask.sum(-1) > 0).sum()
+def _nan_if_empty(loss: torch.Tensor, mask: torch.Tensor, keywords: dict) -> torch.Tensor:
+    """Without a global count verl divides by the local one: an empty mask gives 0 / 0 = NaN
+    (with zero gradients) where fastrlhf gives 0."""
+    mode = keywords["agg"]
+    if mode == "token-mean" and "global_num_tokens" not in keywords:
+        empty = ~(mask.sum() > 0)
+    elif mode.startswith("seq-mean") and "global_num_seqs" not in keywords:
+        empty = ~(mask.sum(-1) > 0).any()
+    else:
+        return loss
+    return torch.where(empty, torch.full_like(loss, float("nan")), loss)
+
+
+def _nan_if_hidden(loss: torch.Tensor, loss_mat: torch.Tensor, mask: torch.Tensor, keywords: dict) -> torch.Tensor:
+    """verl's seq-mean modes sum loss_mat * mask per row: a non-finite value at a mask = 0 token
+    of a non-empty row makes the loss NaN (gradients unchanged). fastrlhf, like verl's token
+    modes, ignores it."""
+    if not keywords["agg"].startswith("seq-mean"):
+        return loss
+    hidden = (~torch.isfinite(loss_mat.detach()) & (mask == 0)).any(-1) & (mask.sum(-1) > 0)
+    return loss + torch.where(hidden.any(), float("nan"), 0.0).to(loss.dtype)
+
+
+def _row_mean_weights(mode: str, loss_dtype: torch.dtype, mask: torch.Tensor):
+    """verl's seq-mean-token-mean as a per-token weight for fastrlhf's (None where it is 1)."""
+    if mode != "seq-mean-token-mean" or not row_mean_differs(loss_dtype, mask):
+        return None
+    dtype = torch.float64 if torch.float64 in (loss_dtype, mask.dtype) else torch.float32
+    return row_mean_factor(mask, dtype)
+
+
+def _agg_loss(original):
+    def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                 loss_scale_factor=None):
+        args = (loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        keywords = _agg_keywords(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        if (keywords is None or not floats(loss_mat) or loss_mat.dim() == 0 or not isinstance(loss_mask, torch.Tensor)
+                or not same_shape(loss_mat, loss_mask)):
+            return original(*args)
+        weights = _row_mean_weights(loss_agg_mode, loss_mat.dtype, loss_mask)
+        loss = fastrlhf.agg_loss(loss_mat if weights is None else loss_mat * weights, loss_mask, **keywords)
+        loss = _nan_if_hidden(_nan_if_empty(loss, loss_mask, keywords), loss_mat, loss_mask, keywords)
+        return loss.to(dtypes_of(original, *args))
+
+    return agg_loss
 
 
 # ---------------------------------------------------------------- log-probs and entropy
@@ -128,7 +196,7 @@ def _logprobs_from_logits(original, verl_F):
     def logprobs_from_logits(logits, labels, inplace_backward=True):
         flash = verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE",
                                                                                  "0") != "1"
-        if not flash and verl_F.NPU_CROSS_ENTROPY_LOSS_AVAILABLE:
+        if (not flash and verl_F.NPU_CROSS_ENTROPY_LOSS_AVAILABLE) or float64_on_kernels(logits):
             return original(logits, labels, inplace_backward)
         # verl's flash-attn path writes d(logits) into the logits when asked; do the same only then
         logp = fastrlhf.logprobs(logits, labels, inplace_backward=bool(flash and inplace_backward))
@@ -137,11 +205,13 @@ def _logprobs_from_logits(original, verl_F):
     return logprobs_from_logits
 
 
-def _entropy_from_logits(logits):
-    # TODO(ops: entropy-only op): fastrlhf.entropy(logits) once it lands (one read, no label).
-    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
-    _, entropy = fastrlhf.logprobs(logits, labels, return_entropy=True)
-    return entropy.to(logits.dtype)
+def _entropy_from_logits(original):
+    def entropy_from_logits(logits):
+        if float64_on_kernels(logits):
+            return original(logits)
+        return fastrlhf.entropy(logits).to(logits.dtype)
+
+    return entropy_from_logits
 
 
 # ---------------------------------------------------------------- KL
@@ -150,16 +220,29 @@ def _entropy_from_logits(logits):
 def _kl_penalty(original):
     def kl_penalty(logprob, ref_logprob, kl_penalty):
         name = kl_penalty
-        base = name[:-1] if isinstance(name, str) and name.endswith("+") else name
-        if (base not in _KL_NAMES or not isinstance(logprob, torch.Tensor) or not isinstance(ref_logprob, torch.Tensor)
-                or logprob.shape != ref_logprob.shape):
+        straight_through = isinstance(name, str) and name.endswith("+")
+        base = name[:-1] if straight_through else name
+        if (base not in _KL_NAMES or not isinstance(logprob, torch.Tensor)
+                or not isinstance(ref_logprob, torch.Tensor) or logprob.shape != ref_logprob.shape
+                or float64_on_kernels(logprob, ref_logprob)):
             return original(logprob, ref_logprob, name)
-        if name.endswith("+") and base not in ("mse", "k2"):
-            # TODO(ops: straight-through KL): token_kl(..., straight_through=True)
-            return original(logprob, ref_logprob, name)
+        straight_through = straight_through and base not in ("mse", "k2")  # k2's own gradient is already r
         clamp = _LOW_VAR_KL_CLAMP if base in ("low_var_kl", "k3") else None
-        kl = fastrlhf.token_kl(logprob, ref_logprob, estimator=base, clamp=clamp)
-        return kl.to(_result_dtype(logprob, ref_logprob))
+        if clamp is not None and not straight_through and not bool(all_finite(logprob, ref_logprob)):
+            # torch.clamp's gradient is 0 at NaN (and verl's log-ratio clamp cuts +-inf): fastrlhf's is NaN there
+            return original(logprob, ref_logprob, name)
+        dtype = promoted(logprob, ref_logprob)
+        kl = fastrlhf.token_kl(logprob, ref_logprob, estimator=base, clamp=clamp, straight_through=straight_through)
+        if clamp is not None:
+            # verl clamps the log-ratio in k3's linear term too (fastrlhf only inside exp): for r below
+            # -(e^20 + 9), a -inf log-prob in practice, fastrlhf's clamped value is -10 where verl's is +10
+            kl = kl + torch.where(kl.detach() <= -clamp, 2 * clamp, 0.0)  # the value only
+        kl = kl.to(dtype)
+        if straight_through:
+            # verl's value is (b - b) + f with b = (logprob - ref_logprob)^2 / 2: NaN where r is not finite
+            r = logprob.detach().to(kl.dtype) - ref_logprob.detach().to(kl.dtype)
+            kl = kl + r * 0
+        return kl
 
     return kl_penalty
 
@@ -177,13 +260,18 @@ def _carry_next(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([adv, adv.new_zeros(B, 1)], dim=-1).gather(-1, next_token)
 
 
+def _is_binary(mask: torch.Tensor) -> bool:
+    return mask.dtype == torch.bool or bool(((mask == 0) | (mask == 1)).all())
+
+
 def _gae(original, verl_F):
     def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):
-        if token_level_rewards.dim() != 2 or not _is_binary(response_mask):
+        if (token_level_rewards.dim() != 2 or float64_on_kernels(token_level_rewards, values)
+                or not _is_binary(response_mask)):
             return original(token_level_rewards, values, response_mask, gamma, lam)
         gamma = gamma.item() if isinstance(gamma, torch.Tensor) else gamma
         lam = lam.item() if isinstance(lam, torch.Tensor) else lam
-        dtype = _result_dtype(token_level_rewards, values)
+        dtype = promoted(token_level_rewards, values)
         with torch.no_grad():
             adv, _ = fastrlhf.gae(token_level_rewards, values, response_mask, gamma=gamma, lam=lam,
                                   mask_mode="skip", whiten=False)
@@ -198,13 +286,21 @@ def _gae(original, verl_F):
 # ---------------------------------------------------------------- PPO losses
 
 
-def _policy_loss_vanilla(original, core_algos):
+def _masked_mean_factor(mask: torch.Tensor):
+    """n / (n + 1e-8), n = mask.sum(): verl's masked_mean divides by n + 1e-8, fastrlhf's stats by n.
+    1 exactly for a bool / int mask (the count is exact and 1e-8 is below its float32 ulp); None then."""
+    if not mask.is_floating_point():
+        return None
+    n = mask.sum()
+    return n / (n + 1e-8)
+
+
+def _policy_loss_vanilla(original, core_algos, agg_loss, verl_F):
     def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                                     config=None, rollout_is_weights=None):
         args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-        if config is None or isinstance(config, core_algos.AlgoConfig) or rollout_is_weights is not None:
-            # TODO(ops: is_weights): policy_loss(..., is_weights=rollout_is_weights)
-            return original(*args)
+        if config is None or isinstance(config, core_algos.AlgoConfig):
+            return original(*args)  # verl asserts
         try:
             clip = config.clip_ratio
             clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
@@ -213,40 +309,72 @@ def _policy_loss_vanilla(original, core_algos):
             info = dict(config.global_batch_info)
         except Exception:  # verl's own function raises its own error for this config
             return original(*args)
-        fused = _fused_agg(loss_agg_mode, info.get("dp_size", 1), info.get("batch_num_tokens"),
-                           info.get("global_batch_size"))
-        if fused is None or clip_low is None or clip_high is None or not clip_c > 1.0:
+        keywords = None if set(info) - _BATCH_INFO else _agg_keywords(loss_agg_mode, **info)
+        if (keywords is None or not all(isinstance(c, (int, float)) and c >= 0 for c in (clip_low, clip_high))
+                or not isinstance(clip_c, (int, float)) or not clip_c > 1.0
+                or not floats(log_prob, old_log_prob, advantages, optional=(rollout_is_weights,))
+                or not isinstance(response_mask, torch.Tensor)
+                or not same_shape(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights)
+                or needs_grad(old_log_prob, advantages, rollout_is_weights)
+                or float64_on_kernels(log_prob, old_log_prob, advantages, rollout_is_weights)):
             return original(*args)
-        agg, num_tokens = fused
+        loss_dtype = promoted(old_log_prob, log_prob, advantages, rollout_is_weights)  # verl's pg_losses
+        weights = rollout_is_weights
+        row_weights = _row_mean_weights(loss_agg_mode, loss_dtype, response_mask)
+        if row_weights is not None:
+            weights = row_weights.expand_as(log_prob) if weights is None else weights * row_weights
         loss, stats = fastrlhf.policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_low=clip_low,
-                                           clip_high=clip_high, dual_clip=clip_c, agg=agg,
-                                           global_num_tokens=num_tokens)
-        if num_tokens is None:
-            loss = _nan_if_empty(loss, _local_count(response_mask, agg))
-        metrics = {
-            "actor/pg_clipfrac": stats["clipfrac"].item(),
-            "actor/ppo_kl": stats["approx_kl"].item(),
-            "actor/pg_clipfrac_lower": stats["clipfrac_lower"].item(),
-        }
-        return loss.to(_result_dtype(old_log_prob, log_prob, advantages)), metrics
+                                           clip_high=clip_high, dual_clip=clip_c, is_weights=weights, **keywords)
+        loss = _nan_if_empty(loss, response_mask, keywords)
+        metrics = torch.stack([stats["clipfrac"], stats["approx_kl"], stats["clipfrac_lower"]])
+        factor = _masked_mean_factor(response_mask)
+        if factor is not None:
+            metrics = metrics * factor
+        # one host sync for the finiteness check and the metrics (verl's .item() makes three)
+        finite = all_finite(old_log_prob, log_prob, advantages, rollout_is_weights)
+        finite, *metrics = torch.cat([finite.to(metrics.dtype).view(1), metrics]).tolist()
+        if not finite:  # verl's NaN / inf conventions, gradients included, are its own function's
+            return original(*args)
+        dtype = dtypes_of(agg_loss, like(loss_dtype, log_prob.dim()), response_mask, loss_agg_mode, **info)
+        return loss.to(dtype), dict(zip(_POLICY_METRICS, metrics))
 
     return compute_policy_loss_vanilla
 
 
-def _value_loss(original):
+def _fusable_values(vpreds, returns, values, mask, mode) -> torch.Tensor:
+    """(0-dim bool) fastrlhf's value_loss gives verl's answer: finite inputs (verl's NaN / inf
+    conventions, gradients included, are its own function's) and, in seq-mean-token-mean, rows
+    whose n_b + 1e-8 rounds to n_b (fastrlhf's value_loss takes no per-token weights to fold
+    the difference into; a 0/1 mask in float32 always does)."""
+    ok = all_finite(vpreds, returns, values)
+    weights = _row_mean_weights(mode, promoted(vpreds, returns, values), mask)
+    if weights is not None:
+        ok = ok & ((weights == 1) | (weights == 0)).all()
+    return ok
+
+
+def _value_loss(original, agg_loss, verl_F):
     def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode="token-mean",
                            dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
         args = (vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, dp_size, batch_num_tokens,
                 global_batch_size, loss_scale_factor)
-        fused = _fused_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size)
-        if fused is None or cliprange_value is None:
+        keywords = _agg_keywords(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        if (keywords is None or not isinstance(cliprange_value, (int, float)) or not cliprange_value >= 0
+                or not floats(vpreds, returns, values) or not isinstance(response_mask, torch.Tensor)
+                or not same_shape(vpreds, returns, values, response_mask)
+                or needs_grad(returns, values) or float64_on_kernels(vpreds, returns, values)
+                or not bool(_fusable_values(vpreds, returns, values, response_mask,
+                                                                          loss_agg_mode))):
             return original(*args)
-        agg, num_tokens = fused
-        loss, stats = fastrlhf.value_loss(vpreds, values, returns, response_mask, clip=cliprange_value, agg=agg,
-                                          global_num_tokens=num_tokens)
-        if num_tokens is None:
-            loss = _nan_if_empty(loss, _local_count(response_mask, agg))
-        dtype = _result_dtype(vpreds, returns, values)
-        return loss.to(dtype), stats["clipfrac"]
+        loss, stats = fastrlhf.value_loss(vpreds, values, returns, response_mask, clip=cliprange_value, **keywords)
+        loss = _nan_if_empty(loss, response_mask, keywords)
+        clipfrac = stats["clipfrac"]
+        factor = _masked_mean_factor(response_mask)
+        if factor is not None:
+            clipfrac = clipfrac * factor
+        loss_dtype = dtypes_of(agg_loss, like(promoted(vpreds, returns, values), vpreds.dim()), response_mask,
+                               loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        clipfrac_dtype = dtypes_of(verl_F.masked_mean, like(torch.float32, vpreds.dim()), response_mask)
+        return loss.to(loss_dtype), clipfrac.to(clipfrac_dtype)
 
     return compute_value_loss

@@ -33,8 +33,8 @@ def check_like_peer(got, peer, peer64, *, atol, name="output"):
         return
     if isinstance(peer, (int, float)):
         assert type(got) is type(peer), f"{name}: {type(got).__name__} vs the peer's {type(peer).__name__}"
-        if math.isnan(peer64):
-            assert math.isnan(got), f"{name}: {got} vs NaN"
+        if not math.isfinite(peer64):
+            assert math.isnan(got) if math.isnan(peer64) else got == peer64, f"{name}: {got} vs {peer64}"
             return
         allowed = 2 * abs(peer - peer64) + atol + 2 * torch.finfo(torch.float32).eps * abs(peer64)
         assert abs(got - peer64) <= allowed, f"{name}: {got} vs {peer64} (peer {peer})"
@@ -51,16 +51,19 @@ def assert_close_to_peer(out, peer64, peer, *, atol, name):
     + atol + the rounding of the output's own dtype (eps * |peer64|, at least 2 eps32 as in
     helpers.assert_close_to_ref): a bf16 result cannot be closer than its last bit, and the
     Triton interpreter rounds float32 -> bf16 stores toward zero (up to 1 ulp), where a GPU
-    rounds to nearest. NaN must match NaN."""
+    rounds to nearest. Non-finite values are conventions, not rounding: NaN must match NaN and
+    +-inf the same inf, element for element."""
     rounding = max(2 * torch.finfo(torch.float32).eps, torch.finfo(out.dtype).eps)
     out, ref64, same = (x.detach().double().cpu() for x in (out, peer64, peer))
     nan_out, nan_ref = torch.isnan(out), torch.isnan(ref64)
     assert torch.equal(nan_out, nan_ref), f"{name}: NaN pattern differs ({int(nan_out.sum())} vs {int(nan_ref.sum())})"
-    ok = ~nan_ref
+    inf_out, inf_ref = torch.isinf(out), torch.isinf(ref64)
+    assert torch.equal(inf_out, inf_ref) and torch.equal(out[inf_out], ref64[inf_ref]), f"{name}: infinities differ"
+    ok = torch.isfinite(ref64)
     if not ok.any():
         return
     diff = (out[ok] - ref64[ok]).abs()
-    base = (same[ok] - ref64[ok]).abs().nan_to_num(0.0).max().item()
+    base = (same[ok] - ref64[ok]).abs().nan_to_num(0.0, posinf=0.0).max().item()
     excess = diff - (2 * base + atol + rounding * ref64[ok].abs())
     i = int(excess.argmax())
     where = worst(out.masked_fill(~ok, 0), ref64.masked_fill(~ok, 0))
@@ -114,3 +117,29 @@ def _detach(x):
     if isinstance(x, dict):
         return {k: _detach(v) for k, v in x.items()}
     return x
+
+
+def unpatched(integration, fn):
+    """`fn` run with the integration's patch lifted for the call: a peer's original that looks up
+    a patched function by its module global (verl's compute_policy_loss_vanilla -> agg_loss,
+    OpenRLHF's PolicyLoss.forward -> aggregate_loss) then runs entirely as the peer ships it."""
+
+    def run(*args, **kwargs):
+        integration.unpatch()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            integration.patch()
+
+    return run
+
+
+def gradient_only(fn):
+    """fn's first output minus its detached self: 0 forward (NaN where the output is not finite),
+    fn's gradient backward; for comparing gradients where the forward values are checked apart."""
+
+    def run(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out - out.detach()
+
+    return run

@@ -8,7 +8,9 @@ import pytest
 import torch
 from helpers import make_mask
 
-from .peer_checks import compare
+from fastrlhf import reference
+
+from .peer_checks import assert_close_to_peer, compare, gradient_only, unpatched
 
 B, T, V = 6, 13, 37
 
@@ -27,7 +29,10 @@ def orl(openrlhf_integration):
         "PolicyLoss.forward": loss.PolicyLoss.forward,
         "ValueLoss.forward": loss.ValueLoss.forward,
         "gae": RemoteExperienceMaker.get_advantages_and_returns,
+        "aggregate_loss": loss.aggregate_loss,
     }
+    for name in ("PolicyLoss.forward", "ValueLoss.forward"):  # they call aggregate_loss through the module
+        originals[name] = unpatched(openrlhf_integration, originals[name])
     openrlhf_integration.patch()
     patched = {
         "log_probs_from_logits": utils.log_probs_from_logits,
@@ -36,6 +41,7 @@ def orl(openrlhf_integration):
         "PolicyLoss.forward": loss.PolicyLoss.forward,
         "ValueLoss.forward": loss.ValueLoss.forward,
         "gae": RemoteExperienceMaker.get_advantages_and_returns,
+        "aggregate_loss": loss.aggregate_loss,
     }
     return originals, patched, loss
 
@@ -44,6 +50,7 @@ def orl(openrlhf_integration):
 
 
 def test_patch_rebinds_every_reference_and_unpatch_restores(openrlhf_integration):
+    import openrlhf.models as models
     import openrlhf.models.actor as actor
     import openrlhf.models.loss as loss
     import openrlhf.models.utils as utils
@@ -53,7 +60,8 @@ def test_patch_rebinds_every_reference_and_unpatch_restores(openrlhf_integration
     def refs():
         return (utils.log_probs_from_logits, actor.log_probs_from_logits, utils.compute_entropy, actor.compute_entropy,
                 utils.compute_approx_kl, em.compute_approx_kl, ppo_actor.compute_approx_kl,
-                loss.PolicyLoss.forward, loss.ValueLoss.forward, em.RemoteExperienceMaker.get_advantages_and_returns)
+                loss.PolicyLoss.forward, loss.ValueLoss.forward, em.RemoteExperienceMaker.get_advantages_and_returns,
+                loss.aggregate_loss, models.aggregate_loss, ppo_actor.aggregate_loss)
 
     before = refs()
     reward = utils.compute_reward
@@ -63,6 +71,7 @@ def test_patch_rebinds_every_reference_and_unpatch_restores(openrlhf_integration
     assert all(a is not b for a, b in zip(after, before))
     assert actor.log_probs_from_logits is utils.log_probs_from_logits
     assert ppo_actor.compute_approx_kl is utils.compute_approx_kl is em.compute_approx_kl
+    assert ppo_actor.aggregate_loss is models.aggregate_loss is loss.aggregate_loss
     assert utils.compute_reward is reward  # deliberately not replaced (module docstring)
     openrlhf_integration.unpatch()
     openrlhf_integration.unpatch()
@@ -102,28 +111,86 @@ def test_log_probs_from_logits_temperature_divides_in_place(orl, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compute_entropy(orl, backend, dtype):
+def test_compute_entropy(orl, backend, dtype, op_calls):
     originals, patched, _ = orl
     logits = (torch.randn(B, T, V) * 3).to(dtype)
     compare(patched["compute_entropy"], originals["compute_entropy"], [logits], diff=(0,))
+    assert op_calls["entropy"] == 1 and op_calls["logprobs"] == 0
 
 
 # ---------------------------------------------------------------- KL
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-@pytest.mark.parametrize("unbiased", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compute_approx_kl(orl, backend, estimator, unbiased, dtype, op_calls):
-    originals, patched, _ = orl
+def _kl_inputs():
     logp = torch.randn(B, T) * 2
     base = logp + torch.randn(B, T) * 3
     base[0, :4] = logp[0, :4]  # exact ties
     base[1, :4] = logp[1, :4] + torch.tensor([25.0, -25.0, 12.0, -12.0])  # past the -10 / +-10 clamps
     old = logp + 0.3 * torch.randn(B, T)
-    args = [logp.to(dtype), base.to(dtype), old.to(dtype) if unbiased else None, estimator, unbiased]
-    compare(patched["compute_approx_kl"], originals["compute_approx_kl"], args, diff=(0, 1))
-    assert bool(op_calls["token_kl"]) == (not unbiased)  # TODO(ops: straight-through KL): fused for unbiased too
+    old[2, :2] = logp[2, :2] - torch.tensor([3.0, 0.0])  # an importance weight past KL_IS_WEIGHT_CLIP, one of 1
+    return logp, base, old
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_compute_approx_kl(orl, backend, estimator, dtype, op_calls):
+    originals, patched, _ = orl
+    logp, base, _ = _kl_inputs()
+    args = [logp.to(dtype), base.to(dtype), None, estimator, False]
+    # OpenRLHF computes in float32 whatever the input dtype: float64 inputs get float32's atol
+    compare(patched["compute_approx_kl"], originals["compute_approx_kl"], args, diff=(0, 1),
+            atol=1e-6 if dtype == torch.float64 else None)
+    assert op_calls["token_kl"] == 1
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_old", [True, False])
+def test_compute_approx_kl_unbiased_gradient(orl, backend, estimator, dtype, with_old, op_calls):
+    """unbiased_gradient: the estimator's value, the gradient of w r^2 / 2 (w the clamped importance
+    weight). OpenRLHF forms the value as (v + g) - g in float32, which rounds it by up to an ulp
+    of g = w r^2 / 2; the truth is v itself, reference.py's estimator in float64 (OpenRLHF's k3,
+    with its log-ratio clamped at -10, equals reference.py's after the +-10 clamp for these r).
+    Values against that truth by DESIGN.md's rule; gradients against OpenRLHF's."""
+    originals, patched, _ = orl
+    logp, base, old = (t.to(dtype) for t in _kl_inputs())
+    old = old if with_old else None
+    got = patched["compute_approx_kl"](logp, base, old, estimator, True)
+    peer = originals["compute_approx_kl"](logp, base, old, estimator, True)
+    truth = reference.token_kl(logp.double(), base.double(), estimator=estimator, clamp=10.0)
+    assert got.dtype == peer.dtype == torch.float32
+    assert_close_to_peer(got, truth, peer, atol=1e-6, name="value")
+    compare(gradient_only(patched["compute_approx_kl"]), gradient_only(originals["compute_approx_kl"]),
+            [logp, base, old, estimator, True], diff=(0, 1))
+    assert op_calls["token_kl"] == 2
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_compute_approx_kl_non_finite_log_probs(orl, backend, estimator, unbiased, op_calls):
+    """-inf / inf / NaN and huge log-probs: OpenRLHF's clamps give a zero gradient at NaN and past
+    their bounds where fastrlhf's gradient is NaN (such calls run OpenRLHF's own), k3's clamped
+    linear term gives +10 at r = -inf, and the unbiased value is NaN where w r^2 / 2 is not finite."""
+    originals, patched, _ = orl
+    logp, base, old = _kl_inputs()
+    logp[0, :5] = torch.tensor([-float("inf"), 0.0, float("nan"), -3e9, 3e9])
+    base[0, :5] = torch.tensor([-1.0, -float("inf"), 0.0, 0.0, 0.0])
+    if not unbiased:
+        compare(patched["compute_approx_kl"], originals["compute_approx_kl"], [logp, base, None, estimator, False],
+                diff=(0, 1))
+        assert op_calls["token_kl"] == 0
+        return
+    got = patched["compute_approx_kl"](logp, base, old, estimator, True)
+    peer = originals["compute_approx_kl"](logp, base, old, estimator, True)
+    assert torch.equal(got.isnan(), peer.isnan()) and bool(peer.isnan().any())
+    finite = ~peer.isnan()
+    truth = reference.token_kl(logp.double(), base.double(), estimator=estimator, clamp=10.0)
+    if estimator == "k3":  # OpenRLHF's k3 clamps r at -10 in its linear term too: +10 for r = -3e9
+        truth = torch.where(logp.double() - base.double() < -10, 10.0, truth)
+    assert_close_to_peer(got[finite], truth[finite], peer[finite], atol=1e-6, name="value")
+    compare(gradient_only(patched["compute_approx_kl"]), gradient_only(originals["compute_approx_kl"]),
+            [logp, base, old, estimator, True], diff=(0, 1))
+    assert op_calls["token_kl"] == 2
 
 
 def test_compute_approx_kl_errors_are_openrlhfs(orl):
@@ -159,10 +226,56 @@ def _info_id(d):
     return ",".join(f"{k}={v}" for k, v in d.items()) or "local"
 
 
-def _fused_today(token_level, info):
-    if token_level:
-        return "batch_num_tokens" not in info or info.get("dp_size", 1) == 1
-    return "global_batch_size" not in info
+DTYPES = [(torch.float32, torch.bool), (torch.bfloat16, torch.float32), (torch.float64, torch.int64)]
+
+
+def _float64_on_kernels(backend, cases):
+    """How many (dtype, ...) cases the adapters send to OpenRLHF's own function because the Triton
+    kernels compute float64 inputs in float32 (the torch path keeps float64)."""
+    return sum(c[0] == torch.float64 for c in cases) if backend == "triton" else 0
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("info", BATCH_INFO, ids=_info_id)
+def test_aggregate_loss(orl, backend, token_level, info, op_calls):
+    originals, patched, _ = orl
+    for loss_dtype, mask_dtype in DTYPES:
+        loss = (torch.randn(B, T) * 2).to(loss_dtype)
+        mask = make_mask(B, T).to(mask_dtype)
+        compare(patched["aggregate_loss"], originals["aggregate_loss"], [loss, mask, token_level], kwargs=info,
+                diff=(0,), upstream=torch.tensor(1.3, dtype=torch.float64))
+    assert op_calls["agg_loss"] == len(DTYPES)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("info", [{}, {"dp_size": 2, "batch_num_tokens": 90.0, "global_batch_size": 11.0}],
+                         ids=_info_id)
+def test_aggregate_loss_empty_mask_non_finite_values_and_small_weights(orl, backend, token_level, info, op_calls):
+    """Without global counts an empty mask gives OpenRLHF's 0 / 0 = NaN with NaN gradients; a
+    NaN / inf at any mask = 0 token makes every mode's loss NaN (loss * mask), gradients finite;
+    the per-sample mean divides by n_b + 1e-8 (visible with weights summing below 1, or float64)."""
+    originals, patched, _ = orl
+    mask = make_mask(B, T)
+    nan_in_empty_row, inf_in_padding = torch.randn(B, T), torch.randn(B, T)
+    nan_in_empty_row[2, 0] = float("nan")  # row 2 is fully masked
+    inf_in_padding[0, -1] = float("inf")  # row 0 is right-padded
+    cases = [(torch.randn(B, T), torch.zeros(B, T, dtype=torch.bool)), (nan_in_empty_row, mask),
+             (inf_in_padding, mask), (torch.randn(B, T), mask * torch.rand(B, T) * 1e-4),
+             (torch.randn(B, T, dtype=torch.float64), mask.double())]
+    for loss, m in cases:
+        got, _ = compare(patched["aggregate_loss"], originals["aggregate_loss"], [loss, m, token_level], kwargs=info,
+                         diff=(0,), upstream=torch.tensor(0.9, dtype=torch.float64))
+        assert math.isnan(got.item()) == (not torch.isfinite(loss).all().item() or (not m.any() and not info))
+    assert op_calls["agg_loss"] == len(cases)
+
+
+def test_aggregate_loss_bad_counts_run_openrlhfs(orl, op_calls):
+    originals, patched, _ = orl
+    loss, mask = torch.randn(B, T).abs(), make_mask(B, T)
+    for kwargs in (dict(batch_num_tokens=0.0), dict(token_level_loss=False, global_batch_size=-1.0)):
+        got = patched["aggregate_loss"](loss, mask, **kwargs)
+        assert got.item() == originals["aggregate_loss"](loss, mask, **kwargs).item()
+    assert op_calls["agg_loss"] == 0
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -175,22 +288,74 @@ def test_policy_loss(orl, backend, token_level, dual_clip, info, op_calls):
     compare(lambda *a, **k: patched["PolicyLoss.forward"](module, *a, **k),
             lambda *a, **k: originals["PolicyLoss.forward"](module, *a, **k),
             [logp, old, adv, mask], kwargs=info, diff=(0,), upstream=torch.tensor(1.3, dtype=torch.float64))
-    assert bool(op_calls["policy_loss"]) == _fused_today(token_level, info)
+    assert op_calls["policy_loss"] == 1 and op_calls["agg_loss"] == 0
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(policy_loss_type="gspo"),
-    dict(is_correction_level="token", is_correction_mode="mask"),
-    dict(is_correction_level="token", is_correction_mode="clip"),
-    dict(is_correction_level="seq", is_correction_mode="mask"),
-], ids=lambda k: "-".join(map(str, k.values())))
-def test_policy_loss_variants_without_a_fused_path_run_openrlhfs(orl, backend, kwargs):
+@pytest.mark.parametrize("token_level", [True, False])
+def test_policy_loss_dtypes_and_weighting_masks(orl, backend, token_level, op_calls):
     originals, patched, loss = orl
-    module = loss.PolicyLoss(**kwargs)
+    module = loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, token_level_loss=token_level)
+    cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
+             (torch.float32, make_mask(B, T) * torch.rand(B, T)), (torch.float64, make_mask(B, T) * 1e-3)]
+    for dtype, mask in cases:
+        logp, old, adv, _, _ = (t.to(dtype) for t in _policy_inputs())
+        compare(lambda *a, **k: patched["PolicyLoss.forward"](module, *a, **k),
+                lambda *a, **k: originals["PolicyLoss.forward"](module, *a, **k),
+                [logp, old, adv, mask], kwargs={"dp_size": 2, "batch_num_tokens": 90.0, "global_batch_size": 11.0},
+                diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
+    assert op_calls["policy_loss"] == len(cases) - _float64_on_kernels(backend, cases)
+
+
+def test_policy_loss_non_finite_inputs_run_openrlhfs(orl, backend, op_calls):
+    """OpenRLHF's gradients are NaN at a token whose advantage is NaN, even off the mask (0 * NaN
+    in its backward), where fastrlhf's are 0: such a call runs OpenRLHF's own function."""
+    originals, patched, loss = orl
+    module = loss.PolicyLoss()
+    logp, old, adv, mask, _ = _policy_inputs()
+    adv[0, -1] = float("nan")  # off the mask
+    x = logp.clone().requires_grad_()
+    (g,) = torch.autograd.grad(originals["PolicyLoss.forward"](module, x, old, adv, mask)[0], x)
+    assert bool(g.isnan().any())
+    compare(lambda *a, **k: patched["PolicyLoss.forward"](module, *a, **k),
+            lambda *a, **k: originals["PolicyLoss.forward"](module, *a, **k),
+            [logp, old, adv, mask], diff=(0,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    assert op_calls["policy_loss"] == 0
+
+
+IS_CORRECTIONS = [dict(is_correction_level=level, is_correction_mode="mask", is_correction_gating=gating,
+                      is_correction_threshold=(0.5, 5.0) if gating == "ratio" else (0.0, delta))
+                 for level in ("token", "seq") for gating, delta in (("ratio", None), ("binary_kl", 0.02), ("tv", 0.1))]
+IS_CORRECTIONS.append(dict(is_correction_level="token", is_correction_mode="clip", is_correction_gating="ratio",
+                           is_correction_threshold=(0.8, 1.2)))
+
+
+@pytest.mark.parametrize("kwargs", IS_CORRECTIONS, ids=lambda k: "-".join(str(v) for v in list(k.values())[:3]))
+@pytest.mark.parametrize("token_level", [True, False])
+def test_policy_loss_is_correction(orl, backend, kwargs, token_level, op_calls):
+    """OpenRLHF's train/rollout IS correction (every level / mode / gating its __init__ accepts):
+    its coefficient goes to policy_loss as is_weights; vllm_kl and is_filter_ratio as OpenRLHF's."""
+    originals, patched, loss = orl
+    module = loss.PolicyLoss(token_level_loss=token_level, **kwargs)
+    logp, old, adv, mask, rollout = _policy_inputs()
+    rollout[3, :4] = old[3, :4] + torch.tensor([2.0, -2.0, 0.5, 0.0])  # ratios and divergences outside the band
+    got, _ = compare(lambda *a, **k: patched["PolicyLoss.forward"](module, *a, **k),
+                     lambda *a, **k: originals["PolicyLoss.forward"](module, *a, **k),
+                     [logp, old, adv, mask, rollout], kwargs={"dp_size": 2, "batch_num_tokens": 90.0,
+                                                              "global_batch_size": 11.0},
+                     diff=(0,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    assert 0 < got[4].item() < 1  # some units filtered, not all
+    assert op_calls["policy_loss"] == 1
+
+
+def test_policy_loss_gspo_runs_openrlhfs(orl, backend, op_calls):
+    """GSPO's ratio is a per-sequence geometric mean: no fastrlhf op computes it."""
+    originals, patched, loss = orl
+    module = loss.PolicyLoss(policy_loss_type="gspo")
     logp, old, adv, mask, rollout = _policy_inputs()
     compare(lambda *a, **k: patched["PolicyLoss.forward"](module, *a, **k),
             lambda *a, **k: originals["PolicyLoss.forward"](module, *a, **k),
             [logp, old, adv, mask, rollout], diff=(0,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    assert op_calls["policy_loss"] == 0
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -228,7 +393,30 @@ def test_value_loss(orl, backend, clip_eps, token_level, info, op_calls):
     compare(lambda *a, **k: patched["ValueLoss.forward"](module, *a, **k),
             lambda *a, **k: originals["ValueLoss.forward"](module, *a, **k),
             [values, old, returns, mask], kwargs=info, diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
-    assert bool(op_calls["value_loss"]) == _fused_today(token_level, info)
+    assert op_calls["value_loss"] == 1 and op_calls["agg_loss"] == 0
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(orl, backend, token_level, op_calls):
+    """bf16 / float64 inputs and int / float masks in OpenRLHF's dtypes; per sample where
+    n_b + 1e-8 != n_b (float64, small weights) and with non-finite inputs (OpenRLHF's NaN
+    gradients), OpenRLHF's own runs."""
+    originals, patched, loss = orl
+    module = loss.ValueLoss(clip_eps=0.2, token_level_loss=token_level)
+    cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
+             (torch.float32, make_mask(B, T) * torch.rand(B, T) * 1e-3)]
+    for dtype, mask in cases:
+        values, old, returns = (torch.randn(B, T, dtype=dtype) for _ in range(3))
+        compare(lambda *a, **k: patched["ValueLoss.forward"](module, *a, **k),
+                lambda *a, **k: originals["ValueLoss.forward"](module, *a, **k),
+                [values, old, returns, mask], diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
+    values, old, returns, mask = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), make_mask(B, T)
+    returns[0, -1] = float("inf")  # off the mask
+    compare(lambda *a, **k: patched["ValueLoss.forward"](module, *a, **k),
+            lambda *a, **k: originals["ValueLoss.forward"](module, *a, **k),
+            [values, old, returns, mask], diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
+    expected = 3 - (not token_level) - (not token_level or backend == "triton")
+    assert op_calls["value_loss"] == expected
 
 
 # ---------------------------------------------------------------- GAE

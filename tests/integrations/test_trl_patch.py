@@ -6,7 +6,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from .peer_checks import compare
+from .peer_checks import compare, unpatched
 
 B, T, V, H = 4, 11, 37, 16
 
@@ -18,6 +18,9 @@ def trl(trl_integration):
     names = ("selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy",
              "_ChunkedLogProbFunction")
     originals = {n: getattr(utils, n) for n in names}
+    # TRL's torch path calls selective_log_softmax and entropy_from_logits through the module
+    originals["selective_log_softmax_and_entropy"] = unpatched(trl_integration,
+                                                               originals["selective_log_softmax_and_entropy"])
     trl_integration.patch()
     return originals, {n: getattr(utils, n) for n in names}, utils
 
@@ -66,11 +69,47 @@ def test_selective_log_softmax(trl, backend, dtype, temperature, op_calls):
     assert op_calls["logprobs"] == 2
 
 
-def test_selective_log_softmax_top_k_index_runs_trls_own(trl, backend, op_calls):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selective_log_softmax_top_k_index(trl, backend, dtype, temperature, op_calls):
+    """An index of shape (..., K) (top-K log-probs): K labels per position from one read of the logits."""
     originals, patched, _ = trl
-    logits, index = torch.randn(B, T, V), torch.randint(0, V, (B, T, 3))
-    compare(patched["selective_log_softmax"], originals["selective_log_softmax"], [logits, index], diff=(0,))
-    assert op_calls["logprobs"] == 0  # TODO(ops: (..., K) labels)
+    logits = (torch.randn(B, T, V) * 3).to(dtype)
+    index = torch.randint(0, V, (B, T, 3))
+    index[0, 0] = torch.tensor([5, 5, 6])  # a repeated label
+    row_mask = torch.rand(B, T, 3) > 0.3
+    compare(patched["selective_log_softmax"], originals["selective_log_softmax"], [logits, index, temperature],
+            diff=(0,))
+    compare(patched["selective_log_softmax"], originals["selective_log_softmax"],
+            [logits, index, temperature, row_mask], diff=(0,))
+    compare(patched["selective_log_softmax"], originals["selective_log_softmax"],
+            [logits.flatten(0, 1), index.flatten(0, 1)[:, :1], temperature], diff=(0,))  # K = 1 on [N, V]
+    assert op_calls["logprobs"] == 3
+
+
+def test_selective_log_softmax_and_entropy_top_k_index(trl, backend, op_calls):
+    originals, patched, _ = trl
+    logits, index = torch.randn(B, T, V) * 3, torch.randint(0, V, (B, T, 4))
+    got, _ = compare(patched["selective_log_softmax_and_entropy"], originals["selective_log_softmax_and_entropy"],
+                     [logits, index, True, 0.9], diff=(0,))
+    assert got[0].shape == (B, T, 4) and got[1].shape == (B, T)
+    assert op_calls["logprobs"] == 1
+
+
+def test_bad_index_shapes_get_trls_errors(trl, op_calls):
+    originals, patched, _ = trl
+    logits = torch.randn(B, T, V)
+    for index in (torch.randint(0, V, (B, T - 1)), torch.randint(0, V, (B, T, 2, 2)), torch.randint(0, V, (B, T, 0))):
+        outcomes = []
+        for fn in (originals["selective_log_softmax"], patched["selective_log_softmax"]):
+            try:
+                outcomes.append(("value", fn(logits, index)))
+            except Exception as e:  # noqa: BLE001 - whatever TRL raises, the patched function raises the same
+                outcomes.append(("error", type(e)))
+        (kind_o, out_o), (kind_p, out_p) = outcomes
+        assert kind_o == kind_p
+        assert out_p == out_o if kind_o == "error" else torch.equal(out_p, out_o)
+    assert op_calls["logprobs"] == 0
 
 
 def test_temperature_error_is_trls(trl):
@@ -83,11 +122,12 @@ def test_temperature_error_is_trls(trl):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_entropy_from_logits(trl, backend, dtype):
+def test_entropy_from_logits(trl, backend, dtype, op_calls):
     originals, patched, _ = trl
     logits = (torch.randn(B, T, V) * 3).to(dtype)
     compare(patched["entropy_from_logits"], originals["entropy_from_logits"], [logits], diff=(0,))
     compare(patched["entropy_from_logits"], originals["entropy_from_logits"], [logits.flatten(0, 1), 5], diff=(0,))
+    assert op_calls["entropy"] == 2 and op_calls["logprobs"] == 0
 
 
 @pytest.mark.parametrize("entropy_requires_grad", [True, False])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_mask
 
-from .peer_checks import compare
+from .peer_checks import compare, unpatched
 
 B, T, V = 6, 13, 37
 KL_NAMES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+", "k2+", "mse+"]
@@ -32,6 +32,8 @@ def verl(verl_integration):
     verl_integration.patch()
     patched = {"logprobs_from_logits": verl_F.logprobs_from_logits, "entropy_from_logits": verl_F.entropy_from_logits}
     patched.update({name: getattr(core_algos, name) for name in originals if name not in patched})
+    for name in ("compute_policy_loss_vanilla", "compute_value_loss"):  # they call agg_loss through the module
+        originals[name] = unpatched(verl_integration, originals[name])
     return originals, patched, core_algos, verl_F
 
 
@@ -52,22 +54,23 @@ def test_patch_rebinds_every_reference_and_unpatch_restores(verl_integration):
     import verl.utils.torch_functional as verl_F
     import verl.workers.utils.losses as losses
 
-    before = (core_algos.kl_penalty, losses.kl_penalty, losses.compute_value_loss, verl_F.logprobs_from_logits,
-              core_algos.POLICY_LOSS_REGISTRY["vanilla"], core_algos.ADV_ESTIMATOR_REGISTRY["gae"])
+    def refs():
+        return (core_algos.kl_penalty, losses.kl_penalty, losses.compute_value_loss, verl_F.logprobs_from_logits,
+                core_algos.POLICY_LOSS_REGISTRY["vanilla"], core_algos.ADV_ESTIMATOR_REGISTRY["gae"],
+                core_algos.agg_loss, losses.agg_loss)
+
+    before = refs()
     verl_integration.patch()
     verl_integration.patch()  # idempotent
-    after = (core_algos.kl_penalty, losses.kl_penalty, losses.compute_value_loss, verl_F.logprobs_from_logits,
-             core_algos.POLICY_LOSS_REGISTRY["vanilla"], core_algos.ADV_ESTIMATOR_REGISTRY["gae"])
+    after = refs()
     assert all(a is not b for a, b in zip(after, before))
-    assert losses.kl_penalty is core_algos.kl_penalty
+    assert losses.kl_penalty is core_algos.kl_penalty and losses.agg_loss is core_algos.agg_loss
     assert core_algos.get_policy_loss_fn("vanilla") is core_algos.compute_policy_loss_vanilla
     assert core_algos.get_adv_estimator_fn("gae") is core_algos.compute_gae_advantage_return
     assert core_algos.kl_penalty.__wrapped__ is before[0]
     verl_integration.unpatch()
     verl_integration.unpatch()
-    restored = (core_algos.kl_penalty, losses.kl_penalty, losses.compute_value_loss, verl_F.logprobs_from_logits,
-                core_algos.POLICY_LOSS_REGISTRY["vanilla"], core_algos.ADV_ESTIMATOR_REGISTRY["gae"])
-    assert all(a is b for a, b in zip(restored, before))
+    assert all(a is b for a, b in zip(refs(), before))
 
 
 def test_patch_logs_what_it_replaced(verl_integration, caplog):
@@ -75,7 +78,8 @@ def test_patch_logs_what_it_replaced(verl_integration, caplog):
         verl_integration.patch()
     text = caplog.text
     for name in ("logprobs_from_logits", "entropy_from_logits", "kl_penalty", "compute_gae_advantage_return",
-                 "POLICY_LOSS_REGISTRY['vanilla']", "ADV_ESTIMATOR_REGISTRY['gae']", "compute_value_loss"):
+                 "POLICY_LOSS_REGISTRY['vanilla']", "ADV_ESTIMATOR_REGISTRY['gae']", "compute_value_loss",
+                 "core_algos.agg_loss"):
         assert name in text
 
 
@@ -86,7 +90,7 @@ def test_a_failing_patch_leaves_nothing_patched(verl_integration, monkeypatch):
 
     before = core_algos.kl_penalty, core_algos.POLICY_LOSS_REGISTRY["vanilla"]
 
-    def broken(original):
+    def broken(*originals):
         raise RuntimeError("adapter construction failed")
 
     monkeypatch.setattr(verl_integration, "_value_loss", broken)
@@ -118,10 +122,11 @@ def test_logprobs_from_logits(verl, backend, dtype, op_calls):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_entropy_from_logits(verl, backend, dtype):
+def test_entropy_from_logits(verl, backend, dtype, op_calls):
     originals, patched, _, _ = verl
     logits = (torch.randn(B * T, V) * 3).to(dtype)
     compare(patched["entropy_from_logits"], originals["entropy_from_logits"], [logits], diff=(0,))
+    assert op_calls["entropy"] == 1 and op_calls["logprobs"] == 0  # the entropy-only op: no label
 
 
 def test_logprobs_at_temperature_as_the_engine_scales(verl, backend):
@@ -144,8 +149,20 @@ def test_kl_penalty_every_estimator(verl, backend, name, op_calls):
     ref[0, :4] = logp[0, :4]  # exact ties: the actor equals the reference at step 0
     ref[1, :3] = logp[1, :3] + torch.tensor([25.0, -25.0, 12.0])  # past every clamp
     compare(patched["kl_penalty"], originals["kl_penalty"], [logp, ref, name], diff=(0, 1))
-    straight_through = name.endswith("+") and name not in ("k2+", "mse+")  # TODO(ops: straight-through KL)
-    assert bool(op_calls["token_kl"]) == (not straight_through)
+    assert op_calls["token_kl"] == 1  # the "+" names too: token_kl(straight_through=True)
+
+
+@pytest.mark.parametrize("name", ["k1", "abs", "k2", "low_var_kl", "k1+", "k3+", "low_var_kl+", "abs+"])
+def test_kl_penalty_non_finite_log_probs_as_verl(verl, backend, name):
+    """-inf / inf / NaN log-probs: verl's low_var_kl clamps the log-ratio in its linear term (+10
+    at r = -inf, where fastrlhf's formula alone gives -10) and a "+" name is NaN where r is not
+    finite ((b - b) + f with b = r^2 / 2 = inf); values and gradients as verl's."""
+    originals, patched, _, _ = verl
+    logp = torch.randn(B, T)
+    ref = logp + torch.randn(B, T)
+    logp[0, :5] = torch.tensor([-float("inf"), 0.0, float("nan"), -3e9, 3e9])
+    ref[0, :5] = torch.tensor([-1.0, -float("inf"), 0.0, 0.0, 0.0])
+    compare(patched["kl_penalty"], originals["kl_penalty"], [logp, ref, name], diff=(0, 1))
 
 
 def test_kl_penalty_low_precision_input_keeps_dtype(verl, backend):
@@ -227,8 +244,87 @@ GLOBALS = [
 ]
 
 
+def _info_id(d):
+    return ",".join(f"{k}={v}" for k, v in d.items()) or "local"
+
+
+def _float64_on_kernels(backend, cases):
+    """How many (dtype, ...) cases the adapters send to the peer's own function because the
+    Triton kernels compute float64 inputs in float32 (the torch path keeps float64)."""
+    return sum(c[0] == torch.float64 for c in cases) if backend == "triton" else 0
+
+
+# (loss dtype, mask dtype): verl's own dtype promotion differs between them (e.g. a bf16 loss with a
+# bool mask stays bf16 in the token modes and becomes float32 in the seq modes)
+DTYPES = [(torch.float32, torch.bool), (torch.bfloat16, torch.float32), (torch.float64, torch.int64)]
+
+
 @pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("info", GLOBALS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "local")
+@pytest.mark.parametrize("info", GLOBALS, ids=_info_id)
+def test_agg_loss_every_mode(verl, backend, mode, info, op_calls):
+    originals, patched, core_algos, _ = verl
+    for loss_dtype, mask_dtype in DTYPES:
+        loss_mat = (torch.randn(B, T) * 2).to(loss_dtype)
+        mask = make_mask(B, T).to(mask_dtype)
+        compare(patched["agg_loss"], originals["agg_loss"], [loss_mat, mask, mode], kwargs=info, diff=(0,),
+                upstream=torch.tensor(1.3, dtype=torch.float64))
+    assert op_calls["agg_loss"] == len(DTYPES)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("info", [{}, {"dp_size": 2, "batch_num_tokens": 90, "global_batch_size": 11}], ids=_info_id)
+def test_agg_loss_empty_mask_and_non_finite_values_off_the_mask(verl, backend, mode, info, op_calls):
+    """Without global counts an empty mask is verl's 0 / 0 = NaN; a NaN / inf at a mask = 0 token
+    makes the seq modes' loss NaN (loss_mat * mask) in a non-empty row only, and leaves the token
+    modes' loss alone (masked_sum drops it); gradients stay finite either way."""
+    originals, patched, _, _ = verl
+    mask = make_mask(B, T)
+    empty = torch.zeros(B, T, dtype=torch.bool)
+    for m in (mask, empty):
+        compare(patched["agg_loss"], originals["agg_loss"], [torch.randn(B, T), m, mode], kwargs=info, diff=(0,),
+                upstream=torch.tensor(0.9, dtype=torch.float64))
+    loss_mat = torch.randn(B, T)
+    loss_mat[2, 0] = float("nan")  # row 2 is fully masked: verl drops the row
+    compare(patched["agg_loss"], originals["agg_loss"], [loss_mat, mask, mode], kwargs=info, diff=(0,),
+            upstream=torch.tensor(0.9, dtype=torch.float64))
+    loss_mat[0, -1] = float("inf")  # row 0 is right-padded: a mask = 0 token of a non-empty row
+    got, _ = compare(patched["agg_loss"], originals["agg_loss"], [loss_mat, mask, mode], kwargs=info, diff=(0,),
+                     upstream=torch.tensor(0.9, dtype=torch.float64))
+    assert math.isnan(got.item()) == mode.startswith("seq-mean")
+    assert op_calls["agg_loss"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_agg_loss_seq_mean_token_mean_divides_by_n_plus_eps(verl, backend, dtype, op_calls):
+    """verl's per-sequence mean divides by n_b + 1e-8: with weights summing below 1 per row, or in
+    float64, that differs from dividing by n_b; patched still gives verl's number."""
+    originals, patched, _, _ = verl
+    loss_mat = torch.randn(B, T, dtype=dtype)
+    mask = (make_mask(B, T) * torch.rand(B, T) * 1e-4).to(dtype)  # rows sum to ~1e-4 * T
+    for info in ({}, {"global_batch_size": 9}):
+        compare(patched["agg_loss"], originals["agg_loss"], [loss_mat, mask, "seq-mean-token-mean"], kwargs=info,
+                diff=(0,), upstream=torch.tensor(1.1, dtype=torch.float64))
+    assert op_calls["agg_loss"] == 2
+
+
+def test_agg_loss_bad_arguments_run_verls(verl, op_calls):
+    originals, patched, _, _ = verl
+    loss_mat, mask = torch.randn(B, T), make_mask(B, T)
+    for fn in (originals["agg_loss"], patched["agg_loss"]):
+        with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
+            fn(loss_mat, mask, "seq-sum")
+        with pytest.raises(ValueError, match="batch_num_tokens is required when dp_size > 1"):
+            fn(loss_mat, mask, "token-mean", dp_size=2)
+        with pytest.raises(ValueError, match="global_batch_size is required when dp_size > 1"):
+            fn(loss_mat, mask, "seq-mean-token-mean", dp_size=2)
+    # a zero global count: verl divides by it (inf); fastrlhf's agg rejects it, so verl's own runs
+    got = patched["agg_loss"](loss_mat.abs(), mask, "token-mean", batch_num_tokens=0)
+    assert got.item() == originals["agg_loss"](loss_mat.abs(), mask, "token-mean", batch_num_tokens=0).item()
+    assert op_calls["agg_loss"] == 0
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("info", GLOBALS, ids=_info_id)
 def test_policy_loss_vanilla_every_agg_mode(verl, backend, mode, info, op_calls):
     originals, patched, core_algos, _ = verl
     config = _actor_config(loss_agg_mode=mode)
@@ -238,27 +334,58 @@ def test_policy_loss_vanilla_every_agg_mode(verl, backend, mode, info, op_calls)
     assert fn is patched["compute_policy_loss_vanilla"]
     compare(fn, originals["compute_policy_loss_vanilla"], [old, logp, adv, mask, mode, config],
             diff=(1,), upstream=torch.tensor(1.7, dtype=torch.float64))
-    assert bool(op_calls["policy_loss"]) == _fused_today(mode, info)
+    assert op_calls["policy_loss"] == 1 and op_calls["agg_loss"] == 0  # one fused op, no separate aggregation
 
 
-def _fused_today(mode, info):
-    """The aggregation cases the ops cover today; the rest wait for the op features named in
-    fastrlhf/integrations/verl.py (dp_size, global_num_seqs, token-sum, loss_scale_factor)."""
-    if info.get("dp_size", 1) != 1:
-        return False
-    return mode == "token-mean" or (mode == "seq-mean-token-mean" and "global_batch_size" not in info)
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_policy_loss_vanilla_dtypes_and_weighting_masks(verl, backend, mode, op_calls):
+    """bf16 and float64 inputs, int and float masks (a float mask weights tokens; verl's masked
+    means then divide by mask.sum() + 1e-8), with rollout IS weights: values, dtypes, metrics."""
+    originals, patched, _, _ = verl
+    config = _actor_config(loss_agg_mode=mode)
+    config.global_batch_info.update({"dp_size": 2, "batch_num_tokens": 90, "global_batch_size": 11})
+    cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
+             (torch.float32, make_mask(B, T) * torch.rand(B, T)), (torch.float64, make_mask(B, T) * 1e-3)]
+    for dtype, mask in cases:
+        old, logp, adv, _ = (t.to(dtype) for t in _loss_inputs())
+        weights = (torch.rand(B, T) * 2).to(dtype)
+        compare(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
+                [old, logp, adv, mask, mode, config, weights], diff=(1,),
+                upstream=torch.tensor(0.7, dtype=torch.float64))
+    assert op_calls["policy_loss"] == len(cases) - _float64_on_kernels(backend, cases)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-def test_policy_loss_vanilla_empty_mask_is_nan_with_zero_gradients(verl, backend, mode):
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_policy_loss_vanilla_empty_mask(verl, backend, mode, op_calls):
+    """Without global counts verl's token-mean and seq-mean losses are 0 / 0 = NaN (zero
+    gradients), token-sum is 0; the metrics are 0 (masked means over mask.sum() + 1e-8)."""
     originals, patched, _, _ = verl
     config = _actor_config(loss_agg_mode=mode)
     old, logp, adv, mask = _loss_inputs(empty=True)
-    compare(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
-            [old, logp, adv, mask, mode, config], diff=(1,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    got, _ = compare(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
+                     [old, logp, adv, mask, mode, config], diff=(1,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    assert math.isnan(got[0].item()) == (mode != "token-sum")
+    assert op_calls["policy_loss"] == 1
 
 
-def test_policy_loss_vanilla_with_rollout_is_weights_and_dual_clip(verl, backend):
+def test_policy_loss_vanilla_non_finite_inputs_run_verls(verl, backend, op_calls):
+    """verl's gradients are NaN at a token whose advantage or log-prob is NaN / inf, even off the
+    mask (0 * NaN in its backward), where fastrlhf's are 0: such a call runs verl's own function."""
+    originals, patched, _, _ = verl
+    for mode in ("token-mean", "seq-mean-token-sum"):
+        config = _actor_config(loss_agg_mode=mode)
+        old, logp, adv, mask = _loss_inputs()
+        adv[0, -1] = float("nan")  # off the mask (row 0 is right-padded)
+        logp[3, 1] = -float("inf")  # off the mask (row 3 has gaps at t % 3 == 1)
+        x = logp.clone().requires_grad_()
+        (g,) = torch.autograd.grad(originals["compute_policy_loss_vanilla"](old, x, adv, mask, mode, config)[0], x)
+        assert bool(g.isnan().any())  # the case this test is about
+        compare(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
+                [old, logp, adv, mask, mode, config], diff=(1,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    assert op_calls["policy_loss"] == 2  # computed, then set aside for verl's own
+
+
+def test_policy_loss_vanilla_with_rollout_is_weights_and_dual_clip(verl, backend, op_calls):
     originals, patched, _, _ = verl
     old, logp, adv, mask = _loss_inputs()
     weights = torch.rand(B, T) * 2
@@ -270,6 +397,7 @@ def test_policy_loss_vanilla_with_rollout_is_weights_and_dual_clip(verl, backend
         compare(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
                 [old, logp, adv, mask, "token-mean", config, weights], diff=(1,),
                 upstream=torch.tensor(0.6, dtype=torch.float64))
+    assert op_calls["policy_loss"] == 6  # rollout_is_weights -> policy_loss(is_weights=...)
 
 
 def test_policy_loss_vanilla_metric_keys_and_types(verl):
@@ -285,7 +413,7 @@ def test_policy_loss_vanilla_metric_keys_and_types(verl):
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("info", GLOBALS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "local")
+@pytest.mark.parametrize("info", GLOBALS, ids=_info_id)
 def test_value_loss_every_agg_mode(verl, backend, mode, info, op_calls):
     originals, patched, _, _ = verl
     vpreds, values, returns = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T)
@@ -294,7 +422,33 @@ def test_value_loss_every_agg_mode(verl, backend, mode, info, op_calls):
     compare(patched["compute_value_loss"], originals["compute_value_loss"],
             [vpreds, returns, values, mask, 0.3], kwargs=dict(loss_agg_mode=mode, **info), diff=(0,),
             upstream=torch.tensor(0.8, dtype=torch.float64))
-    assert bool(op_calls["value_loss"]) == _fused_today(mode, info)
+    assert op_calls["value_loss"] == 1 and op_calls["agg_loss"] == 0
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(verl, backend, mode, op_calls):
+    """bf16 / float64 inputs and int / float masks in verl's dtypes; seq-mean-token-mean where
+    n_b + 1e-8 != n_b (float64, a mask of small weights; fastrlhf's value_loss takes no per-token
+    weights to fold it into) and non-finite inputs (verl's NaN gradients) run verl's own."""
+    originals, patched, _, _ = verl
+    cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
+             (torch.float32, make_mask(B, T) * torch.rand(B, T) * 1e-3)]  # rows of weights summing below 0.2
+    for dtype, mask in cases:
+        vpreds, values, returns = (torch.randn(B, T, dtype=dtype) for _ in range(3))
+        compare(patched["compute_value_loss"], originals["compute_value_loss"], [vpreds, returns, values, mask, 0.3],
+                kwargs=dict(loss_agg_mode=mode, batch_num_tokens=40, global_batch_size=9), diff=(0,),
+                upstream=torch.tensor(0.8, dtype=torch.float64))
+    # float64 on the Triton kernels (float32 inside) and seq-mean-token-mean's n_b + 1e-8 run verl's
+    expected = 3 - (mode == "seq-mean-token-mean") - (mode == "seq-mean-token-mean" or backend == "triton")
+    assert op_calls["value_loss"] == expected
+    vpreds, values, returns, mask = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), make_mask(B, T)
+    returns[0, -1] = float("nan")  # off the mask
+    x = vpreds.clone().requires_grad_()
+    (g,) = torch.autograd.grad(originals["compute_value_loss"](x, returns, values, mask, 0.3, mode)[0], x)
+    assert bool(g.isnan().any())  # the case this part is about
+    compare(patched["compute_value_loss"], originals["compute_value_loss"], [vpreds, returns, values, mask, 0.3],
+            kwargs=dict(loss_agg_mode=mode), diff=(0,), upstream=torch.tensor(0.8, dtype=torch.float64))
+    assert op_calls["value_loss"] == expected
 
 
 def test_value_loss_empty_mask(verl, backend):
