@@ -110,7 +110,6 @@ from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as
 
 from fastrlhf.integrations import openrlhf as fo  # noqa: E402
 
-
 pl_mod, vl_mod = ol.PolicyLoss(), ol.ValueLoss(clip_eps=0.2)
 pl_is = ol.PolicyLoss(is_correction_level="token", is_correction_mode="mask", is_correction_threshold=(0.5, 5.0))
 rollout = b + 0.1 * torch.randn(*BT)
