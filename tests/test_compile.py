@@ -44,6 +44,36 @@ def _kernel_names() -> list[str]:
 KERNELS = _kernel_names()
 
 
+def _autotuned() -> dict[str, list]:
+    """{kernel name: its triton.Config list} for every `triton.autotune` wrapper in fastrlhf.kernels.
+    The interpreter launches the plain kernel with a fixed config; on CUDA the autotuner may pick
+    any of its configs, so each recorded launch of that kernel is also compiled with each config."""
+    from triton.runtime.autotuner import Autotuner
+
+    out = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"fastrlhf.kernels.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, Autotuner):
+                out[f"{module.__name__}.{obj.base_fn.__qualname__}"] = obj.configs
+    return out
+
+
+def _with_config(spec: dict, config) -> dict:
+    """`spec` with the constexprs and launch options of one triton.Config."""
+    names = list(spec["signature"])
+    spec = json.loads(json.dumps(spec))
+    for entry in spec["constexprs"]:
+        name = names[entry[0][0]] if len(entry[0]) == 1 else None
+        if name in config.kwargs:
+            entry[1] = config.kwargs[name]
+    missing = set(config.kwargs) - {names[e[0][0]] for e in spec["constexprs"] if len(e[0]) == 1}
+    assert not missing, f"{spec['name']}: config sets {missing}, which the recorded launch does not pass"
+    spec["options"].update({k: v for k, v in config.all_kwargs().items() if k not in config.kwargs
+                            and k != "ir_override" and v is not None})
+    return spec
+
+
 # ---------------------------------------------------------------- representative calls
 
 
@@ -196,12 +226,16 @@ def launches():
         with record_launches() as recorder:
             for call in CALLS:
                 call()
-    return list(recorder.specs.values())
+    specs = list(recorder.specs.values())
+    tuned = _autotuned()
+    variants = [_with_config(spec, config) for spec in specs
+                for config in tuned.get(f"{spec['module']}.{spec['name']}", ())]
+    return list({json.dumps(s, sort_keys=True): s for s in specs + variants}.values())
 
 
 @pytest.fixture(scope="module")
 def compiled(launches):
-    """{(kernel, target): [(spec, error or "")]}.
+    """{(kernel, target): [(spec, error or "", the PTX's ex2.approx variants)]}.
 
     sm_90 compiles every distinct launch. sm_80 compiles one launch per (kernel, signature,
     constexprs): what differs by architecture is the code for each dtype and mode, not the
@@ -214,8 +248,25 @@ def compiled(launches):
     by_kernel = {}
     for (spec, target), result in zip(jobs, compile_all(jobs)):
         key = (f"{spec['module']}.{spec['name']}", target)
-        by_kernel.setdefault(key, []).append((spec, result["error"] if not result["ok"] else ""))
+        by_kernel.setdefault(key, []).append((spec, result["error"] if not result["ok"] else "", result["ex2"]))
     return by_kernel
+
+
+def test_every_autotune_config_is_compiled(launches):
+    """Each config of each autotuned kernel is among the launches compiled, not only the fixed config
+    the interpreter takes."""
+    tuned = _autotuned()
+    assert tuned, "no triton.autotune wrapper found in fastrlhf.kernels"
+    for kernel, configs in tuned.items():
+        compiled = []
+        for spec in launches:
+            if f"{spec['module']}.{spec['name']}" == kernel:
+                names = list(spec["signature"])
+                consts = {names[p[0]]: v for p, v in spec["constexprs"] if len(p) == 1}
+                compiled.append((consts, spec["options"].get("num_warps")))
+        for config in configs:
+            assert any(all(consts.get(k) == v for k, v in config.kwargs.items()) and warps == config.num_warps
+                       for consts, warps in compiled), f"{kernel}: {config} is never compiled"
 
 
 def test_every_kernel_is_launched(launches):
@@ -231,6 +282,18 @@ def test_kernel_compiles(compiled, kernel, target):
     variants = compiled.get((kernel, TARGETS[target]), [])
     if not variants:
         pytest.fail(f"{kernel} was never launched, so nothing was compiled (see test_every_kernel_is_launched)")
-    failures = [f"{describe(spec)}\n{error}" for spec, error in variants if error]
+    failures = [f"{describe(spec)}\n{error}" for spec, error, _ in variants if error]
     assert not failures, (f"{kernel}: {len(failures)} of {len(variants)} launch variants fail to compile for "
                           f"{target}:\n\n" + "\n\n".join(failures))
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k.startswith("fastrlhf.kernels.logprobs.")])
+def test_logprobs_exponentials_are_bare_ex2(compiled, kernel):
+    """The log-prob kernels work in base 2 (kernels/logprobs.py): every exponential is a bare
+    `ex2.approx.ftz.f32`, one MUFU.EX2 with no range fix-ups around it. tl.exp would emit
+    `ex2.approx.f32` after a multiply by log2(e), which ptxas wraps in a compare, a scale
+    and a square for inputs below -126."""
+    for target in TARGETS.values():
+        for spec, error, ex2 in compiled[(kernel, target)]:
+            if not error:
+                assert ex2 == ["ex2.approx.ftz.f32"], f"{describe(spec)}: {ex2}"

@@ -9,6 +9,7 @@ from helpers import assert_close_to_ref, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
+from fastrlhf.kernels import logprobs as kernels
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)]  # (dtype, atol)
 
@@ -266,3 +267,21 @@ def test_torch_path_blocks_of_rows(monkeypatch, dtype, atol):
     logp, ent = ops.logprobs(view, topk, return_entropy=True, inplace_backward=True)
     (dx,) = torch.autograd.grad((logp, ent), view, (g_logp, g_ent))
     torch.testing.assert_close(dx, out[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_V']}x{c.num_warps}")
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+def test_every_autotune_config_matches_reference(monkeypatch, config, dtype, atol):
+    """Each tile x warps config the CUDA autotuner may pick, run through the Triton kernels (the
+    interpreter takes the fixed config otherwise): a vocab of two full 16384 tiles and a partial
+    one, the label in the last column, -inf logits, temperature != 1."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    monkeypatch.setattr(kernels, "fixed_config",
+                        lambda V: {"BLOCK_V": config.kwargs["BLOCK_V"], "num_warps": config.num_warps})
+    V = 2 * 16384 + 1000
+    logits = (torch.randn(1, 3, V) * 3).to(dtype)
+    logits[0, 1, 5000:9000] = float("-inf")
+    labels = torch.randint(0, V, (1, 3))
+    labels[0, 0] = V - 1
+    labels[0, 1] = 42  # a finite logit: the row's -inf ones get p = 0 and gradient 0
+    _check_against_reference(ops.logprobs, logits, labels, atol, temperature=0.8)
