@@ -202,13 +202,30 @@ def _loss_calls():
             _grad([loss], values)
             with torch.no_grad():
                 ops.value_loss(values, old, ret, _mask(B, T), clip=clip)
-    # the fused actor loss from logits: log-probs, entropy, policy loss and KL together
-    V = 50
-    logits = _leaf(B, T, V, dtype=torch.bfloat16)
-    loss, _ = ops.ppo_actor_loss(logits, torch.randint(0, V, (B, T), device=DEVICE),
-                                 torch.randn(B, T, device=DEVICE) - 4, torch.randn(B, T, device=DEVICE), _mask(B, T),
-                                 ref_logp=torch.randn(B, T, device=DEVICE) - 4, kl_coef=0.1, entropy_coef=0.01)
-    _grad([loss], logits)
+    _actor_loss_calls()
+
+
+def _actor_loss_calls():
+    """The fused actor loss from logits (kernels/ppo_loss.py): its gradient flags, forward only, and the
+    in-place scale of its backward (its CUDA configs: the autotune expansion in `launches`)."""
+    B, T = 3, 7
+
+    def call(V, dtype, grad=True, ref=True, **kw):
+        logits = _leaf(B, T, V, dtype=dtype)
+        with torch.set_grad_enabled(grad):
+            loss, _ = ops.ppo_actor_loss(
+                logits, torch.randint(0, V, (B, T), device=DEVICE), torch.randn(B, T, device=DEVICE) - 4,
+                torch.randn(B, T, device=DEVICE), _mask(B, T), ref_logp=torch.randn(B, T, device=DEVICE) - 4 if ref
+                else None, **kw)
+        if grad:
+            _grad([loss], logits)
+
+    call(50, torch.bfloat16, kl_coef=0.1, entropy_coef=0.01)
+    call(50, torch.bfloat16, grad=False, kl_coef=0.1, entropy_coef=0.01)  # NEED_GRAD=False
+    call(300, torch.float32, kl_coef=0.1, kl_estimator="abs", kl_clamp=5.0, dual_clip=3.0, temperature=0.7,
+         is_weights=torch.rand(B, T, device=DEVICE), agg="seq-mean-token-mean")
+    call(300, torch.float16, kl_coef=0.2, kl_estimator="k2", kl_straight_through=True)  # no entropy term
+    call(37, torch.float32, ref=False, entropy_coef=0.01, clip_high=0.28)  # no KL term
 
 
 CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls)
@@ -227,8 +244,12 @@ def launches():
             for call in CALLS:
                 call()
     specs = list(recorder.specs.values())
-    tuned = _autotuned()
-    variants = [_with_config(spec, config) for spec in specs
+    # an autotuned kernel's configs differ in tile and warps only: each config is compiled for one
+    # recorded launch per signature (dtypes), not for every combination of mode flags
+    tuned, first = _autotuned(), {}
+    for spec in specs:
+        first.setdefault(json.dumps([spec["module"], spec["name"], spec["signature"]]), spec)
+    variants = [_with_config(spec, config) for spec in first.values()
                 for config in tuned.get(f"{spec['module']}.{spec['name']}", ())]
     return list({json.dumps(s, sort_keys=True): s for s in specs + variants}.values())
 
