@@ -487,11 +487,14 @@ def actor_loss_fwd(
     kl_straight_through: bool,
     entropy_coef: float,
     need_grad: bool,
+    inplace: bool = False,
 ):
     """The fused actor loss over logits [B, T, V] (stride(-1) == 1), per-token fp32 [B * T] inputs
     (weight = row_scale * mask). Returns (logp fp32 [B * T], entropy fp32 [B * T], d(logits)
     [B, T, V] contiguous in logits.dtype or None): d(logits) is the gradient of
-    L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i), formed in the same launch."""
+    L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i), formed in the same launch.
+    inplace=True writes d(logits) over contiguous logits (each row is read in full before any of it
+    is written) and returns them; that launch is never autotuned (the tuner runs it once per config)."""
     B, T, V = logits.shape
     N = B * T
     device = logits.device
@@ -499,13 +502,17 @@ def actor_loss_fwd(
         raise ValueError(f"actor_loss_fwd: logits [B, T, V] with stride(-1) == 1 and labels int64 [B * T], got "
                          f"{tuple(logits.shape)} strides {logits.stride()}, labels {labels.dtype} "
                          f"{tuple(labels.shape)}")
+    if inplace and not logits.is_contiguous():
+        raise ValueError("actor_loss_fwd: inplace=True needs contiguous logits")
     logp = torch.empty(N, dtype=torch.float32, device=device)
     entropy = torch.empty(N, dtype=torch.float32, device=device)
-    d_logits = torch.empty((B, T, V), dtype=logits.dtype, device=device) if need_grad else None
+    d_logits = None
+    if need_grad:
+        d_logits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=device)
     if N == 0:
         return logp, entropy, d_logits
     has_kl = ref_logp is not None and kl_coef != 0.0
-    if logits.is_cuda and V >= TUNE_MIN_V:
+    if logits.is_cuda and V >= TUNE_MIN_V and not inplace:
         kernel, config = _actor_loss_tuned, {}
         grid = lambda meta: _actor_grid(N, meta["PROGRAMS_PER_SM"], device)  # noqa: E731
     else:
