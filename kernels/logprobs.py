@@ -21,8 +21,12 @@ Where it is fast: one program per row (B*T rows on grid axis 0, never more than 
 the vocabulary streamed in BLOCK_V tiles with an online softmax, so the forward reads each
 logit once and the backward reads each once and writes d(logits) once: memory-bound from
 V of a few thousand up to 256k and beyond (the row loop has no upper limit on V).
-Where it is not: small V (< ~1k) leaves most lanes of a program idle, and very few rows
-(B*T below the number of SMs) cannot fill the GPU; there a plain torch log_softmax is as good.
+Few rows (B*T < FEW_ROWS_WAVES per SM, e.g. a short rollout): one program per row cannot fill
+the GPU, so each row's vocab is split over up to MAX_SPLITS programs on grid axis 1 (at least
+SPLIT_MIN_V logits each); the forward's programs write their (m, d, s) and a combine kernel
+merges them per row (a few bytes per split), the backward's programs each write their part.
+Where it is not: small V (< ~1k) leaves most lanes of a program idle; there a plain torch
+log_softmax is as good.
 Logits may be any [B, T, V] view with stride(-1) == 1 (e.g. `logits[:, :-1]`): the row
 offset is b * stride_b + t * stride_t in int64, nothing is copied.
 
@@ -48,6 +52,9 @@ import triton.language as tl
 
 FIXED_BLOCK_V = 4096  # the untuned tile: 8 KiB of bf16
 TUNE_MIN_V = 16384  # from this V on, CUDA launches are autotuned over CONFIGS
+FEW_ROWS_WAVES = 4  # fewer rows than this many per SM: the vocab of each row is split over several programs
+SPLIT_MIN_V = 8192  # the least vocab one split takes
+MAX_SPLITS = 64
 CONFIGS = [triton.Config({"BLOCK_V": block_v}, num_warps=warps)
            for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16))]
 # finite start of the running max, so that exp2(m - m_new) is never exp2(-inf - -inf)
@@ -79,6 +86,23 @@ def _online_tile(x, m, d, s, scale, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
+def _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature, ignore_index,
+                COMPUTE_ENTROPY: tl.constexpr):
+    # lse, entropy and logp of one row from its base-2 stats (m, d, s)
+    log2_d = tl.log2(d)
+    lse = (m + log2_d) * LN2
+    tl.store(lse_ptr + row, lse)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_ptr + row, (log2_d - s / d) * LN2)
+    label = tl.load(labels_ptr + row)
+    valid = (label >= 0) & (label < V)
+    x_label = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
+    logp = tl.where(valid, x_label * inv_temperature - lse, float("nan"))  # as the K-label gather in ops
+    logp = tl.where(label == ignore_index, 0.0, logp)
+    tl.store(logp_ptr + row, logp)
+
+
+@triton.jit
 def _logprobs_fwd_kernel(
     # pointers
     logits_ptr,  # [B, T, V] bf16/fp16/fp32, stride(-1) == 1
@@ -86,9 +110,12 @@ def _logprobs_fwd_kernel(
     logp_ptr,  # [B * T] fp32
     entropy_ptr,  # [B * T] fp32, written only if COMPUTE_ENTROPY
     lse_ptr,  # [B * T] fp32, logsumexp(logits / temperature)
+    partial_ptr,  # [3, splits, B * T] fp32 (m, d, s) of each vocab split, written only if SPLIT
     # shapes
+    N,
     T,
     V,
+    chunk_v,  # vocab elements per program (grid axis 1): V, or with SPLIT a multiple of BLOCK_V
     # strides
     stride_b,
     stride_t,
@@ -97,31 +124,70 @@ def _logprobs_fwd_kernel(
     inv_temperature,  # fp32
     ignore_index,
     COMPUTE_ENTROPY: tl.constexpr,
+    SPLIT: tl.constexpr,  # the row's vocab is split over grid axis 1: write partials for the combine kernel
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+    lo = split * chunk_v
+    hi = tl.minimum(lo + chunk_v, V)
 
     m = tl.full((), FP32_MIN, tl.float32)
     d = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(lo, hi, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
         m, d, s = _online_tile(x, m, d, s, scale, COMPUTE_ENTROPY)
 
-    log2_d = tl.log2(d)
-    lse = (m + log2_d) * LN2
-    tl.store(lse_ptr + row, lse)
-    if COMPUTE_ENTROPY:
-        tl.store(entropy_ptr + row, (log2_d - s / d) * LN2)
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tl.store(partial_ptr + split * N + row, m)
+        tl.store(partial_ptr + (splits + split) * N + row, d)
+        tl.store(partial_ptr + (2 * splits + split) * N + row, s)
+    else:
+        _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature,
+                    ignore_index, COMPUTE_ENTROPY)
 
-    label = tl.load(labels_ptr + row)
-    valid = (label >= 0) & (label < V)
-    x_label = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
-    logp = tl.where(valid, x_label * inv_temperature - lse, float("nan"))  # as the K-label gather in ops
-    logp = tl.where(label == ignore_index, 0.0, logp)
-    tl.store(logp_ptr + row, logp)
+
+@triton.jit
+def _logprobs_combine_kernel(
+    # pointers
+    logits_ptr,  # [B, T, V] bf16/fp16/fp32, stride(-1) == 1 (the label's logit)
+    labels_ptr,  # [B * T] int64
+    partial_ptr,  # [3, splits, B * T] fp32 (m, d, s) of each vocab split
+    logp_ptr,  # [B * T] fp32
+    entropy_ptr,  # [B * T] fp32, written only if COMPUTE_ENTROPY
+    lse_ptr,  # [B * T] fp32
+    # shapes
+    N,
+    T,
+    V,
+    splits,
+    # strides
+    stride_b,
+    stride_t,
+    # meta
+    inv_temperature,  # fp32
+    ignore_index,
+    COMPUTE_ENTROPY: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= splits
+):
+    # merge the splits' stats: M = max m_j, d = sum d_j 2^(m_j - M), s = sum 2^(m_j - M) (s_j + (m_j - M) d_j)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_S)
+    ok = j < splits
+    m_j = tl.load(partial_ptr + j * N + row, mask=ok, other=FP32_MIN)
+    d_j = tl.load(partial_ptr + (splits + j) * N + row, mask=ok, other=0.0)
+    s_j = tl.load(partial_ptr + (2 * splits + j) * N + row, mask=ok, other=0.0)
+    m = tl.max(m_j, axis=0)
+    alpha = tl.exp2(m_j - m)
+    d = tl.sum(d_j * alpha, axis=0)
+    s = tl.sum(alpha * (s_j + (m_j - m) * d_j), axis=0)
+    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+    _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature, ignore_index,
+                COMPUTE_ENTROPY)
 
 
 @triton.jit
@@ -137,6 +203,7 @@ def _logprobs_bwd_kernel(
     # shapes
     T,
     V,
+    chunk_v,  # vocab elements per program (grid axis 1: the splits of a row): V, or a multiple of BLOCK_V
     # strides
     stride_b,
     stride_t,
@@ -177,10 +244,12 @@ def _logprobs_bwd_kernel(
     # the label as an int32 column (-1 when it takes no gradient): one 32-bit compare per logit
     label_col = tl.where(takes_grad, label, -1).to(tl.int32)
     cols = tl.arange(0, BLOCK_V)
+    lo = tl.program_id(1) * chunk_v
+    hi = tl.minimum(lo + chunk_v, V)
 
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(lo, hi, BLOCK_V):
         offs = v0 + cols
-        in_row = offs < V
+        in_row = offs < hi
         x = tl.load(row_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
         tt = x * scale - lse2
         if HAS_GRAD_ENTROPY:
@@ -200,6 +269,27 @@ _logprobs_bwd_tuned = triton.autotune(configs=CONFIGS, key=["V", "HAS_GRAD_LOGP"
 
 
 # ---------------------------------------------------------------- launchers
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; elsewhere (the interpreter) 2, so that the CPU tests
+    reach the few-rows split and the persistent grids with a handful of rows."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def vocab_splits(n_rows: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(splits, chunk_v): programs per row along the vocab, and the vocab elements each takes.
+    Below FEW_ROWS_WAVES programs per SM the rows alone cannot fill the GPU, so each row's vocab
+    is cut into up to that many programs' worth of splits, each at least SPLIT_MIN_V wide."""
+    target = FEW_ROWS_WAVES * sm_count(device)
+    block_v = fixed_config(V)["BLOCK_V"]
+    if n_rows >= target or V < 2 * SPLIT_MIN_V:
+        return 1, V
+    splits = min(triton.cdiv(target, n_rows), V // SPLIT_MIN_V, MAX_SPLITS)
+    chunk_v = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    return triton.cdiv(V, chunk_v), chunk_v
 
 
 def fixed_config(V: int) -> dict:
@@ -234,13 +324,34 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
     entropy = torch.empty((B, T), dtype=torch.float32, device=logits.device) if compute_entropy else None
     if B * T == 0:
         return logp, entropy, lse
-    kernel, config = (_logprobs_fwd_tuned, {}) if _tuned(logits) else (_logprobs_fwd_kernel, fixed_config(V))
-    kernel[(B * T,)](
-        logits, labels.contiguous(), logp, entropy if compute_entropy else lse, lse,
-        T, V,
+    splits, chunk_v = vocab_splits(B * T, V, logits.device)
+    labels = labels.contiguous()
+    scale, inv_t = LOG2E / float(temperature), 1.0 / float(temperature)
+    if splits == 1:
+        kernel, config = (_logprobs_fwd_tuned, {}) if _tuned(logits) else (_logprobs_fwd_kernel, fixed_config(V))
+        kernel[(B * T, 1)](
+            logits, labels, logp, entropy if compute_entropy else lse, lse, lse,
+            B * T, T, V, V,
+            logits.stride(0), logits.stride(1),
+            scale, inv_t, int(ignore_index),
+            COMPUTE_ENTROPY=compute_entropy, SPLIT=False, **config,
+        )
+        return logp, entropy, lse
+    # few rows: each row's vocab over `splits` programs, then one program per row merges their stats
+    partial = torch.empty((3, splits, B * T), dtype=torch.float32, device=logits.device)
+    _logprobs_fwd_kernel[(B * T, splits)](
+        logits, labels, logp, lse, lse, partial,
+        B * T, T, V, chunk_v,
         logits.stride(0), logits.stride(1),
-        LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index),
-        COMPUTE_ENTROPY=compute_entropy, **config,
+        scale, inv_t, int(ignore_index),
+        COMPUTE_ENTROPY=compute_entropy, SPLIT=True, **fixed_config(V),
+    )
+    _logprobs_combine_kernel[(B * T,)](
+        logits, labels, partial, logp, entropy if compute_entropy else lse, lse,
+        B * T, T, V, splits,
+        logits.stride(0), logits.stride(1),
+        inv_t, int(ignore_index),
+        COMPUTE_ENTROPY=compute_entropy, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
     )
     return logp, entropy, lse
 
@@ -257,15 +368,17 @@ def logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, *, tempe
     dlogits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
     if B * T == 0:
         return dlogits
-    tuned = _tuned(logits) and not inplace  # the tuner runs a launch once per config: never over its own input
+    splits, chunk_v = vocab_splits(B * T, V, logits.device)
+    # the tuner runs a launch once per config: never over its own input; the few-rows split is not tuned
+    tuned = _tuned(logits) and not inplace and splits == 1
     kernel, config = (_logprobs_bwd_tuned, {}) if tuned else (_logprobs_bwd_kernel, fixed_config(V))
-    kernel[(B * T,)](
+    kernel[(B * T, splits)](
         logits, labels.contiguous(), lse.contiguous(),
         entropy.contiguous() if grad_entropy is not None else lse,
         grad_logp.contiguous() if grad_logp is not None else lse,
         grad_entropy.contiguous() if grad_entropy is not None else lse,
         dlogits,
-        T, V,
+        T, V, chunk_v,
         logits.stride(0), logits.stride(1), dlogits.stride(0), dlogits.stride(1),
         LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index),
         HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None, ONE_HOT=one_hot,

@@ -124,6 +124,13 @@ def _logprobs_calls():
     logp, ent = ops.logprobs(x, torch.randint(0, 300, (2, 5, 3), device=DEVICE), return_entropy=True)
     _grad([logp, ent], x)
     _grad([ops.entropy(x, temperature=0.8)], x)
+    # few rows (fewer than 4 per SM; the interpreter counts 2 SMs): the vocab split over programs and
+    # the combine pass, forward with and without entropy; the split backward
+    x = _leaf(1, 3, 2 * 8192 + 40, dtype=torch.bfloat16)
+    labels = torch.randint(0, x.shape[-1], (1, 3), device=DEVICE)
+    logp, ent = ops.logprobs(x, labels, return_entropy=True)
+    _grad([logp, ent], x)
+    _grad([ops.logprobs(x, labels, temperature=0.9)], x)
 
 
 def _linear_logprobs_calls():
