@@ -22,4 +22,5 @@ DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
 
 # Sizes the trainer uses and the planner predicts with
 CHUNK_BUDGET_BYTES = 64 * 2**20  # the linear ops cut tokens into chunks whose [rows, V] logits fit this
+CHUNK_BUDGET_BYTES_CUDA = 640 * 2**20  # the same on CUDA: 2048-row chunks at V = 151936 in bf16 (fewer, larger GEMMs)
 SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one intra-op thread (devices.cpu_threads_for)

@@ -44,6 +44,26 @@ def _kl_value(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
 
 
 @triton.jit
+def _kl_derivative(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
+    # dk1/dr = 1, dk2/dr = r, dk3/dr = 1 - exp(-r) * [|r| <= 20], dabs/dr = sign(r) (0 at 0);
+    # times [|kl| <= clamp] when clamped: the gradient passes at the bounds
+    if ESTIMATOR == 0:
+        d = tl.full(r.shape, 1.0, tl.float32)
+    elif ESTIMATOR == 1:
+        d = r
+    elif ESTIMATOR == 2:
+        inside = (r >= -R_CLAMP) & (r <= R_CLAMP)
+        rc = tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)
+        d = 1.0 - tl.where(inside, tl.exp(-rc), 0.0)
+    else:
+        d = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))
+    if HAS_CLAMP:
+        kl = _kl_value(r, ESTIMATOR, False, clamp)
+        d = tl.where((kl >= -clamp) & (kl <= clamp), d, 0.0)
+    return d
+
+
+@triton.jit
 def _token_kl_fwd_kernel(
     # pointers
     logp_ptr,  # [N] fp32/bf16/fp16
@@ -80,28 +100,13 @@ def _token_kl_bwd_kernel(
     HAS_CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # dk1/dr = 1, dk2/dr = r, dk3/dr = 1 - exp(-r) * [|r| <= 20], dabs/dr = sign(r) (0 at 0);
-    # times [|kl| <= clamp] when clamped: the gradient passes at the bounds
+    # d(logp) = g * dkl/dr (see _kl_derivative)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < N
     r = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     r -= tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    if ESTIMATOR == 0:
-        d = tl.full(r.shape, 1.0, tl.float32)
-    elif ESTIMATOR == 1:
-        d = r
-    elif ESTIMATOR == 2:
-        inside = (r >= -R_CLAMP) & (r <= R_CLAMP)
-        rc = tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)
-        d = 1.0 - tl.where(inside, tl.exp(-rc), 0.0)
-    else:
-        d = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))
-    if HAS_CLAMP:
-        c = clamp
-        kl = _kl_value(r, ESTIMATOR, False, c)
-        d = tl.where((kl >= -c) & (kl <= c), d, 0.0)
-    tl.store(dlogp_ptr + offs, g * d, mask=valid)
+    tl.store(dlogp_ptr + offs, g * _kl_derivative(r, ESTIMATOR, HAS_CLAMP, clamp), mask=valid)
 
 
 @triton.jit

@@ -5,14 +5,43 @@
     entropy   = -sum_j p_j log p_j = log d - s / d,  d = sum_j exp(z_j - m),  s = sum_j exp(z_j - m) (z_j - m)
     d(logits) = (g_logp (onehot(label) - p) - g_ent p (log p + entropy)) / temperature
 
+Base-2 math: the kernels work on y = logits * scale with scale = log2(e) / temperature folded into
+one fp32 factor, so every exponential is a bare exp2 (one FFMA and one MUFU.EX2 per logit, no
+multiply by log2(e) and no range fix-ups: Triton's exp2 is `ex2.approx.ftz.f32`):
+    m2 = max y,  d = sum 2^(y - m2),  s2 = sum 2^(y - m2) (y - m2)
+    lse = (m2 + log2 d) ln 2,  entropy = (log2 d - s2 / d) ln 2,  logp = logits[label] / temperature - lse
+    p = 2^t with t = y - lse / ln 2,  log p = t ln 2,
+    d(logits) = p (a + b t) [+ g_logp / temperature at the label],
+    a = -(g_logp + g_ent entropy) / temperature,  b = -g_ent ln 2 / temperature
+The running max is taken of the raw logits (scale > 0, so max(x) scale == max(x scale) exactly).
+Where an exp2 may meet a -inf logit next to a finite factor (t in s2 and in b t), t is first
+floored at T_FLOOR, where 2^t is already exactly 0: 0 * T_FLOOR = 0, never 0 * inf = NaN.
+
 Where it is fast: one program per row (B*T rows on grid axis 0, never more than 2^31 - 1),
 the vocabulary streamed in BLOCK_V tiles with an online softmax, so the forward reads each
 logit once and the backward reads each once and writes d(logits) once: memory-bound from
 V of a few thousand up to 256k and beyond (the row loop has no upper limit on V).
-Where it is not: small V (< ~1k) leaves most lanes of a program idle, and very few rows
-(B*T below the number of SMs) cannot fill the GPU; there a plain torch log_softmax is as good.
+Few rows (B*T < FEW_ROWS_WAVES per SM, e.g. a short rollout): one program per row cannot fill
+the GPU, so each row's vocab is split over up to MAX_SPLITS programs on grid axis 1 (at least
+SPLIT_MIN_V logits each); the forward's programs write their (m, d, s) and a combine kernel
+merges them per row (a few bytes per split), the backward's programs each write their part.
+Where it is not: small V (< ~1k) leaves most lanes of a program idle; there a plain torch
+log_softmax is as good.
 Logits may be any [B, T, V] view with stride(-1) == 1 (e.g. `logits[:, :-1]`): the row
 offset is b * stride_b + t * stride_t in int64, nothing is copied.
+
+Tiles and warps. A tile's block-wide max and sum (shuffles, a shared-memory round trip and
+barriers) are paid once per tile, so larger tiles amortise them: 8192 bf16 logits over 8 warps
+are 32 per thread, four 128-bit loads in flight each. On CUDA, for V >= TUNE_MIN_V, the forward
+and the (out-of-place) backward pick tile x warps with `triton.autotune` among CONFIGS, keyed on
+V, the flags (entropy; which gradients) and the dtypes; the first call for a key times the four
+configs on its own arguments (a few hundred ms, once per process). The bet behind the list: 4096
+x 8 is the old fixed choice, 8192 x 8 and 16384 x 16 halve and quarter the per-tile overhead at
+16-32 elements per thread (under ~128 registers, two programs per SM), 8192 x 16 is 8192 with
+more warps to hide latency. The in-place backward (it overwrites its input, so it cannot be run
+once per config) and V < TUNE_MIN_V use the fixed FIXED_BLOCK_V x 8 warps (smaller tiles for
+small V). The interpreter (CPU tests) always takes the fixed config; tests also run every
+config in CONFIGS through it.
 """
 
 from __future__ import annotations
@@ -21,12 +50,56 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_BLOCK_V = 4096  # vocab tile per loop iteration: 8 KiB of bf16, enough to stream at full bandwidth
-# finite start of the running max, so that exp(m - m_new) is never exp(-inf - -inf)
+FIXED_BLOCK_V = 4096  # the untuned tile: 8 KiB of bf16
+TUNE_MIN_V = 16384  # from this V on, CUDA launches are autotuned over CONFIGS
+FEW_ROWS_WAVES = 4  # fewer rows than this many per SM: the vocab of each row is split over several programs
+SPLIT_MIN_V = 8192  # the least vocab one split takes
+MAX_SPLITS = 64
+CONFIGS = [triton.Config({"BLOCK_V": block_v}, num_warps=warps)
+           for block_v, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16))]
+# finite start of the running max, so that exp2(m - m_new) is never exp2(-inf - -inf)
 FP32_MIN = tl.constexpr(-3.4028234663852886e38)
+LOG2E = 1.4426950408889634  # log2(e): y = logits * LOG2E / temperature
+LN2 = tl.constexpr(0.6931471805599453)
+T_FLOOR = tl.constexpr(-1000.0)  # 2^t == 0 in fp32 for t <= -150: flooring t there changes no 2^t
 
 
 # ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _online_tile(x, m, d, s, scale, COMPUTE_ENTROPY: tl.constexpr):
+    # one tile x (fp32 raw logits, -inf on padding lanes) into the running base-2 stats:
+    # m = max y, d = sum 2^(y - m), s = sum 2^(y - m) (y - m), with y = x * scale
+    m_new = tl.maximum(m, tl.max(x, axis=0) * scale)
+    t = x * scale - m_new
+    alpha = tl.exp2(m - m_new)
+    if COMPUTE_ENTROPY:
+        t = tl.maximum(t, T_FLOOR)  # a -inf logit: e = 0 and e * t = 0
+        e = tl.exp2(t)
+        # rebase s from m to m_new: sum e'(y - m_new) = alpha * (s + (m - m_new) d)
+        s = alpha * (s + (m - m_new) * d) + tl.sum(e * t, axis=0)
+    else:
+        e = tl.exp2(t)
+    d = d * alpha + tl.sum(e, axis=0)
+    return m_new, d, s
+
+
+@triton.jit
+def _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature, ignore_index,
+                COMPUTE_ENTROPY: tl.constexpr):
+    # lse, entropy and logp of one row from its base-2 stats (m, d, s)
+    log2_d = tl.log2(d)
+    lse = (m + log2_d) * LN2
+    tl.store(lse_ptr + row, lse)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_ptr + row, (log2_d - s / d) * LN2)
+    label = tl.load(labels_ptr + row)
+    valid = (label >= 0) & (label < V)
+    x_label = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
+    logp = tl.where(valid, x_label * inv_temperature - lse, float("nan"))  # as the K-label gather in ops
+    logp = tl.where(label == ignore_index, 0.0, logp)
+    tl.store(logp_ptr + row, logp)
 
 
 @triton.jit
@@ -37,9 +110,61 @@ def _logprobs_fwd_kernel(
     logp_ptr,  # [B * T] fp32
     entropy_ptr,  # [B * T] fp32, written only if COMPUTE_ENTROPY
     lse_ptr,  # [B * T] fp32, logsumexp(logits / temperature)
+    partial_ptr,  # [3, splits, B * T] fp32 (m, d, s) of each vocab split, written only if SPLIT
     # shapes
+    N,
     T,
     V,
+    chunk_v,  # vocab elements per program (grid axis 1): V, or with SPLIT a multiple of BLOCK_V
+    # strides
+    stride_b,
+    stride_t,
+    # meta
+    scale,  # fp32, log2(e) / temperature
+    inv_temperature,  # fp32
+    ignore_index,
+    COMPUTE_ENTROPY: tl.constexpr,
+    SPLIT: tl.constexpr,  # the row's vocab is split over grid axis 1: write partials for the combine kernel
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+    lo = split * chunk_v
+    hi = tl.minimum(lo + chunk_v, V)
+
+    m = tl.full((), FP32_MIN, tl.float32)
+    d = tl.zeros((), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for v0 in range(lo, hi, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        m, d, s = _online_tile(x, m, d, s, scale, COMPUTE_ENTROPY)
+
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tl.store(partial_ptr + split * N + row, m)
+        tl.store(partial_ptr + (splits + split) * N + row, d)
+        tl.store(partial_ptr + (2 * splits + split) * N + row, s)
+    else:
+        _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature,
+                    ignore_index, COMPUTE_ENTROPY)
+
+
+@triton.jit
+def _logprobs_combine_kernel(
+    # pointers
+    logits_ptr,  # [B, T, V] bf16/fp16/fp32, stride(-1) == 1 (the label's logit)
+    labels_ptr,  # [B * T] int64
+    partial_ptr,  # [3, splits, B * T] fp32 (m, d, s) of each vocab split
+    logp_ptr,  # [B * T] fp32
+    entropy_ptr,  # [B * T] fp32, written only if COMPUTE_ENTROPY
+    lse_ptr,  # [B * T] fp32
+    # shapes
+    N,
+    T,
+    V,
+    splits,
     # strides
     stride_b,
     stride_t,
@@ -47,40 +172,22 @@ def _logprobs_fwd_kernel(
     inv_temperature,  # fp32
     ignore_index,
     COMPUTE_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= splits
 ):
+    # merge the splits' stats: M = max m_j, d = sum d_j 2^(m_j - M), s = sum 2^(m_j - M) (s_j + (m_j - M) d_j)
     row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_S)
+    ok = j < splits
+    m_j = tl.load(partial_ptr + j * N + row, mask=ok, other=FP32_MIN)
+    d_j = tl.load(partial_ptr + (splits + j) * N + row, mask=ok, other=0.0)
+    s_j = tl.load(partial_ptr + (2 * splits + j) * N + row, mask=ok, other=0.0)
+    m = tl.max(m_j, axis=0)
+    alpha = tl.exp2(m_j - m)
+    d = tl.sum(d_j * alpha, axis=0)
+    s = tl.sum(alpha * (s_j + (m_j - m) * d_j), axis=0)
     row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
-    inv_t = tl.cast(inv_temperature, tl.float32)
-
-    # online softmax over the row: running max m, d = sum exp(z - m), s = sum exp(z - m) (z - m)
-    m = tl.full((), FP32_MIN, tl.float32)
-    d = tl.zeros((), tl.float32)
-    s = tl.zeros((), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        z = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(z - m_new)  # 0 on the padding lanes and on -inf logits
-        if COMPUTE_ENTROPY:
-            # rebase s from m to m_new: sum e'(z - m_new) = alpha * (s + (m - m_new) d)
-            s = alpha * (s + (m - m_new) * d) + tl.sum(e * tl.where(e > 0.0, z - m_new, 0.0), axis=0)
-        d = d * alpha + tl.sum(e, axis=0)
-        m = m_new
-
-    log_d = tl.log(d)
-    lse = m + log_d
-    tl.store(lse_ptr + row, lse)
-    if COMPUTE_ENTROPY:
-        tl.store(entropy_ptr + row, log_d - s / d)
-
-    label = tl.load(labels_ptr + row)
-    valid = (label >= 0) & (label < V)
-    z_label = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32) * inv_t
-    logp = tl.where(valid, z_label - lse, float("nan"))
-    logp = tl.where(label == ignore_index, 0.0, logp)
-    tl.store(logp_ptr + row, logp)
+    _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature, ignore_index,
+                COMPUTE_ENTROPY)
 
 
 @triton.jit
@@ -96,12 +203,14 @@ def _logprobs_bwd_kernel(
     # shapes
     T,
     V,
+    chunk_v,  # vocab elements per program (grid axis 1: the splits of a row): V, or a multiple of BLOCK_V
     # strides
     stride_b,
     stride_t,
     dstride_b,
     dstride_t,
     # meta
+    scale,  # fp32, log2(e) / temperature
     inv_temperature,  # fp32
     ignore_index,
     HAS_GRAD_LOGP: tl.constexpr,
@@ -114,9 +223,8 @@ def _logprobs_bwd_kernel(
     t = row % T
     row_ptr = logits_ptr + b * stride_b + t * stride_t
     drow_ptr = dlogits_ptr + b * dstride_b + t * dstride_t
-    inv_t = tl.cast(inv_temperature, tl.float32)
 
-    lse = tl.load(lse_ptr + row)
+    lse2 = tl.load(lse_ptr + row) * (1.0 / LN2)
     label = tl.load(labels_ptr + row)
     # ignored and out-of-range labels have no log-prob, hence no gradient through it
     takes_grad = (label >= 0) & (label < V) & (label != ignore_index)
@@ -125,34 +233,74 @@ def _logprobs_bwd_kernel(
         g_logp = tl.load(grad_logp_ptr + row)
         if ONE_HOT:
             g_logp = tl.where(takes_grad, g_logp, 0.0)
-    g_ent = tl.zeros((), tl.float32)
-    entropy = tl.zeros((), tl.float32)
+    # d(logits) = p (a + b t) [+ g_logp / temperature at the label], p = 2^t, log p = t ln 2
+    a = -g_logp * inv_temperature
+    b_t = tl.zeros((), tl.float32)
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(grad_entropy_ptr + row)
-        entropy = tl.load(entropy_ptr + row)
+        a -= g_ent * tl.load(entropy_ptr + row) * inv_temperature
+        b_t = -g_ent * LN2 * inv_temperature
+    g_label = g_logp * inv_temperature
+    # the label as an int32 column (-1 when it takes no gradient): one 32-bit compare per logit
+    label_col = tl.where(takes_grad, label, -1).to(tl.int32)
+    cols = tl.arange(0, BLOCK_V)
+    lo = tl.program_id(1) * chunk_v
+    hi = tl.minimum(lo + chunk_v, V)
 
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        in_row = offs < V
-        log_p = tl.load(row_ptr + offs, mask=in_row, other=0.0).to(tl.float32) * inv_t - lse
-        p = tl.exp(log_p)
-        # d/dz logp = onehot - p
-        dz = -g_logp * p
-        if ONE_HOT:
-            dz += tl.where(offs == label, g_logp, 0.0)
+    for v0 in range(lo, hi, BLOCK_V):
+        offs = v0 + cols
+        in_row = offs < hi
+        x = tl.load(row_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        tt = x * scale - lse2
         if HAS_GRAD_ENTROPY:
-            # d/dz entropy = -p (log p + entropy); 0 where p == 0 (a -inf logit)
-            dz -= tl.where(p > 0.0, g_ent * p * (log_p + entropy), 0.0)
-        tl.store(drow_ptr + offs, (dz * inv_t).to(dlogits_ptr.dtype.element_ty), mask=in_row)
+            tt = tl.maximum(tt, T_FLOOR)  # a -inf logit: p = 0 and p (a + b t) = 0
+            dz = tl.exp2(tt) * (a + b_t * tt)
+        else:
+            dz = tl.exp2(tt) * a
+        if ONE_HOT:
+            dz += tl.where(cols == label_col - v0, g_label, 0.0)
+        tl.store(drow_ptr + offs, dz.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+
+
+# autotuned launchers of the same kernels (CUDA only; see the module docstring)
+_logprobs_fwd_tuned = triton.autotune(configs=CONFIGS, key=["V", "COMPUTE_ENTROPY"])(_logprobs_fwd_kernel)
+_logprobs_bwd_tuned = triton.autotune(configs=CONFIGS, key=["V", "HAS_GRAD_LOGP", "HAS_GRAD_ENTROPY", "ONE_HOT"])(
+    _logprobs_bwd_kernel)
 
 
 # ---------------------------------------------------------------- launchers
 
 
-def _launch_config(V):
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(V))
-    num_warps = 8 if block_v >= 2048 else 4
-    return block_v, num_warps
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; elsewhere (the interpreter) 2, so that the CPU tests
+    reach the few-rows split and the persistent grids with a handful of rows."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def vocab_splits(n_rows: int, V: int, device: torch.device) -> tuple[int, int]:
+    """(splits, chunk_v): programs per row along the vocab, and the vocab elements each takes.
+    Below FEW_ROWS_WAVES programs per SM the rows alone cannot fill the GPU, so each row's vocab
+    is cut into up to that many programs' worth of splits, each at least SPLIT_MIN_V wide."""
+    target = FEW_ROWS_WAVES * sm_count(device)
+    block_v = fixed_config(V)["BLOCK_V"]
+    if n_rows >= target or V < 2 * SPLIT_MIN_V:
+        return 1, V
+    splits = min(triton.cdiv(target, n_rows), V // SPLIT_MIN_V, MAX_SPLITS)
+    chunk_v = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
+    return triton.cdiv(V, chunk_v), chunk_v
+
+
+def fixed_config(V: int) -> dict:
+    """The untuned launch: BLOCK_V and num_warps for a vocab of V."""
+    block_v = min(FIXED_BLOCK_V, triton.next_power_of_2(V))
+    return {"BLOCK_V": block_v, "num_warps": 8 if block_v >= 2048 else 4}
+
+
+def _tuned(logits: torch.Tensor) -> bool:
+    """Whether a launch on these logits goes through the autotuner (compiled CUDA, large V)."""
+    return logits.is_cuda and logits.shape[-1] >= TUNE_MIN_V
 
 
 def _check_row_layout(logits, labels):
@@ -176,13 +324,34 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
     entropy = torch.empty((B, T), dtype=torch.float32, device=logits.device) if compute_entropy else None
     if B * T == 0:
         return logp, entropy, lse
-    block_v, num_warps = _launch_config(V)
-    _logprobs_fwd_kernel[(B * T,)](
-        logits, labels.contiguous(), logp, entropy if compute_entropy else lse, lse,
-        T, V,
+    splits, chunk_v = vocab_splits(B * T, V, logits.device)
+    labels = labels.contiguous()
+    scale, inv_t = LOG2E / float(temperature), 1.0 / float(temperature)
+    if splits == 1:
+        kernel, config = (_logprobs_fwd_tuned, {}) if _tuned(logits) else (_logprobs_fwd_kernel, fixed_config(V))
+        kernel[(B * T, 1)](
+            logits, labels, logp, entropy if compute_entropy else lse, lse, lse,
+            B * T, T, V, V,
+            logits.stride(0), logits.stride(1),
+            scale, inv_t, int(ignore_index),
+            COMPUTE_ENTROPY=compute_entropy, SPLIT=False, **config,
+        )
+        return logp, entropy, lse
+    # few rows: each row's vocab over `splits` programs, then one program per row merges their stats
+    partial = torch.empty((3, splits, B * T), dtype=torch.float32, device=logits.device)
+    _logprobs_fwd_kernel[(B * T, splits)](
+        logits, labels, logp, lse, lse, partial,
+        B * T, T, V, chunk_v,
         logits.stride(0), logits.stride(1),
-        1.0 / float(temperature), int(ignore_index),
-        COMPUTE_ENTROPY=compute_entropy, BLOCK_V=block_v, num_warps=num_warps,
+        scale, inv_t, int(ignore_index),
+        COMPUTE_ENTROPY=compute_entropy, SPLIT=True, **fixed_config(V),
+    )
+    _logprobs_combine_kernel[(B * T,)](
+        logits, labels, partial, logp, entropy if compute_entropy else lse, lse,
+        B * T, T, V, splits,
+        logits.stride(0), logits.stride(1),
+        inv_t, int(ignore_index),
+        COMPUTE_ENTROPY=compute_entropy, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
     )
     return logp, entropy, lse
 
@@ -199,17 +368,20 @@ def logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, *, tempe
     dlogits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
     if B * T == 0:
         return dlogits
-    block_v, num_warps = _launch_config(V)
-    _logprobs_bwd_kernel[(B * T,)](
+    splits, chunk_v = vocab_splits(B * T, V, logits.device)
+    # the tuner runs a launch once per config: never over its own input; the few-rows split is not tuned
+    tuned = _tuned(logits) and not inplace and splits == 1
+    kernel, config = (_logprobs_bwd_tuned, {}) if tuned else (_logprobs_bwd_kernel, fixed_config(V))
+    kernel[(B * T, splits)](
         logits, labels.contiguous(), lse.contiguous(),
         entropy.contiguous() if grad_entropy is not None else lse,
         grad_logp.contiguous() if grad_logp is not None else lse,
         grad_entropy.contiguous() if grad_entropy is not None else lse,
         dlogits,
-        T, V,
+        T, V, chunk_v,
         logits.stride(0), logits.stride(1), dlogits.stride(0), dlogits.stride(1),
-        1.0 / float(temperature), int(ignore_index),
+        LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index),
         HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None, ONE_HOT=one_hot,
-        BLOCK_V=block_v, num_warps=num_warps,
+        **config,
     )
     return dlogits

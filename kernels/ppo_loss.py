@@ -21,6 +21,26 @@ unclipped term takes the whole gradient, as the clip fractions count only strict
 Where fast: elementwise and memory-bound; one program per (row, block of T), so the grid is
 B * cdiv(T, BLOCK_T) in x only (fine up to 2^31 - 1 programs). Short rows (T << BLOCK_T) leave
 lanes idle: BLOCK_T is the next power of two of T, capped at 1024.
+
+The whole actor loss from logits (`_actor_loss_fwd_kernel`): every term of
+    L = sum_i w_i (is_i pg(logp_i) + kl_coef KL(logp_i) - entropy_coef H_i),  w = row_scale * mask
+is token-local once w is known, so one program per token row does it all in one launch:
+    pass 1  read the row: lse, entropy, logp (the base-2 online softmax of kernels/logprobs.py)
+    then    dL/dlogp and dL/dH of the token (the policy and KL formulas above and in kernels/kl.py)
+    pass 2  read the row again, write d(logits) = p (a + b t) [+ g_logp / temperature at the label]
+instead of a log-prob forward, torch glue, and a log-prob backward that re-reads the logits from
+DRAM. The bet (to be measured, `fastrlhf bench`: ppo_actor_loss fwd+bwd vs logprobs fwd+bwd): pass 2
+walks the row from its end with L2 hints (pass-1 loads evict-last, pass-2 loads and the d(logits)
+stores evict-first), so the tiles read last are re-read from L2 rather than DRAM. The hit rate is
+about L2 / (rows in flight x row bytes): a row is 297 KiB at V = 151936 in bf16, an H100's L2 50 MB.
+One program per row with 3 programs per SM (79 registers x 256 threads) keeps ~400 rows, ~118 MB,
+in flight: ~40% of pass 2 from L2, ~2.6 passes of DRAM traffic instead of 3. A persistent grid (the
+kernel walks rows pid, pid + grid, ...) of 2 or 1 programs per SM keeps 78 or 39 MB in flight
+(~65% or nearly all of pass 2 from L2, the 0.75 target needing ~75%) but fewer bytes in flight to
+hide DRAM latency. On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x
+warps x programs per SM, keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with
+8192 x 8, two per SM with 8192 x 8, one per SM with 16384 x 16 (32 logits per thread each).
+Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on CUDA).
 """
 
 from __future__ import annotations
@@ -29,13 +49,43 @@ import torch
 import triton
 import triton.language as tl
 from fastrlhf.kernels._masks import as_loadable
+from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative
+from fastrlhf.kernels.logprobs import FP32_MIN, LN2, LOG2E, T_FLOOR, TUNE_MIN_V, _online_tile, fixed_config
 
-from fastrlhf.constants import LOG_RATIO_CLAMP
+from fastrlhf.constants import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024
+# the fused actor loss on CUDA: tile x warps x grid, autotuned among these (module docstring)
+ACTOR_CONFIGS = [triton.Config({"BLOCK_V": block_v, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
+                 for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1))]
+IGNORE = tl.constexpr(IGNORE_INDEX)
 POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
+
+
+@triton.jit
+def _policy_token(x, a, lo, hi, dual_clip, DUAL_CLIP: tl.constexpr):
+    # verl's vanilla clipped loss at x = logp - old_logp (module docstring), advantage a:
+    # (loss, dloss/dx, clipped = [l2 > l1], lower = dual-clipped, log_ratio)
+    log_ratio = tl.minimum(tl.maximum(x, -LR_CLAMP), LR_CLAMP)
+    ratio = tl.exp(log_ratio)
+    l1 = -a * ratio
+    l2 = -a * tl.minimum(tl.maximum(ratio, lo), hi)
+    takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
+    loss = tl.where(takes_l2, l2, l1)
+    lower = tl.zeros_like(takes_l2)
+    if DUAL_CLIP:
+        l3 = -a * dual_clip
+        lower = (a < 0) & (loss > l3)  # min(loss, l3) where A < 0; a tie goes to loss
+        loss = tl.where(lower, l3, loss)
+    # dl1/dratio = -A; dl2/dratio = -A * [lo <= ratio <= hi]; dratio/dx = ratio * [|x| <= 20];
+    # the dual-clip term -A c is constant
+    in_clip = (ratio >= lo) & (ratio <= hi)
+    d_ratio = tl.where(takes_l2 & ~in_clip, 0.0, -a)
+    in_lr = (x >= -LR_CLAMP) & (x <= LR_CLAMP)
+    d = tl.where(in_lr & ~lower, d_ratio * ratio, 0.0)
+    return loss, d, takes_l2, lower, log_ratio
 
 
 @triton.jit
@@ -75,21 +125,7 @@ def _policy_loss_fwd_kernel(
     w = tl.load(scale_ptr + row) * m
     if HAS_IS_WEIGHTS:  # the policy term of each token times its importance weight
         w = w * tl.load(is_weights_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    lo = ratio_low
-    hi = ratio_high
-
-    log_ratio = tl.minimum(tl.maximum(x, -LR_CLAMP), LR_CLAMP)
-    ratio = tl.exp(log_ratio)
-    l1 = -a * ratio
-    l2 = -a * tl.minimum(tl.maximum(ratio, lo), hi)
-    takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
-    clipped = tl.where(takes_l2, l2, l1)
-    loss = clipped
-    lower = tl.zeros((BLOCK_T,), tl.int1)
-    if DUAL_CLIP:
-        l3 = -a * dual_clip
-        lower = (a < 0) & (clipped > l3)  # min(clipped, l3) where A < 0; a tie goes to clipped
-        loss = tl.where(lower, l3, clipped)
+    loss, d, takes_l2, lower, log_ratio = _policy_token(x, a, ratio_low, ratio_high, dual_clip, DUAL_CLIP)
 
     tl.store(partial_ptr + pid, tl.sum(tl.where(counts, w * loss, 0.0), axis=0))
     tl.store(partial_ptr + n_programs + pid, tl.sum(tl.where(takes_l2 & counts, m, 0.0), axis=0))
@@ -99,13 +135,7 @@ def _policy_loss_fwd_kernel(
     tl.store(partial_ptr + 5 * n_programs + pid, tl.sum(tl.where(counts, -x * m, 0.0), axis=0))
 
     if NEED_GRAD:
-        # dl1/dratio = -A; dl2/dratio = -A * [lo <= ratio <= hi]; dratio/dx = ratio * [|x| <= 20];
-        # the dual-clip term -A c is constant
-        in_clip = (ratio >= lo) & (ratio <= hi)
-        d_ratio = tl.where(takes_l2 & ~in_clip, 0.0, -a)
-        in_lr = (x >= -LR_CLAMP) & (x <= LR_CLAMP)
-        d = tl.where(in_lr & ~lower & counts, w * d_ratio * ratio, 0.0)
-        tl.store(dlogp_ptr + offs, d, mask=inb)
+        tl.store(dlogp_ptr + offs, tl.where(counts, w * d, 0.0), mask=inb)
 
 
 @triton.jit
@@ -168,6 +198,162 @@ def _value_loss_fwd_kernel(
         else:
             d = err1
         tl.store(dvalues_ptr + offs, tl.where(counts, w * d, 0.0), mask=inb)
+
+
+@triton.jit
+def _actor_loss_fwd_kernel(
+    # pointers
+    logits_ptr,  # [B, T, V] bf16/fp16/fp32, stride(-1) == 1
+    labels_ptr,  # [B * T] int64; IGNORE_INDEX: logp 0, no gradient through it
+    old_ptr,  # [B * T] fp32, read only if NEED_GRAD
+    adv_ptr,  # [B * T] fp32, read only if NEED_GRAD
+    mask_ptr,  # [B * T] fp32, read only if NEED_GRAD: a token with mask 0 gets no gradient
+    weight_ptr,  # [B * T] fp32 w = row_scale * mask, read only if NEED_GRAD
+    ref_ptr,  # [B * T] fp32, read only if NEED_GRAD and HAS_KL
+    is_weights_ptr,  # [B * T] fp32, read only if NEED_GRAD and HAS_IS_WEIGHTS
+    logp_ptr,  # [B * T] fp32 out
+    entropy_ptr,  # [B * T] fp32 out
+    dlogits_ptr,  # [B, T, V] logits dtype out, contiguous, written only if NEED_GRAD
+    # shapes
+    N,
+    T,
+    V,
+    # strides
+    stride_b,
+    stride_t,
+    # meta
+    scale,  # fp32, log2(e) / temperature
+    inv_temperature,  # fp32
+    ratio_low,  # fp32, 1 - clip_low
+    ratio_high,  # fp32, 1 + clip_high
+    dual_clip,  # fp32, used only when DUAL_CLIP
+    kl_coef,  # fp32, used only when HAS_KL
+    kl_clamp,  # fp32, used only when HAS_KL_CLAMP
+    entropy_coef,  # fp32, used only when HAS_ENTROPY
+    DUAL_CLIP: tl.constexpr,
+    HAS_IS_WEIGHTS: tl.constexpr,
+    HAS_KL: tl.constexpr,  # a KL term in the gradient: ref_logp given and kl_coef != 0
+    KL_ESTIMATOR: tl.constexpr,  # kernels.kl.ESTIMATOR_IDS
+    HAS_KL_CLAMP: tl.constexpr,
+    KL_STRAIGHT_THROUGH: tl.constexpr,  # the KL gradient is r = logp - ref_logp (that of r^2 / 2)
+    HAS_ENTROPY: tl.constexpr,  # entropy_coef != 0
+    NEED_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # the grid (read by the launcher): 0 = one program per row, else k per SM
+):
+    # rows pid, pid + grid, ...: one each with a grid of N programs, several with a persistent grid
+    for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
+        _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
+                        logp_ptr, entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature,
+                        ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP, HAS_IS_WEIGHTS,
+                        HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY, NEED_GRAD, BLOCK_V)
+
+
+@triton.jit
+def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, logp_ptr,
+                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, ratio_low,
+                    ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
+                    HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+                    HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                    NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index
+    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+
+    # pass 1: lse, entropy, logp (kernels/logprobs.py, base 2); these loads ask L2 to keep the row
+    m = tl.full((), FP32_MIN, tl.float32)
+    d = tl.zeros((), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"), eviction_policy="evict_last")
+        m, d, s = _online_tile(x.to(tl.float32), m, d, s, scale, True)
+    log2_d = tl.log2(d)
+    lse2 = m + log2_d  # lse / ln 2
+    entropy = (log2_d - s / d) * LN2
+    label = tl.load(labels_ptr + row)
+    valid = (label >= 0) & (label < V)
+    x_label = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
+    logp = tl.where(valid, x_label * inv_temperature - lse2 * LN2, float("nan"))
+    logp = tl.where(label == IGNORE, 0.0, logp)
+    tl.store(logp_ptr + row, logp)
+    tl.store(entropy_ptr + row, entropy)
+
+    if NEED_GRAD:
+        # the token's upstream gradients, dL/dlogp and dL/dH: token-local once w is known
+        # L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i)
+        counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
+        w = tl.load(weight_ptr + row)
+        _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low,
+                                         ratio_high, dual_clip, DUAL_CLIP)
+        pg_w = w
+        if HAS_IS_WEIGHTS:
+            pg_w = w * tl.load(is_weights_ptr + row)
+        g_logp = pg_w * d_pg
+        if HAS_KL:
+            r = logp - tl.load(ref_ptr + row)
+            if KL_STRAIGHT_THROUGH:
+                d_kl = r
+            else:
+                d_kl = _kl_derivative(r, KL_ESTIMATOR, HAS_KL_CLAMP, kl_clamp)
+            g_logp += kl_coef * w * d_kl
+        # ignored and out-of-range labels have no log-prob, hence no gradient through it
+        g_logp = tl.where(counts & valid & (label != IGNORE), g_logp, 0.0)
+        # d(logits) = p (a + b t) [+ g_logp / temperature at the label], p = 2^t, t = y - lse / ln 2
+        a = -g_logp * inv_temperature
+        b = tl.zeros((), tl.float32)
+        if HAS_ENTROPY:
+            g_ent = tl.where(counts, -entropy_coef * w, 0.0)
+            a -= g_ent * entropy * inv_temperature
+            b = -g_ent * LN2 * inv_temperature
+        g_label = g_logp * inv_temperature
+        label_col = tl.where(valid, label, -1).to(tl.int32)
+
+        # pass 2, from the row's end back to its start: the tiles read last in pass 1 are the likeliest
+        # still in L2; d(logits) is written once and streamed out (evict first)
+        cols = tl.arange(0, BLOCK_V)
+        drow_ptr = dlogits_ptr + row * V
+        n_tiles = tl.cdiv(V, BLOCK_V)
+        for i in range(0, n_tiles):
+            v0 = (n_tiles - 1 - i) * BLOCK_V
+            offs = v0 + cols
+            in_row = offs < V
+            x = tl.load(row_ptr + offs, mask=in_row, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            t = x * scale - lse2
+            if HAS_ENTROPY:
+                t = tl.maximum(t, T_FLOOR)  # a -inf logit: p = 0 and p (a + b t) = 0
+                dz = tl.exp2(t) * (a + b * t)
+            else:
+                dz = tl.exp2(t) * a
+            dz += tl.where(cols == label_col - v0, g_label, 0.0)
+            tl.store(drow_ptr + offs, dz.to(dlogits_ptr.dtype.element_ty), mask=in_row, eviction_policy="evict_first")
+
+
+@triton.jit
+def _scale_unless_one_kernel(
+    # pointers
+    x_ptr,  # [N] any float dtype, scaled in place
+    g_ptr,  # [] fp32: the factor
+    # shapes
+    N,
+    # meta
+    BLOCK: tl.constexpr,
+):
+    # x *= g, skipped when g == 1 (x * 1 == x exactly): a grid-stride loop over blocks, so a
+    # skipped call costs one launch of a few programs, not one program per block
+    g = tl.load(g_ptr)
+    if g != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, N, step):  # int64: N may pass 2^31
+            offs = start + tl.arange(0, BLOCK)
+            inb = offs < N
+            x = tl.load(x_ptr + offs, mask=inb, other=0.0)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x_ptr.dtype.element_ty), mask=inb)
+
+
+# the fused actor loss, autotuned on CUDA for V >= TUNE_MIN_V (module docstring); it writes only its outputs,
+# so the tuner may run it once per config
+_actor_loss_tuned = triton.autotune(configs=ACTOR_CONFIGS, key=["V", "NEED_GRAD", "HAS_ENTROPY"])(
+    _actor_loss_fwd_kernel)
 
 
 def _grid(B: int, T: int) -> tuple[int, int]:
@@ -257,3 +443,108 @@ def value_loss_fwd(
         BLOCK_T=block_t,
     )
     return partials.sum(1), d_values
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; elsewhere (the interpreter) 2, so that a persistent
+    grid still walks several rows per program in the CPU tests."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def actor_config(V: int, device: torch.device) -> dict:
+    """The fused actor loss's untuned launch (CPU, and V < TUNE_MIN_V on CUDA): one program per row,
+    the log-prob kernels' fixed tile (up to ACTOR_CONFIGS[0]'s on CUDA)."""
+    config = fixed_config(V)
+    if device.type == "cuda":
+        block_v = min(ACTOR_CONFIGS[0].kwargs["BLOCK_V"], triton.next_power_of_2(V))
+        config = {"BLOCK_V": block_v, "num_warps": 8 if block_v >= 2048 else 4}
+    return config | {"PROGRAMS_PER_SM": 0}
+
+
+def _actor_grid(N: int, programs_per_sm: int, device: torch.device) -> tuple[int]:
+    return (N,) if programs_per_sm == 0 else (min(N, programs_per_sm * sm_count(device)),)
+
+
+def actor_loss_fwd(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weight: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    is_weights: torch.Tensor | None,
+    *,
+    temperature: float,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_clamp: float | None,
+    kl_straight_through: bool,
+    entropy_coef: float,
+    need_grad: bool,
+    inplace: bool = False,
+):
+    """The fused actor loss over logits [B, T, V] (stride(-1) == 1), per-token fp32 [B * T] inputs
+    (weight = row_scale * mask). Returns (logp fp32 [B * T], entropy fp32 [B * T], d(logits)
+    [B, T, V] contiguous in logits.dtype or None): d(logits) is the gradient of
+    L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i), formed in the same launch.
+    inplace=True writes d(logits) over contiguous logits (each row is read in full before any of it
+    is written) and returns them; that launch is never autotuned (the tuner runs it once per config)."""
+    B, T, V = logits.shape
+    N = B * T
+    device = logits.device
+    if logits.stride(-1) != 1 or labels.shape != (N,) or labels.dtype != torch.int64:
+        raise ValueError(f"actor_loss_fwd: logits [B, T, V] with stride(-1) == 1 and labels int64 [B * T], got "
+                         f"{tuple(logits.shape)} strides {logits.stride()}, labels {labels.dtype} "
+                         f"{tuple(labels.shape)}")
+    if inplace and not logits.is_contiguous():
+        raise ValueError("actor_loss_fwd: inplace=True needs contiguous logits")
+    logp = torch.empty(N, dtype=torch.float32, device=device)
+    entropy = torch.empty(N, dtype=torch.float32, device=device)
+    d_logits = None
+    if need_grad:
+        d_logits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=device)
+    if N == 0:
+        return logp, entropy, d_logits
+    has_kl = ref_logp is not None and kl_coef != 0.0
+    if logits.is_cuda and V >= TUNE_MIN_V and not inplace:
+        kernel, config = _actor_loss_tuned, {}
+        grid = lambda meta: _actor_grid(N, meta["PROGRAMS_PER_SM"], device)  # noqa: E731
+    else:
+        config = actor_config(V, device)
+        kernel, grid = _actor_loss_fwd_kernel, _actor_grid(N, config["PROGRAMS_PER_SM"], device)
+    kernel[grid](
+        logits, labels, old_logp, advantages, mask, weight,
+        ref_logp if has_kl else old_logp,  # never read without HAS_KL
+        is_weights if is_weights is not None else old_logp,  # never read without HAS_IS_WEIGHTS
+        logp, entropy,
+        d_logits if need_grad else logits,  # never written without NEED_GRAD
+        N, T, V,
+        logits.stride(0), logits.stride(1),
+        LOG2E / float(temperature), 1.0 / float(temperature), 1.0 - float(clip_low), 1.0 + float(clip_high),
+        float(dual_clip if dual_clip is not None else 0.0), float(kl_coef),
+        float(kl_clamp if kl_clamp is not None else 0.0), float(entropy_coef),
+        DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
+        KL_ESTIMATOR=ESTIMATOR_IDS[kl_estimator], HAS_KL_CLAMP=kl_clamp is not None,
+        KL_STRAIGHT_THROUGH=bool(kl_straight_through), HAS_ENTROPY=entropy_coef != 0.0, NEED_GRAD=need_grad,
+        **config,
+    )
+    return logp, entropy, d_logits
+
+
+def scale_unless_one_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """x *= g in place for a contiguous x and a one-element g, without a host sync; no read or write
+    of x when g == 1 (the common `loss.backward()`). Returns x."""
+    n = x.numel()
+    if n:
+        block = 4096
+        # enough programs to stream x when it is scaled, few enough that a skipped call is one wave
+        programs = 8 * sm_count(x.device)
+        _scale_unless_one_kernel[(max(1, min(triton.cdiv(n, block), programs)),)](
+            x, g.reshape(()).float(), n, BLOCK=block, num_warps=8)
+    return x

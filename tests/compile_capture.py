@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -116,8 +117,8 @@ def describe(spec: dict) -> str:
 def compile_all(jobs: list[tuple[dict, int]], workers: int | None = None) -> list[dict]:
     """Compile each (spec, CUDA compute capability, e.g. 90) job in worker processes.
 
-    Returns one result per job, in order: {"ok", "error"}; `error` is the compiler's message
-    when ok is False.
+    Returns one result per job, in order: {"ok", "error", "ex2"}; `error` is the compiler's message
+    when ok is False, `ex2` the `ex2.approx` instruction variants of its PTX.
     """
     if not jobs:
         return []
@@ -145,7 +146,8 @@ def compile_all(jobs: list[tuple[dict, int]], workers: int | None = None) -> lis
     return [results[i] for i in range(len(jobs))]
 
 
-def _compile_one(spec: dict, capability: int) -> None:
+def _compile_one(spec: dict, capability: int) -> list[str]:
+    """Compiles one launch to cubin; returns the `ex2.approx` variants its PTX uses."""
     fn = getattr(importlib.import_module(spec["module"]), spec["name"])
     if not isinstance(fn, JITFunction):
         raise TypeError(f"{spec['module']}.{spec['name']} is a {type(fn).__name__}, not a JITFunction "
@@ -158,17 +160,18 @@ def _compile_one(spec: dict, capability: int) -> None:
     kernel = triton.compile(src, target=target, options=options.__dict__)
     if not kernel.asm.get("cubin"):
         raise RuntimeError("triton.compile returned no cubin")
+    return sorted(set(re.findall(r"\bex2\.approx[.\w]*", kernel.asm["ptx"])))
 
 
 def _worker(job_file: str, out_file: str) -> None:
     results = []
     for job in json.loads(Path(job_file).read_text()):
         try:
-            _compile_one(job["spec"], job["target"])
-            results.append({"index": job["index"], "ok": True, "error": ""})
+            ex2 = _compile_one(job["spec"], job["target"])
+            results.append({"index": job["index"], "ok": True, "error": "", "ex2": ex2})
         except Exception as e:  # noqa: BLE001 - every compiler error is a result to report
             message = "".join(traceback.format_exception_only(type(e), e))
-            results.append({"index": job["index"], "ok": False, "error": message[-3000:]})
+            results.append({"index": job["index"], "ok": False, "error": message[-3000:], "ex2": []})
     Path(out_file).write_text(json.dumps(results))
 
 

@@ -100,6 +100,30 @@ def test_actor_loss_non_contiguous_logits(backend):
              entropy_coef=0.02, kl_coef=0.05)
 
 
+@pytest.mark.parametrize("config", range(3), ids=lambda i: f"config{i}")
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+def test_actor_loss_cuda_configs(monkeypatch, config, dtype, atol):
+    """The fused kernel with each tile x warps x grid its CUDA autotuner may pick (the interpreter
+    takes one small config otherwise), a persistent grid included (a few programs walking all rows),
+    over a vocab of two full tiles and a partial one, whose second pass walks the tiles from the
+    row's end; -inf logits (p = 0, no NaN from 0 * log 0) and every gradient term."""
+    from fastrlhf.kernels import ppo_loss as pk
+
+    chosen = pk.ACTOR_CONFIGS[config]
+    assert len(pk.ACTOR_CONFIGS) == 3
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    monkeypatch.setattr(pk, "actor_config", lambda V, device: chosen.kwargs | {"num_warps": chosen.num_warps})
+    B, T, V = 4, 3, 2 * chosen.kwargs["BLOCK_V"] + 100
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(B, T, V, dtype)
+    logits[0, 0, 1000:5000] = float("-inf")
+    labels[0, 0] = 7
+    logp64 = ref.logprobs(logits.double(), labels)
+    old_logp, ref_logp = (logp64 + 0.3 * torch.randn(B, T)).float(), (logp64 + 0.5 * torch.randn(B, T)).float()
+    out = _compare(logits, labels, old_logp, ref_logp, advantages, mask, atol, kl_coef=0.1, kl_estimator="k3",
+                   entropy_coef=0.01, temperature=0.9, clip_high=0.28, dual_clip=3.0, is_weights=torch.rand(B, T))
+    assert torch.isfinite(out[2]).all()
+
+
 def test_actor_loss_hand_worked():
     """p = softmax([log 3, 0]) = [0.75, 0.25], label 0, old p = 0.5: ratio 1.5 clipped to 1.2 with A = 1,
     so the policy term is -1.2 and has no gradient; entropy H = -(0.75 ln 0.75 + 0.25 ln 0.25)."""
@@ -120,25 +144,76 @@ def test_actor_loss_hand_worked():
     torch.testing.assert_close(logits.grad.view(-1), expected, atol=1e-6, rtol=0)
 
 
-def test_backward_writes_d_logits_once(monkeypatch):
-    """Policy, KL and entropy gradients reach the logits through ONE log-prob backward."""
+def test_one_kernel_forms_d_logits_in_the_forward(monkeypatch):
+    """Triton path: the forward is one kernel, which reads the logits, forms the policy, KL and entropy
+    gradients of each token and writes d(logits); no log-prob kernel runs, forward or backward. The
+    backward hands that very buffer over (upstream 1: untouched; otherwise scaled in place)."""
     monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
-    from fastrlhf.kernels import logprobs as k
+    from fastrlhf.kernels import logprobs as lk
+    from fastrlhf.kernels import ppo_loss as pk
 
-    calls = []
-    real = k.logprobs_bwd
+    calls, formed = [], []
 
-    def spy(*args, **kw):
-        calls.append((args[4] is not None, args[5] is not None))  # (grad_logp, grad_entropy) present
-        return real(*args, **kw)
+    def spy(name, real):
+        def run(*args, **kw):
+            calls.append(name)
+            out = real(*args, **kw)
+            if name == "actor_loss_fwd":
+                formed.append(out[2].detach().clone())
+                formed.append(out[2].data_ptr())
+            return out
 
-    monkeypatch.setattr(k, "logprobs_bwd", spy)
+        return run
+
+    for module, name in ((pk, "actor_loss_fwd"), (lk, "logprobs_fwd"), (lk, "logprobs_bwd")):
+        monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
     logits, labels, old_logp, ref_logp, advantages, mask = _batch(4, 9, 129, torch.float32)
+    for upstream in (1.0, 2.5):
+        calls.clear(), formed.clear()
+        x = logits.clone().requires_grad_()
+        loss, _ = ops.ppo_actor_loss(x, labels, old_logp, advantages, mask, ref_logp=ref_logp, kl_coef=0.1,
+                                     entropy_coef=0.01)
+        assert calls == ["actor_loss_fwd"]
+        (loss * upstream).backward()
+        assert calls == ["actor_loss_fwd"], "the backward runs no log-prob kernel"
+        assert x.grad.data_ptr() == formed[1], "d(logits) is the buffer the forward wrote, not a copy"
+        torch.testing.assert_close(x.grad, formed[0] * upstream, rtol=0, atol=0)
+
+
+def test_one_backward_only(backend):
+    """d(logits) is formed in the forward and handed over once: a second backward through the same
+    graph raises a clear error instead of returning a gradient scaled twice."""
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(4, 5, 33, torch.float32)
     x = logits.requires_grad_()
-    loss, _ = ops.ppo_actor_loss(x, labels, old_logp, advantages, mask, ref_logp=ref_logp, kl_coef=0.1,
-                                 entropy_coef=0.01)
-    loss.backward()
-    assert calls == [(True, True)]
+    loss, _ = ops.ppo_actor_loss(x, labels, old_logp, advantages, mask, entropy_coef=0.01)
+    (loss * 3.0).backward(retain_graph=True)
+    first = x.grad.clone()
+    with pytest.raises(RuntimeError, match="backward through one loss twice is not supported"):
+        loss.backward()
+    torch.testing.assert_close(x.grad, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [1.0, -0.37])
+def test_scale_unless_one(backend, dtype, g):
+    """The backward's in-place scale (the Triton kernel: a grid-stride loop, several blocks per program
+    here) is the float32 product x * g rounded once to x's dtype, and leaves x bit-for-bit unchanged
+    for g == 1. (bf16: round to nearest even, as torch and the compiled kernel round; the interpreter
+    truncates its float32 -> bf16 casts, so there either of the two neighbours is the one rounding.)"""
+    from fastrlhf.ops.losses import _scale_unless_one_op
+
+    x = torch.randn(3 * 4 * 4096 + 17).to(dtype)
+    x[5] = float("nan")
+    product = x.float() * torch.tensor(g)
+    nearest = product.to(dtype)
+    truncated = (product.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # exact in bf16
+    _scale_unless_one_op(x, torch.tensor(g), backend == "triton")
+    rounded_once = (x == nearest) | (torch.isnan(x) & torch.isnan(nearest))
+    if dtype == torch.bfloat16 and backend == "triton":
+        rounded_once |= x == truncated
+    assert rounded_once.all(), f"{int((~rounded_once).sum())} elements are not x * g rounded once"
+    if g == 1.0:
+        assert torch.equal(x[~torch.isnan(x)], nearest[~torch.isnan(nearest)])
 
 
 def test_all_masked_batch_is_finite(backend):

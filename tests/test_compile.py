@@ -44,6 +44,36 @@ def _kernel_names() -> list[str]:
 KERNELS = _kernel_names()
 
 
+def _autotuned() -> dict[str, list]:
+    """{kernel name: its triton.Config list} for every `triton.autotune` wrapper in fastrlhf.kernels.
+    The interpreter launches the plain kernel with a fixed config; on CUDA the autotuner may pick
+    any of its configs, so each recorded launch of that kernel is also compiled with each config."""
+    from triton.runtime.autotuner import Autotuner
+
+    out = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"fastrlhf.kernels.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, Autotuner):
+                out[f"{module.__name__}.{obj.base_fn.__qualname__}"] = obj.configs
+    return out
+
+
+def _with_config(spec: dict, config) -> dict:
+    """`spec` with the constexprs and launch options of one triton.Config."""
+    names = list(spec["signature"])
+    spec = json.loads(json.dumps(spec))
+    for entry in spec["constexprs"]:
+        name = names[entry[0][0]] if len(entry[0]) == 1 else None
+        if name in config.kwargs:
+            entry[1] = config.kwargs[name]
+    missing = set(config.kwargs) - {names[e[0][0]] for e in spec["constexprs"] if len(e[0]) == 1}
+    assert not missing, f"{spec['name']}: config sets {missing}, which the recorded launch does not pass"
+    spec["options"].update({k: v for k, v in config.all_kwargs().items() if k not in config.kwargs
+                            and k != "ir_override" and v is not None})
+    return spec
+
+
 # ---------------------------------------------------------------- representative calls
 
 
@@ -94,6 +124,13 @@ def _logprobs_calls():
     logp, ent = ops.logprobs(x, torch.randint(0, 300, (2, 5, 3), device=DEVICE), return_entropy=True)
     _grad([logp, ent], x)
     _grad([ops.entropy(x, temperature=0.8)], x)
+    # few rows (fewer than 4 per SM; the interpreter counts 2 SMs): the vocab split over programs and
+    # the combine pass, forward with and without entropy; the split backward
+    x = _leaf(1, 3, 2 * 8192 + 40, dtype=torch.bfloat16)
+    labels = torch.randint(0, x.shape[-1], (1, 3), device=DEVICE)
+    logp, ent = ops.logprobs(x, labels, return_entropy=True)
+    _grad([logp, ent], x)
+    _grad([ops.logprobs(x, labels, temperature=0.9)], x)
 
 
 def _linear_logprobs_calls():
@@ -172,13 +209,30 @@ def _loss_calls():
             _grad([loss], values)
             with torch.no_grad():
                 ops.value_loss(values, old, ret, _mask(B, T), clip=clip)
-    # the fused actor loss from logits: log-probs, entropy, policy loss and KL together
-    V = 50
-    logits = _leaf(B, T, V, dtype=torch.bfloat16)
-    loss, _ = ops.ppo_actor_loss(logits, torch.randint(0, V, (B, T), device=DEVICE),
-                                 torch.randn(B, T, device=DEVICE) - 4, torch.randn(B, T, device=DEVICE), _mask(B, T),
-                                 ref_logp=torch.randn(B, T, device=DEVICE) - 4, kl_coef=0.1, entropy_coef=0.01)
-    _grad([loss], logits)
+    _actor_loss_calls()
+
+
+def _actor_loss_calls():
+    """The fused actor loss from logits (kernels/ppo_loss.py): its gradient flags, forward only, and the
+    in-place scale of its backward (its CUDA configs: the autotune expansion in `launches`)."""
+    B, T = 3, 7
+
+    def call(V, dtype, grad=True, ref=True, **kw):
+        logits = _leaf(B, T, V, dtype=dtype)
+        with torch.set_grad_enabled(grad):
+            loss, _ = ops.ppo_actor_loss(
+                logits, torch.randint(0, V, (B, T), device=DEVICE), torch.randn(B, T, device=DEVICE) - 4,
+                torch.randn(B, T, device=DEVICE), _mask(B, T), ref_logp=torch.randn(B, T, device=DEVICE) - 4 if ref
+                else None, **kw)
+        if grad:
+            _grad([loss], logits)
+
+    call(50, torch.bfloat16, kl_coef=0.1, entropy_coef=0.01)
+    call(50, torch.bfloat16, grad=False, kl_coef=0.1, entropy_coef=0.01)  # NEED_GRAD=False
+    call(300, torch.float32, kl_coef=0.1, kl_estimator="abs", kl_clamp=5.0, dual_clip=3.0, temperature=0.7,
+         is_weights=torch.rand(B, T, device=DEVICE), agg="seq-mean-token-mean")
+    call(300, torch.float16, kl_coef=0.2, kl_estimator="k2", kl_straight_through=True)  # no entropy term
+    call(37, torch.float32, ref=False, entropy_coef=0.01, clip_high=0.28)  # no KL term
 
 
 CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls)
@@ -196,12 +250,20 @@ def launches():
         with record_launches() as recorder:
             for call in CALLS:
                 call()
-    return list(recorder.specs.values())
+    specs = list(recorder.specs.values())
+    # an autotuned kernel's configs differ in tile and warps only: each config is compiled for one
+    # recorded launch per signature (dtypes), not for every combination of mode flags
+    tuned, first = _autotuned(), {}
+    for spec in specs:
+        first.setdefault(json.dumps([spec["module"], spec["name"], spec["signature"]]), spec)
+    variants = [_with_config(spec, config) for spec in first.values()
+                for config in tuned.get(f"{spec['module']}.{spec['name']}", ())]
+    return list({json.dumps(s, sort_keys=True): s for s in specs + variants}.values())
 
 
 @pytest.fixture(scope="module")
 def compiled(launches):
-    """{(kernel, target): [(spec, error or "")]}.
+    """{(kernel, target): [(spec, error or "", the PTX's ex2.approx variants)]}.
 
     sm_90 compiles every distinct launch. sm_80 compiles one launch per (kernel, signature,
     constexprs): what differs by architecture is the code for each dtype and mode, not the
@@ -214,8 +276,25 @@ def compiled(launches):
     by_kernel = {}
     for (spec, target), result in zip(jobs, compile_all(jobs)):
         key = (f"{spec['module']}.{spec['name']}", target)
-        by_kernel.setdefault(key, []).append((spec, result["error"] if not result["ok"] else ""))
+        by_kernel.setdefault(key, []).append((spec, result["error"] if not result["ok"] else "", result["ex2"]))
     return by_kernel
+
+
+def test_every_autotune_config_is_compiled(launches):
+    """Each config of each autotuned kernel is among the launches compiled, not only the fixed config
+    the interpreter takes."""
+    tuned = _autotuned()
+    assert tuned, "no triton.autotune wrapper found in fastrlhf.kernels"
+    for kernel, configs in tuned.items():
+        compiled = []
+        for spec in launches:
+            if f"{spec['module']}.{spec['name']}" == kernel:
+                names = list(spec["signature"])
+                consts = {names[p[0]]: v for p, v in spec["constexprs"] if len(p) == 1}
+                compiled.append((consts, spec["options"].get("num_warps")))
+        for config in configs:
+            assert any(all(consts.get(k) == v for k, v in config.kwargs.items()) and warps == config.num_warps
+                       for consts, warps in compiled), f"{kernel}: {config} is never compiled"
 
 
 def test_every_kernel_is_launched(launches):
@@ -231,6 +310,18 @@ def test_kernel_compiles(compiled, kernel, target):
     variants = compiled.get((kernel, TARGETS[target]), [])
     if not variants:
         pytest.fail(f"{kernel} was never launched, so nothing was compiled (see test_every_kernel_is_launched)")
-    failures = [f"{describe(spec)}\n{error}" for spec, error in variants if error]
+    failures = [f"{describe(spec)}\n{error}" for spec, error, _ in variants if error]
     assert not failures, (f"{kernel}: {len(failures)} of {len(variants)} launch variants fail to compile for "
                           f"{target}:\n\n" + "\n\n".join(failures))
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k.startswith("fastrlhf.kernels.logprobs.")])
+def test_logprobs_exponentials_are_bare_ex2(compiled, kernel):
+    """The log-prob kernels work in base 2 (kernels/logprobs.py): every exponential is a bare
+    `ex2.approx.ftz.f32`, one MUFU.EX2 with no range fix-ups around it. tl.exp would emit
+    `ex2.approx.f32` after a multiply by log2(e), which ptxas wraps in a compare, a scale
+    and a square for inputs below -126."""
+    for target in TARGETS.values():
+        for spec, error, ex2 in compiled[(kernel, target)]:
+            if not error:
+                assert ex2 == ["ex2.approx.ftz.f32"], f"{describe(spec)}: {ex2}"

@@ -269,8 +269,8 @@ def test_inductor_end_to_end():
 
 
 @pytest.mark.parametrize("name", ["logprobs", "logprobs-topk", "entropy", "agg_loss", "token_kl", "policy_loss",
-                                  "value_loss", "ppo_actor_loss", "linear_logprobs", "dpo_loss",
-                                  "linear_sequence_logprobs", "linear_dpo_loss"])
+                                  "value_loss", "linear_logprobs", "dpo_loss", "linear_sequence_logprobs",
+                                  "linear_dpo_loss"])
 def test_gradcheck_float64(monkeypatch, name):
     """(Straight-through KL is left out on purpose: its gradient is by definition not its value's.)"""
     monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
@@ -278,12 +278,16 @@ def test_gradcheck_float64(monkeypatch, name):
     assert torch.autograd.gradcheck(lambda *xs: tuple(o for o in fn(*xs) if o.requires_grad), tuple(leaves))
 
 
-def test_linear_ppo_actor_loss_directional_derivatives_float64(monkeypatch):
-    """gradcheck backprops twice (a reentrancy check) and this loss allows one backward (its gradients
-    are formed in the forward and handed over once): the same check, written out. Central differences
-    of the float64 loss along random directions equal <gradient, direction>."""
+@pytest.mark.parametrize("name", ["ppo_actor_loss", "linear_ppo_actor_loss"])
+def test_actor_losses_directional_derivatives_float64(monkeypatch, name):
+    """gradcheck backprops twice (a reentrancy check) and these losses allow one backward (their
+    gradients are formed in the forward and handed over once): the same check, written out. Central
+    differences of the float64 loss along random directions equal <gradient, direction>."""
     monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
-    fn, leaves = _linear_ppo_actor_loss(torch.float64, kl_straight_through=False)
+    if name == "ppo_actor_loss":
+        fn, leaves = _ppo_actor_loss(torch.float64)
+    else:
+        fn, leaves = _linear_ppo_actor_loss(torch.float64, kl_straight_through=False)
     grads = torch.autograd.grad(fn(*leaves)[0], leaves)
     eps = 1e-6
     with torch.no_grad():
@@ -336,6 +340,7 @@ def _opcheck_samples(dtype, triton):
         "value_loss": (fl.value_loss, (lp, ref_lp, adv, mask, scale, 0.2, True, triton)),
         "ppo_actor_loss": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, ref_lp, w, 0.9, 0.1, "k3", 10.0, True,
                                                0.01, 0.2, 0.2, None, True, triton)),
+        "scale_unless_one_": (fl.scale_unless_one_, (torch.randn(B, T, V, dtype=dtype), torch.tensor(0.7), triton)),
         "linear_logprobs": (fl.linear_logprobs, (hidden, weight, bias, flat(y), 1.0, -100, True, 4, None, False,
                                                  triton)),
         "linear_logprobs-keep_logits": (fl.linear_logprobs, (hidden, weight, bias, flat(y), 1.0, -100, True, B * T,
@@ -368,8 +373,8 @@ def test_opcheck(backend, name):
     """Torch path in float64; the Triton path computes in fp32, so it is checked with fp32 inputs."""
     dtype = torch.float64 if backend == "torch" else torch.float32
     op, args = _opcheck_samples(dtype, backend == "triton")[name]
-    # linear_ppo_actor_loss allows one backward, which opcheck's AOT test takes several times
-    skip = ("test_aot_dispatch_dynamic",) if name == "linear_ppo_actor_loss" else ()
+    # the actor losses allow one backward, which opcheck's AOT test takes several times
+    skip = ("test_aot_dispatch_dynamic",) if name in ("ppo_actor_loss", "linear_ppo_actor_loss") else ()
     utils = tuple(u for u in ("test_schema", "test_autograd_registration", "test_faketensor",
                               "test_aot_dispatch_dynamic") if u not in skip)
     opcheck(op, args, test_utils=utils)

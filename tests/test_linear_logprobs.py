@@ -91,13 +91,20 @@ def test_logits_are_never_materialised(backend, monkeypatch):
     assert max(rows) == 7 and sum(rows) == 2 * 40  # forward and the backward's recompute
 
 
-def test_auto_chunk_size_follows_the_budget():
-    V, esize = 151936, 2
-    chunk = linear.auto_chunk_size(16384, V, esize)
-    assert chunk * V * esize <= linear.CHUNK_BUDGET_BYTES and chunk % linear.CHUNK_MULTIPLE == 0
-    assert (chunk + linear.CHUNK_MULTIPLE) * V * esize > linear.CHUNK_BUDGET_BYTES
-    assert linear.auto_chunk_size(5, 1000, 4) == 5  # never more rows than N
-    assert linear.auto_chunk_size(10, 2**40, 4) == 1  # at least one row
+@pytest.mark.parametrize("cuda", [False, True])
+def test_auto_chunk_size_follows_the_budget(cuda):
+    """As few chunks as the budget allows, of balanced sizes: 8 chunks of 2048 rows at the linear
+    target shape on CUDA."""
+    V, esize, N = 151936, 2, 16384
+    budget = linear.CHUNK_BUDGET_BYTES_CUDA if cuda else linear.CHUNK_BUDGET_BYTES
+    chunk = linear.auto_chunk_size(N, V, esize, cuda)
+    assert chunk * V * esize <= budget and chunk % linear.CHUNK_MULTIPLE == 0
+    most = budget // (V * esize) // linear.CHUNK_MULTIPLE * linear.CHUNK_MULTIPLE  # the largest chunk that fits
+    assert -(-N // chunk) == -(-N // most), "no more chunks than the largest fitting chunk needs"
+    if cuda:
+        assert chunk == 2048
+    assert linear.auto_chunk_size(5, 1000, 4, cuda) == 5  # never more rows than N
+    assert linear.auto_chunk_size(10, 2**40, 4, cuda) == 1  # at least one row
 
 
 def test_frozen_weight_and_hidden_only(backend):

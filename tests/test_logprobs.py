@@ -5,6 +5,7 @@ import importlib
 
 import pytest
 import torch
+from fastrlhf.kernels import logprobs as kernels
 from helpers import assert_close_to_ref, poison_outputs
 
 from fastrlhf import ops
@@ -266,3 +267,65 @@ def test_torch_path_blocks_of_rows(monkeypatch, dtype, atol):
     logp, ent = ops.logprobs(view, topk, return_entropy=True, inplace_backward=True)
     (dx,) = torch.autograd.grad((logp, ent), view, (g_logp, g_ent))
     torch.testing.assert_close(dx, out[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_V']}x{c.num_warps}")
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+def test_every_autotune_config_matches_reference(monkeypatch, config, dtype, atol):
+    """Each tile x warps config the CUDA autotuner may pick, run through the Triton kernels (the
+    interpreter takes the fixed config otherwise): a vocab of two full 16384 tiles and a partial
+    one, the label in the last column, -inf logits, temperature != 1."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    monkeypatch.setattr(kernels, "fixed_config",
+                        lambda V: {"BLOCK_V": config.kwargs["BLOCK_V"], "num_warps": config.num_warps})
+    V = 2 * 16384 + 1000
+    logits = (torch.randn(3, 3, V) * 3).to(dtype)  # 9 rows: one program per row (no vocab split)
+    assert kernels.vocab_splits(9, V, logits.device)[0] == 1
+    logits[0, 1, 5000:9000] = float("-inf")
+    labels = torch.randint(0, V, (3, 3))
+    labels[0, 0] = V - 1
+    labels[0, 1] = 42  # a finite logit: the row's -inf ones get p = 0 and gradient 0
+    _check_against_reference(ops.logprobs, logits, labels, atol, temperature=0.8)
+
+
+def test_vocab_splits():
+    """Few rows: each row's vocab over several programs, tile-aligned, every column covered once."""
+    for n, V in [(1, 151936), (7, 151936), (100, 50257), (3, 16385), (2, 8191 * 2 + 3)]:
+        splits, chunk = kernels.vocab_splits(n, V, torch.device("cpu"))
+        assert splits * chunk >= V and (splits - 1) * chunk < V, (n, V)
+        if splits > 1:
+            assert chunk % kernels.fixed_config(V)["BLOCK_V"] == 0 and chunk >= kernels.SPLIT_MIN_V // 2
+        else:
+            assert chunk == V
+    assert kernels.vocab_splits(8, 151936, torch.device("cpu")) == (1, 151936)  # 4 rows per SM x 2 "SMs"
+    assert kernels.vocab_splits(1, 151936, torch.device("cpu"))[0] == 8
+    assert kernels.vocab_splits(1, 10000, torch.device("cpu")) == (1, 10000)  # too narrow to split
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+def test_few_rows_split_vocab(monkeypatch, dtype, atol):
+    """Fewer rows than the GPU has programs to fill (here the interpreter's 2 "SMs" x 4): each row's
+    vocab is split over 3 programs whose (max, sum, entropy sum) a combine pass merges; the backward
+    splits the same way. A split that is all -inf, labels in the first and last split, the in-place
+    backward, a non-contiguous view, K labels."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    V = 3 * 8192 + 77
+    assert kernels.vocab_splits(2, V, torch.device("cpu")) == (3, 12288)
+    full = (torch.randn(1, 3, V) * 3).to(dtype)
+    full[0, 0, 12288:24576] = float("-inf")  # the whole second split of row 0
+    view = full[:, :2]  # rows of a longer sequence: not contiguous
+    labels = torch.tensor([[3, V - 1]])
+    logp, ent, dx = _check_against_reference(ops.logprobs, view, labels, atol, temperature=0.7)
+    x = view.clone().requires_grad_()
+    lp = ops.logprobs(x * 1.0, labels, temperature=0.7, inplace_backward=True)
+    g = torch.randn(1, 2)
+    (d_inplace,) = torch.autograd.grad(lp, x, g)
+    expected = _fwd_bwd(ops.logprobs, view, labels, g, torch.zeros(1, 2), temperature=0.7)[2]
+    torch.testing.assert_close(d_inplace, expected, rtol=0, atol=0)
+    topk, g_logp, g_ent = torch.randint(0, 12288, (1, 2, 3)), torch.randn(1, 2, 3), torch.randn(1, 2)  # finite
+    out = _fwd_bwd(ops.logprobs, view, topk, g_logp, g_ent)
+    r64 = _fwd_bwd(ref.logprobs, view.double(), topk, g_logp, g_ent)
+    same = _fwd_bwd(ref.logprobs, view, topk, g_logp, g_ent)
+    for name, o, r, sd in zip(("logp", "entropy", "d_logits"), out, r64, same):
+        assert_close_to_ref(o, r, sd, atol=atol, name=f"K labels {name}")
+

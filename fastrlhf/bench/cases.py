@@ -11,7 +11,7 @@ per op); fwd+bwd counts both passes. A provider that materialises intermediates 
 bytes than it is credited with, so GB/s compares providers at equal work.
 
 Case sets (`cases(name)`):
-    targets  the issue-13 target shapes only: what `bench/gpu_run.sh` times on a GPU
+    targets  the issue-13 target shapes (and the few-rows log-prob case): what `bench/gpu_run.sh` times
     full     the targets plus more vocab sizes, fp32 and a smaller grid (the default on CUDA)
     quick    small shapes: every op on a 2-core CPU in about a minute
     tiny     smaller still: every op, provider and pass in seconds (CI, `gpu_run.sh --dry-run`)
@@ -31,6 +31,7 @@ ALL3, FWD_FULL = PASSES, ("fwd", "fwd+bwd")
 # the shapes of the speed targets (issue 13)
 LOGITS_TARGET = {"B": 16, "T": 1024, "V": 151936}  # 16384 tokens x Qwen2's vocab
 LOGITS_TARGET_50K = {"B": 16, "T": 1024, "V": 50257}  # GPT-2's vocab: rows not a multiple of 16 elements
+LOGITS_FEW_ROWS = {"B": 1, "T": 128, "V": 151936}  # under one wave of the GPU: the vocab split over programs
 LINEAR_TARGET = {"N": 16384, "H": 4096, "V": 151936}
 GRID_TARGET = {"B": 1024, "T": 4096}
 
@@ -62,7 +63,7 @@ def _grid_cases(bt: dict[str, int]) -> list[Case]:
 
 def _small_cases(vocab, linear, grid) -> list[Case]:
     out = [Case("logprobs", d, t, ALL3) for d, t in vocab]
-    out += [Case("ppo_actor_loss", d, t, ALL3) for d, t in vocab]
+    out += [Case("ppo_actor_loss", d, t, FWD_FULL) for d, t in vocab]
     out += [Case("linear_logprobs", d, t, ALL3) for d, t in linear]
     out += [Case("linear_ppo_actor_loss", d, t, FWD_FULL) for d, t in linear]
     return out + _grid_cases(grid)
@@ -71,7 +72,8 @@ def _small_cases(vocab, linear, grid) -> list[Case]:
 def _target_cases() -> list[Case]:
     bf16 = torch.bfloat16
     return [Case("logprobs", LOGITS_TARGET, bf16, ALL3), Case("logprobs", LOGITS_TARGET_50K, bf16, ALL3),
-            Case("ppo_actor_loss", LOGITS_TARGET, bf16, ALL3),
+            Case("logprobs", LOGITS_FEW_ROWS, bf16, ALL3),
+            Case("ppo_actor_loss", LOGITS_TARGET, bf16, FWD_FULL),
             Case("linear_logprobs", LINEAR_TARGET, bf16, ALL3),
             Case("linear_ppo_actor_loss", LINEAR_TARGET, bf16, FWD_FULL), *_grid_cases(GRID_TARGET)]
 
@@ -82,8 +84,7 @@ def _full_cases() -> list[Case]:
     out += [Case("logprobs", {"B": b, "T": 1024, "V": v}, bf16, ALL3)
             for b, v in [(4, 32000), (16, 128256), (32, 151936)]]
     out += [Case("logprobs", {"B": b, "T": 1024, "V": v}, f32, ALL3) for b, v in [(4, 32000), (16, 151936)]]
-    out += [Case("logprobs", {"B": 1, "T": 128, "V": 151936}, bf16, ALL3)]  # few rows: under one wave of the GPU
-    out += [Case("ppo_actor_loss", {"B": 4, "T": 1024, "V": 32000}, t, ALL3) for t in (bf16, f32)]
+    out += [Case("ppo_actor_loss", {"B": 4, "T": 1024, "V": 32000}, t, FWD_FULL) for t in (bf16, f32)]
     out += [Case("ppo_actor_loss", LOGITS_TARGET_50K, bf16, ("fwd+bwd",))]
     out += [Case("linear_logprobs", {"N": 4096, "H": 4096, "V": 32000}, bf16, ALL3)]
     return out + _grid_cases({"B": 256, "T": 1024})
@@ -241,7 +242,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
        "fwd: logits [B,T,V], labels int64 in, logp fp32 out; bwd: logits, labels, d(logp) in, d(logits) out"),
     Op("ppo_actor_loss", _actor_inputs, _actor_bytes,
        "fwd: logits [B,T,V], labels int64, old_logp, advantages, ref_logp fp32, mask bool in (scalar out); "
-       "bwd: the same in, d(logits) out. kl_coef=0.05, entropy_coef=0.01"),
+       "bwd: the same in, d(logits) out. kl_coef=0.05, entropy_coef=0.01. No bwd alone: the loss allows one "
+       "backward (d(logits) is formed in the forward)"),
     Op("linear_logprobs", _linear_inputs, _linear_bytes,
        "fwd: hidden [N,H], weight [V,H], labels int64 in, logp fp32 out; "
        "bwd: hidden, weight, labels, d(logp) in, d(hidden), d(weight) out", flops=_linear_flops),

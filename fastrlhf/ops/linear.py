@@ -3,7 +3,8 @@
 
     logits = hidden @ weight.T (+ bias),  logp = log softmax(logits / temperature)[label]
 
-The tokens are cut into chunks of `chunk_size` rows. Per chunk the logits are a torch matmul
+The tokens are cut into chunks of `chunk_size` rows (by default as few chunks of balanced size as
+fit 640 MiB of logits on CUDA, 64 MiB on CPU). Per chunk the logits are a torch matmul
 (cuBLAS on GPU); log-prob, entropy and log-sum-exp come from `ops.logprobs.logprobs_fwd` (the
 fused kernel, or the torch path); d(logits) overwrites the chunk's logits, and
     d(hidden)[chunk] = d(logits) @ weight,  d(weight) += d(logits)^T @ hidden[chunk],
@@ -20,9 +21,9 @@ weights w = row_scale * mask are known, and they are known before the forward:
     loss = sum_i w_i (pg(logp_i) + kl_coef KL(logp_i) - entropy_coef H_i).
 So, as Liger's fused linear cross-entropy, its forward forms the gradients too, per chunk:
     1. logits = h @ W^T (+ b)                                         matmul 1
-    2. logp, entropy, lse                                             kernel or torch
-    3. dL/dlogp, dL/dH of the chunk's tokens                          ops.losses.actor_token_terms
-    4. d(logits) in place of the logits                               kernel or torch
+    2. logp, entropy, lse                                             steps 2-4: one kernel on the
+    3. dL/dlogp, dL/dH of the chunk's tokens                          Triton path (kernels/ppo_loss.py);
+    4. d(logits) in place of the logits                               torch: ops.logprobs, actor_token_terms
     5. d(hidden)[chunk] = d(logits) @ W,  d(W) += d(logits)^T @ h     matmuls 2 and 3
 and its backward only scales d(hidden), d(weight), d(bias) by the upstream scalar: 3 matmuls
 per chunk instead of 4. The price: those gradients live from the forward to the backward.
@@ -41,7 +42,7 @@ import functools
 import torch
 from torch import Tensor
 
-from fastrlhf.constants import CHUNK_BUDGET_BYTES, IGNORE_INDEX, KL_ESTIMATORS
+from fastrlhf.constants import CHUNK_BUDGET_BYTES, CHUNK_BUDGET_BYTES_CUDA, IGNORE_INDEX, KL_ESTIMATORS
 from fastrlhf.ops._common import as_rows, check_device, check_float, check_int, check_number, out_dtype, use_triton
 from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
@@ -55,17 +56,27 @@ from fastrlhf.ops.losses import (
     token_weights,
 )
 
-# Logits one chunk may hold (input dtype): CHUNK_BUDGET_BYTES (64 MiB) gives >= 100-row matmuls at V = 151936
-# in bf16 on GPU; the torch path's float32 temporaries are per block of rows inside ops.logprobs, not per chunk.
+# Logits one chunk may hold (input dtype). On CUDA, CHUNK_BUDGET_BYTES_CUDA (640 MiB): 2048-row chunks at
+# V = 151936 in bf16, so 8 chunks at N = 16384. Every chunk re-reads W in two matmuls and adds its d(W) product
+# into the accumulator (a read and a write of V x H in the GEMM's epilogue: 2.5 GB in bf16, ~0.75 ms on an
+# H100, next to ~3.3 ms for that chunk's d(W) GEMM), so fewer, larger chunks cost less; 640 MiB keeps the
+# extra peak memory (the chunk's logits, which become d(logits) in place) well under 1 GiB. On CPU,
+# CHUNK_BUDGET_BYTES (64 MiB): the torch path's float32 temporaries are per block of rows inside ops.logprobs.
 CHUNK_MULTIPLE = 16  # chunk rows are a multiple of this (tensor-core friendly), unless N is smaller
 
 
-def auto_chunk_size(n_rows: int, vocab: int, element_size: int) -> int:
-    """Rows per chunk such that the chunk's logits fit CHUNK_BUDGET_BYTES."""
-    rows = max(CHUNK_BUDGET_BYTES // (vocab * element_size), 1)
-    if rows >= CHUNK_MULTIPLE:
-        rows -= rows % CHUNK_MULTIPLE
-    return int(min(rows, max(n_rows, 1)))
+def auto_chunk_size(n_rows: int, vocab: int, element_size: int, cuda: bool = False) -> int:
+    """Rows per chunk: as few chunks as the budget (CHUNK_BUDGET_BYTES_CUDA on CUDA, else
+    CHUNK_BUDGET_BYTES) allows for the chunk's logits, of balanced sizes (multiples of CHUNK_MULTIPLE)."""
+    budget = CHUNK_BUDGET_BYTES_CUDA if cuda else CHUNK_BUDGET_BYTES
+    n_rows = max(n_rows, 1)
+    rows = max(budget // (vocab * element_size), 1)
+    if rows < CHUNK_MULTIPLE:
+        return int(min(rows, n_rows))
+    rows -= rows % CHUNK_MULTIPLE
+    n_chunks = -(-n_rows // rows)
+    balanced = -(-n_rows // n_chunks)  # <= rows; rounding it up to the multiple stays <= rows
+    return int(min(-(-balanced // CHUNK_MULTIPLE) * CHUNK_MULTIPLE, rows, n_rows))
 
 
 def weight_accum_dtype(weight: Tensor, accum_dtype) -> torch.dtype:
@@ -266,17 +277,39 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
     d_hidden = torch.empty_like(hidden) if need_hidden else None
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
     d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
-    rows = torch.empty(len(TOKEN_TERMS), N, dtype=dtype, device=hidden.device)
-    for start in range(0, N, chunk_size):
-        s = slice(start, min(start + chunk_size, N))
-        h, y = hidden[s], labels[s]
-        logits = chunk_logits(h, weight, bias)  # matmul 1
-        logp, entropy, lse = _chunk_fwd(logits, y, temperature, IGNORE_INDEX, True, use_triton)
-        rows[:, s], g_logp, g_ent = actor_token_terms(logp, entropy, terms.at(s), need_grad)
-        if need_grad:
-            d_logits = _chunk_bwd(logits, y, lse, entropy, g_logp, g_ent, temperature, IGNORE_INDEX, use_triton)
-            _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
-        del logits
+    if use_triton:  # per chunk, one fused kernel forms d(logits) over the logits (kernels/ppo_loss.py)
+        from fastrlhf.kernels import ppo_loss as kernels
+
+        f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+        per_token = tuple(f32(t) for t in (old_logp, advantages, mask, token_weight, ref_logp, is_weights))
+        cut = lambda t, s: None if t is None else t[s]  # noqa: E731
+        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        for start in range(0, N, chunk_size):
+            s = slice(start, min(start + chunk_size, N))
+            h = hidden[s]
+            logits = chunk_logits(h, weight, bias)  # matmul 1
+            logp[s], entropy[s], _ = kernels.actor_loss_fwd(
+                logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), temperature=temperature,
+                clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+                kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
+                entropy_coef=entropy_coef, need_grad=need_grad, inplace=True)
+            if need_grad:  # the logits now hold d(logits)
+                _add_chunk_gradients(logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
+            del logits
+        rows, _, _ = actor_token_terms(logp.to(dtype), entropy.to(dtype), terms, need_grad=False)
+    else:
+        rows = torch.empty(len(TOKEN_TERMS), N, dtype=dtype, device=hidden.device)
+        for start in range(0, N, chunk_size):
+            s = slice(start, min(start + chunk_size, N))
+            h, y = hidden[s], labels[s]
+            logits = chunk_logits(h, weight, bias)  # matmul 1
+            logp, entropy, lse = _chunk_fwd(logits, y, temperature, IGNORE_INDEX, True, use_triton)
+            rows[:, s], g_logp, g_ent = actor_token_terms(logp, entropy, terms.at(s), need_grad)
+            if need_grad:
+                d_logits = _chunk_bwd(logits, y, lse, entropy, g_logp, g_ent, temperature, IGNORE_INDEX, use_triton)
+                _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
+            del logits
     loss, stats = actor_loss_and_stats(rows, mask.sum(), kl_coef, entropy_coef)
     return (loss, stats, _or_empty(d_hidden, hidden),
             _or_empty(None if d_weight is None else d_weight.to(weight.dtype), weight),
@@ -374,7 +407,8 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
             outside [0, V) gives NaN.
         bias: [V] or None.
         temperature, return_entropy, ignore_index: as `logprobs`.
-        chunk_size: rows of logits that exist at a time (None: from a 64 MiB budget). When one
+        chunk_size: rows of logits that exist at a time (None: from a 640 MiB budget on CUDA, 64 MiB on
+            CPU, in balanced chunks). When one
             chunk holds all rows, the forward keeps its logits for the backward (3 matmuls, not 4).
         accum_dtype: what d(weight) accumulates in over the chunks: None = fp32 (V x H x 4 bytes),
             or e.g. the weight's own dtype (no extra buffer, one rounding per chunk).
@@ -386,7 +420,7 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     temperature = _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
     h, y = _flat_rows(hidden, labels)
     if chunk_size is None:
-        chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size())
+        chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size(), hidden.is_cuda)
     keep_logits = chunk_size >= h.shape[0] and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden, weight, bias))
     logp, entropy, *_ = _linear_logprobs_op(h, weight, bias, y, temperature, int(ignore_index), bool(return_entropy),
@@ -432,7 +466,7 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
     rows = as_rows(mask.detach())
     flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
     if chunk_size is None:
-        chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size())
+        chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size(), hidden.is_cuda)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
     loss, stats, *_ = _linear_actor_loss_op(

@@ -17,7 +17,10 @@ unclipped term takes it), never left to a torch version's autograd.
 
 Custom ops: fastrlhf::agg_loss, fastrlhf::policy_loss, fastrlhf::value_loss (each -> (sums,
 d(loss)/d(input)), the gradient formed in the same pass), fastrlhf::ppo_actor_loss (-> loss,
-stats, and what its backward needs: one log-prob backward writes d(logits) once).
+stats and d(loss)/d(logits), formed in the forward: on the Triton path one kernel reads the logits,
+forms each token's gradients and reads them again to write d(logits); kernels/ppo_loss.py),
+fastrlhf::scale_unless_one_ (its backward: d(logits) times the upstream scalar, in place, skipped
+on the device when that scalar is 1).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from fastrlhf.ops._common import (
     use_triton,
 )
 from fastrlhf.ops.kl import kl_grad, kl_value
-from fastrlhf.ops.logprobs import as_3d, logprobs_backward_op, logprobs_fwd
+from fastrlhf.ops.logprobs import as_3d, logprobs_bwd, logprobs_fwd
 
 POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
@@ -477,53 +480,89 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
 # ---------------------------------------------------------------- fastrlhf::ppo_actor_loss
 
 
+@torch.library.custom_op("fastrlhf::scale_unless_one_", mutates_args=("x",))
+def _scale_unless_one_op(x: Tensor, g: Tensor, use_triton: bool) -> None:
+    """x *= g (g one element), in place and without a host sync; the Triton kernel neither reads nor
+    writes x when g == 1 (x * 1 == x exactly)."""
+    if not use_triton or not x.is_contiguous():  # (inside the op the value may be read: no graph to break)
+        factor = float(g)
+        if factor != 1.0:
+            x.mul_(factor)  # a Python float: the product in float32 (float64), rounded once to x's dtype
+        return
+    from fastrlhf.kernels import ppo_loss as kernels
+
+    kernels.scale_unless_one_(x, g)
+
+
+@_scale_unless_one_op.register_fake
+def _(x, g, use_triton):
+    return None
+
+
 @torch.library.custom_op("fastrlhf::ppo_actor_loss", mutates_args=())
 def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                        token_weight: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None, temperature: float,
                        kl_coef: float, kl_estimator: str, kl_clamp: float | None, kl_straight_through: bool,
                        entropy_coef: float, clip_low: float, clip_high: float, dual_clip: float | None,
-                       need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """logits [B, T, V], per-token [B, T] -> (loss, ACTOR_STATS [6], and for the backward, flat [B * T]:
-    lse, entropy, dL/dlogp, dL/dH ([0] without need_grad or entropy term))."""
-    logp, entropy, lse = logprobs_fwd(logits, labels.long(), temperature=temperature, ignore_index=IGNORE_INDEX,
-                                      return_entropy=True, use_triton=use_triton)
-    flat = lambda t: None if t is None else t.reshape(-1).to(logp.dtype)  # noqa: E731
+                       need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [B, T, V], per-token [B, T] -> (loss, ACTOR_STATS [6], d(loss)/d(logits) [B, T, V]
+    contiguous, formed in the forward; [0] without need_grad)."""
+    dtype = out_dtype(logits)
+    flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
     terms = ActorTerms(flat(old_logp), flat(advantages), flat(mask), flat(token_weight), flat(ref_logp),
                        flat(is_weights), kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
                        clip_high, dual_clip)
-    rows, g_logp, g_ent = actor_token_terms(logp, entropy, terms, need_grad)
+    if use_triton:  # one kernel: both passes over the logits, the per-token gradients formed in between
+        from fastrlhf.kernels import ppo_loss as kernels
+
+        f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+        logp, entropy, d_logits = kernels.actor_loss_fwd(
+            logits, labels.reshape(-1).long().contiguous(), f32(terms.old_logp), f32(terms.advantages),
+            f32(terms.mask), f32(terms.weight), f32(terms.ref_logp), f32(terms.is_weights), temperature=temperature,
+            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator,
+            kl_clamp=kl_clamp, kl_straight_through=kl_straight_through, entropy_coef=entropy_coef,
+            need_grad=need_grad)
+        rows, _, _ = actor_token_terms(logp.to(dtype), entropy.to(dtype), terms, need_grad=False)
+    else:  # the torch path: the log-prob forward, the per-token gradients, the log-prob backward
+        logp, entropy, lse = logprobs_fwd(logits, labels.long(), temperature=temperature, ignore_index=IGNORE_INDEX,
+                                          return_entropy=True, use_triton=False)
+        rows, g_logp, g_ent = actor_token_terms(logp, entropy, terms, need_grad)
+        d_logits = None
+        if need_grad:
+            d_logits = logprobs_bwd(logits, labels.long(), lse, entropy, g_logp, g_ent, temperature=temperature,
+                                    ignore_index=IGNORE_INDEX, inplace=False, use_triton=False)
     loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), kl_coef, entropy_coef)
-    or_empty = lambda t: logp.new_empty(0) if t is None else t  # noqa: E731
-    return loss, stats, lse, entropy, or_empty(g_logp), or_empty(g_ent)
+    return loss, stats, logits.new_empty(0) if d_logits is None else d_logits
 
 
 @_ppo_actor_loss_op.register_fake
 def _(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature, kl_coef,
       kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip, need_grad,
       use_triton):
-    dtype, n = out_dtype(logits), labels.numel()
-    new = lambda *shape: logits.new_empty(shape, dtype=dtype)  # noqa: E731
-    return (new(), new(len(ACTOR_STATS)), new(n), new(n), new(n if need_grad else 0),
-            new(n if need_grad and entropy_coef != 0.0 else 0))
+    dtype = out_dtype(logits)
+    return (logits.new_empty((), dtype=dtype), logits.new_empty(len(ACTOR_STATS), dtype=dtype),
+            logits.new_empty(logits.shape if need_grad else (0,)))
 
 
 def _setup_actor(ctx, inputs, output):
-    logits, labels = inputs[:2]
-    _, stats, lse, entropy, g_logp, g_ent = output
-    ctx.mark_non_differentiable(stats, lse, entropy, g_logp, g_ent)
+    _, stats, d_logits = output
+    ctx.mark_non_differentiable(stats, d_logits)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(logits, labels, lse, entropy, g_logp, g_ent)
-    ctx.temperature, ctx.use_triton, ctx.n_inputs = inputs[8], inputs[-1], len(inputs)
+    # kept as an attribute, not a saved tensor: the backward scales it in place, once
+    ctx.d_logits = d_logits if inputs[-2] else None  # need_grad
+    ctx.use_triton, ctx.n_inputs = inputs[-1], len(inputs)
 
 
 def _backward_actor(ctx, grad_loss, *_):
-    logits, labels, lse, entropy, g_logp, g_ent = ctx.saved_tensors
-    if grad_loss is None or not ctx.needs_input_grad[0] or g_logp.numel() != lse.numel():
+    if ctx.d_logits is None:
+        raise RuntimeError("ppo_actor_loss: backward through one loss twice is not supported (or the forward ran "
+                           "without grad mode); its d(logits) is formed in the forward and handed over, scaled in "
+                           "place, once")
+    d_logits, ctx.d_logits = ctx.d_logits, None
+    if grad_loss is None or not ctx.needs_input_grad[0]:
         return (None,) * ctx.n_inputs
-    d = logprobs_backward_op(logits, labels, lse, entropy, g_logp * grad_loss,
-                             g_ent * grad_loss if g_ent.numel() else None, ctx.temperature, IGNORE_INDEX,
-                             ctx.use_triton)
-    return (d,) + (None,) * (ctx.n_inputs - 1)
+    _scale_unless_one_op(d_logits, grad_loss, ctx.use_triton)
+    return (d_logits,) + (None,) * (ctx.n_inputs - 1)
 
 
 _ppo_actor_loss_op.register_autograd(_backward_actor, setup_context=_setup_actor)
@@ -557,9 +596,16 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     """The whole actor loss straight from logits (docs/ops.md):
     policy_loss + kl_coef * KL - entropy_coef * entropy, each aggregated with `agg`.
 
-    One fused pass over the logits forward (log-prob, entropy and log-sum-exp together) forms
-    the per-token gradients; one backward writes d(logits) once, carrying the policy, KL and
-    entropy terms together.
+    Every term is token-local once the aggregation weights are known, so the forward forms
+    d(loss)/d(logits) too (as `linear_ppo_actor_loss`): on CUDA one kernel reads the logits
+    (log-prob, entropy, log-sum-exp), forms each token's policy, KL and entropy gradients, and
+    reads the row again, from its end, while L2 still holds most of it, to write d(logits)
+    once. The backward only scales d(logits) by the upstream gradient, in place: free when that
+    is exactly 1 (`loss.backward()`), one more read and write of d(logits) otherwise (divide by
+    the global token or sequence count through `agg` / `global_num_tokens` rather than scaling
+    the loss). So the loss supports one backward: a second through the same graph raises.
+    Between forward and backward d(logits) occupies B x T x V in the logits' dtype, in place of
+    the logits, which the op does not keep.
 
     Args:
         logits: [B, T, V] (or [..., V]) float, any strides but the vocab one.
