@@ -202,6 +202,10 @@ class PPOConfig:
     assistant's turn opened); false, or no template: the prompt's tokens as they are."""
     temperature: float = 1.0
     """Sampling temperature, also used for the log-probs."""
+    rollout_cache: str = "dynamic"
+    """KV cache of the rollout's `generate`: `dynamic` (grows per token), or `static` (preallocated
+    for max_prompt_len + max_new_tokens; on CUDA transformers then compiles the decoding step with
+    CUDA graphs: one compilation of ~a minute on the first rollout, then far less Python per token)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's

@@ -42,7 +42,7 @@ from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_tokeni
 from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
-from fastrlhf.rollout import Rollout, generate, token_logprobs
+from fastrlhf.rollout import ROLLOUT_CACHES, Rollout, generate, token_logprobs
 from fastrlhf.run import (
     StageRun,
     check_common,
@@ -192,7 +192,7 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
 def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device) -> Rollout:
     """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids})."""
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, device=device)
+                    temperature=cfg.temperature, device=device, cache=cfg.rollout_cache)
 
 
 @dataclasses.dataclass
@@ -238,6 +238,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
                          f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
     if cfg.temperature <= 0:
         raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
+    if cfg.rollout_cache not in ROLLOUT_CACHES:
+        raise ValueError(f"ppo: rollout_cache must be one of {', '.join(ROLLOUT_CACHES)}, got {cfg.rollout_cache!r}")
     check_advantage(cfg)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "

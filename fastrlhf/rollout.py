@@ -35,13 +35,19 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int) -> torch.Tenso
     return (eos_before == 0).float()
 
 
+ROLLOUT_CACHES = ("dynamic", "static")
+
+
 @torch.no_grad()
 def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, max_new_tokens: int,
-             temperature: float, device: torch.device) -> Rollout:
+             temperature: float, device: torch.device, cache: str = "dynamic") -> Rollout:
     """Sample one response per prompt (KV cache, left-padded prompts, position_ids from the
-    attention mask); tokens after the first EOS are replaced by padding and masked out."""
+    attention mask); tokens after the first EOS are replaced by padding and masked out.
+    cache: `dynamic` or `static` (PPOConfig.rollout_cache)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if cache not in ROLLOUT_CACHES:
+        raise ValueError(f"cache must be one of {', '.join(ROLLOUT_CACHES)}, got {cache!r}")
     input_ids, attention_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     was_training = lm.training
@@ -51,6 +57,7 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
             input_ids=input_ids, attention_mask=attention_mask,  # position_ids = cumsum(mask) - 1, made by HF
             do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
             use_cache=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            **({"cache_implementation": "static"} if cache == "static" else {}),
         )
     lm.train(was_training)
     P = input_ids.shape[1]

@@ -142,6 +142,23 @@ def test_generate_masks_and_pads_after_eos(tiny):
                        torch.cat([torch.arange(int(m.sum())) for m in b.attention_mask]))
 
 
+def test_static_cache_samples_what_the_dynamic_cache_samples(tiny):
+    """rollout_cache=static (preallocated KV cache; compiled decoding on CUDA) draws the same tokens
+    from the same seed as the default dynamic cache, LoRA adapters included; a wrong name is refused."""
+    lm, tok = tiny
+    ac = ActorCritic(lm, lora_rank=4, lora_alpha=8.0, value_head=False)
+    prompt_ids = _random_seqs(5, 2, 7, len(tok))
+    runs = {}
+    for cache in ("dynamic", "static"):
+        torch.manual_seed(0)
+        runs[cache] = generate(ac.policy, tok, prompt_ids, ["x"] * 5, max_new_tokens=9, temperature=0.8,
+                               device=CPU, cache=cache).batch
+    assert torch.equal(runs["static"].input_ids, runs["dynamic"].input_ids)
+    assert torch.equal(runs["static"].response_mask, runs["dynamic"].response_mask)
+    with pytest.raises(ValueError, match="cache must be one of dynamic, static, got 'paged'"):
+        generate(ac.policy, tok, prompt_ids, ["x"] * 5, max_new_tokens=2, temperature=1.0, device=CPU, cache="paged")
+
+
 def test_reward_model_reads_last_attended_token(tiny):
     lm, tok = tiny
     rm = RewardModel(lm).eval()
