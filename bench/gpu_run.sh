@@ -8,11 +8,18 @@
 # failure; a global deadline cuts the last ones short if earlier ones ran long:
 #   install   45 / 30   pip install --no-build-isolation --no-deps -e . into the image's python
 #                       (dry run: checks that `fastrlhf` imports from this checkout, installs nothing);
-#                       wheels in .whl/ (e.g. a peer), if present, go to a private --target folder
+#                       wheels in .whl/, if present, are installed too (--no-deps): what the image lacks, e.g.
+#                       datasets (a dependency) and the peers verl / OpenRLHF / TRL for the tests and the bench;
+#                       the machine is bare and given back after the run, so its python takes them directly
+#                       (subprocesses of the tests and of torchrun see them too)
 #   env       25 / 30   nvidia-smi, torch / triton / CUDA versions, SM and memory clocks, commit, kernels tree
-#   tests    180 / 90   pytest tests/ on CUDA (xdist and per-test timeouts when installed; dry run: tests/test_kl.py)
-#   bench    150 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny)
-#   ppo      115 / 90   fastrlhf ppo on qwen2-0.5b, LoRA, bf16 (dry run: the tiny model on CPU)
+#   tests    220 / 90   pytest tests/ on CUDA (xdist and per-test timeouts when installed; dry run: tests/test_kl.py)
+#   bench    140 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny)
+#   ppo      110 / 90   fastrlhf ppo on qwen2-0.5b, LoRA, bf16 (dry run: the tiny model on CPU)
+#
+# Wheels: `bash bench/gpu_wheels.sh` (here, with network) fills .whl/ with what the GPU image lacks (datasets,
+# the peers); pass `.whl` in the device call's carry. Without them the run still goes, but the tests that need
+# datasets fail and the bench has no peer columns.
 #
 # OUT receives 6 files, no folders (the device tool returns at most 8, 16 MiB each):
 #   status.json  every step's rc, seconds and limit; commit, kernels tree hash; the environment
@@ -52,13 +59,13 @@ if [ "$DRY" = 1 ]; then
   L_INSTALL=30 L_ENV=30 L_TESTS=90 L_BENCH=90 L_PPO=90
 else
   DEADLINE=$((START + ${GPU_RUN_DEADLINE_S:-525}))
-  L_INSTALL=45 L_ENV=25 L_TESTS=180 L_BENCH=150 L_PPO=115
+  L_INSTALL=45 L_ENV=25 L_TESTS=220 L_BENCH=140 L_PPO=110
 fi
 
 has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 
 bundle() {  # logs.tar.gz of everything in WORK but model weights and installed wheels; cheap, redone after each step
-  tar czf "$OUT/logs.tar.gz.tmp" -C "$WORK" --exclude=./site --exclude=./ppo_run/ppo . 2>/dev/null \
+  tar czf "$OUT/logs.tar.gz.tmp" -C "$WORK" --exclude=./ppo_run/ppo . 2>/dev/null \
     && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
 }
 
@@ -100,12 +107,11 @@ else
   install() {
     "$PY" -m pip install --no-build-isolation --no-deps --no-index -e "$REPO" || return
     if compgen -G "$REPO/.whl/*.whl" > /dev/null; then
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$REPO"/.whl/*.whl || return
+      "$PY" -m pip install -q --no-index --no-deps --no-compile "$REPO"/.whl/*.whl || return
     fi
     "$PY" -c "import fastrlhf, fastrlhf.kernels; print('fastrlhf from', fastrlhf.__file__)"
   }
   step install "$L_INSTALL" 5 install
-  [ -d "$WORK/site" ] && export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 # 2. environment
@@ -134,7 +140,7 @@ if [ "$DRY" = 1 ]; then
   step tests "$L_TESTS" 3 "$PY" -m pytest -q -p no:cacheprovider tests/test_kl.py --junitxml="$WORK/junit.xml"
 else
   TEST_ARGS=(-q -p no:cacheprovider --maxfail=25 --durations=15 --junitxml="$WORK/junit.xml")
-  has_module xdist && TEST_ARGS+=(-n 8 --dist loadfile)
+  has_module xdist && TEST_ARGS+=(-n 14 --dist loadfile)
   has_module pytest_timeout && TEST_ARGS+=(--timeout 120)
   step tests "$L_TESTS" 25 "$PY" -m pytest "${TEST_ARGS[@]}" tests/
 fi
@@ -153,8 +159,8 @@ if [ "$DRY" = 1 ]; then
   PPO_ARGS=(--model tiny --device cpu --steps 2 --rollout_batch_size 8 --mini_batch_size 4 --micro_batch_size 2
             --max_new_tokens 8 --lora_rank 4 --eval_prompts 8)
 else
-  PPO_ARGS=(--model qwen2-0.5b --device cuda --dtype bfloat16 --steps 5 --rollout_batch_size 64 --mini_batch_size 32
-            --micro_batch_size 16 --max_new_tokens 256 --lora_rank 16 --eval_prompts 64)
+  PPO_ARGS=(--model qwen2-0.5b --device cuda --dtype bfloat16 --steps 3 --rollout_batch_size 64 --mini_batch_size 32
+            --micro_batch_size 16 --max_new_tokens 256 --lora_rank 16 --eval_prompts 16)
 fi
 PPO_ARGS+=(--reward fastrlhf.task:true_score --out "$WORK/ppo_run" --save_every 1000)
 step ppo "$L_PPO" 3 "$PY" -m fastrlhf ppo "${PPO_ARGS[@]}"

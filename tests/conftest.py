@@ -31,11 +31,27 @@ def seed(request):
     return s
 
 
+def _on_the_gpu(request) -> None:
+    """With CUDA, the test's tensors are made on the GPU (torch's default device), so the kernels run
+    compiled, not in the interpreter, and the torch path runs on CUDA too."""
+    if torch.cuda.is_available():
+        torch.set_default_device("cuda")
+        request.addfinalizer(lambda: torch.set_default_device(None))
+
+
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
-    """Run a test through the torch path and through the Triton kernels."""
+    """Run a test through the torch path and through the Triton kernels (on the GPU where there is one)."""
     monkeypatch.setenv("FASTRLHF_BACKEND", request.param)
+    _on_the_gpu(request)
     return request.param
+
+
+@pytest.fixture
+def triton_backend(request, monkeypatch):
+    """Run a test through the Triton kernels only (on the GPU where there is one)."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    _on_the_gpu(request)
 
 
 @pytest.fixture

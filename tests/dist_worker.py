@@ -45,7 +45,7 @@ def dpo_config(folder: Path) -> DPOConfig:
     pairs = folder / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in task.synthetic_pairs(40, 0)))
     return DPOConfig(out=str(folder / "run"), model="tiny", data=str(pairs), steps=3, batch_size=4, log_every=1,
-                     eval_every=3, save_every=10, lora_rank=4)
+                     eval_every=3, save_every=10, lora_rank=4, device="cpu")
 
 
 def fixed_rollout(tokenizer, device) -> tuple[Rollout, torch.Tensor, torch.Tensor]:

@@ -102,7 +102,7 @@ def test_actor_loss_non_contiguous_logits(backend):
 
 @pytest.mark.parametrize("config", range(3), ids=lambda i: f"config{i}")
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
-def test_actor_loss_cuda_configs(monkeypatch, config, dtype, atol):
+def test_actor_loss_cuda_configs(triton_backend, monkeypatch, config, dtype, atol):
     """The fused kernel with each tile x warps x grid its CUDA autotuner may pick (the interpreter
     takes one small config otherwise), a persistent grid included (a few programs walking all rows),
     over a vocab of two full tiles and a partial one, whose second pass walks the tiles from the
@@ -111,7 +111,6 @@ def test_actor_loss_cuda_configs(monkeypatch, config, dtype, atol):
 
     chosen = pk.ACTOR_CONFIGS[config]
     assert len(pk.ACTOR_CONFIGS) == 3
-    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
     monkeypatch.setattr(pk, "actor_config", lambda V, device: chosen.kwargs | {"num_warps": chosen.num_warps})
     B, T, V = 4, 3, 2 * chosen.kwargs["BLOCK_V"] + 100
     logits, labels, old_logp, ref_logp, advantages, mask = _batch(B, T, V, dtype)
@@ -144,11 +143,10 @@ def test_actor_loss_hand_worked():
     torch.testing.assert_close(logits.grad.view(-1), expected, atol=1e-6, rtol=0)
 
 
-def test_one_kernel_forms_d_logits_in_the_forward(monkeypatch):
+def test_one_kernel_forms_d_logits_in_the_forward(triton_backend, monkeypatch):
     """Triton path: the forward is one kernel, which reads the logits, forms the policy, KL and entropy
     gradients of each token and writes d(logits); no log-prob kernel runs, forward or backward. The
     backward hands that very buffer over (upstream 1: untouched; otherwise scaled in place)."""
-    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
     from fastrlhf.kernels import logprobs as lk
     from fastrlhf.kernels import ppo_loss as pk
 

@@ -194,10 +194,11 @@ def test_pipeline_rejects_an_unknown_algo(tmp_path):
 
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory):
-    """The embedded default's SFT stage at half its steps: a policy that scores ~0.4-0.5."""
+    """The embedded default's SFT stage at half its steps: a policy that scores ~0.4-0.5. These reduced
+    acceptance runs are calibrated on the CPU (float32), so they run there on a GPU machine too."""
     out = tmp_path_factory.mktemp("sft")
     n = torch.get_num_threads()
-    sft.train(SFTConfig(out=str(out), steps=150, log_every=50, save_every=150))
+    sft.train(SFTConfig(out=str(out), steps=150, log_every=50, save_every=150, device="cpu"))
     torch.set_num_threads(n)
     return str(out / "sft" / "final")
 
@@ -205,7 +206,7 @@ def sft_model(tmp_path_factory):
 @pytest.mark.slow
 def test_dpo_raises_the_true_score_from_sft(sft_model, tmp_path):
     s = dpo.train(DPOConfig(out=str(tmp_path), model=sft_model, steps=40, num_pairs=600, eval_prompts=64,
-                            eval_every=40, log_every=20))
+                            eval_every=40, log_every=20, device="cpu"))
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s
 
 
@@ -213,5 +214,5 @@ def test_dpo_raises_the_true_score_from_sft(sft_model, tmp_path):
 def test_grpo_raises_the_true_score_from_sft(sft_model, tmp_path):
     s = ppo.train(PPOConfig(out=str(tmp_path), model=sft_model, reward="fastrlhf.task:true_score", advantage="grpo",
                             num_generations=4, kl_in_loss=True, kl_coef=0.05, steps=15, rollout_batch_size=32,
-                            mini_batch_size=32, micro_batch_size=32, eval_prompts=64))
+                            mini_batch_size=32, micro_batch_size=32, eval_prompts=64, device="cpu"))
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s

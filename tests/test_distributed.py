@@ -37,6 +37,7 @@ PIPELINE = ["--sft.steps", "10", "--sft.batch_size", "8", "--sft.log_every", "1"
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in distributed.LAUNCH_ENV}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # 2 CPU ranks (gloo), on a GPU machine too: one GPU cannot hold two ranks
     return env
 
 
@@ -171,7 +172,8 @@ def pipeline_2(tmp_path_factory):
 
 def test_sft_loss_curve_is_the_same_on_1_and_2_ranks(pipeline_2, tmp_path):
     out, _ = pipeline_2
-    sft.train(SFTConfig(out=str(tmp_path), steps=10, batch_size=8, log_every=1, save_every=5, num_examples=200))
+    sft.train(SFTConfig(out=str(tmp_path), steps=10, batch_size=8, log_every=1, save_every=5, num_examples=200,
+                        device="cpu"))
     one, two = _rows(tmp_path, "sft"), _rows(out, "sft")
     assert [r["step"] for r in two] == list(range(1, 11))
     for a, b in zip(one, two):

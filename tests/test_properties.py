@@ -27,7 +27,7 @@ def batches(draw, max_b=4, max_t=70):
     T = draw(st.integers(1, max_t))
     seed = draw(st.integers(0, 2**31 - 1))
     kind = draw(st.sampled_from(["random", "ones", "zeros", "prefix"]))
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     if kind == "random":
         mask = torch.rand(B, T, generator=g) < draw(st.floats(0.05, 0.95))
     elif kind == "prefix":  # right padding of random lengths

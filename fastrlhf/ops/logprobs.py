@@ -341,6 +341,10 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
         zero = logits.sum() * 0
         logp = torch.zeros(labels.shape, dtype=out_dtype(logits), device=logits.device) + zero
         return (logp, torch.zeros(lead, dtype=logp.dtype, device=logits.device) + zero) if return_entropy else logp
+    if not per_position and labels.shape[-1] == 1:  # K = 1: the per-position op, bit for bit
+        out = logprobs(logits, labels.squeeze(-1), temperature=temperature, return_entropy=return_entropy,
+                       ignore_index=ignore_index, inplace_backward=inplace_backward)
+        return (out[0].unsqueeze(-1), out[1]) if return_entropy else out.unsqueeze(-1)
     logp, entropy_, _ = _logprobs_op(logits, labels, temperature, int(ignore_index), bool(return_entropy),
                                      bool(inplace_backward), use_triton(logits))
     return (logp, entropy_) if return_entropy else logp

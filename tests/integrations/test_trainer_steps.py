@@ -141,7 +141,7 @@ def _verl_actor_step(verl_F, losses, case, seed=1):
     B, P, R, V = 4, 3, 6, 29
     model = _tiny_llama(V)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     input_ids = torch.randint(0, V, (B, P + R), generator=g)
     response_mask = torch.ones(B, R, dtype=torch.bool)
     response_mask[1, 4:] = False
@@ -207,7 +207,7 @@ def _orl_actor_step(case, seed=2):
     actor = Actor(_tiny_llama(V), temperature=0.8)
     actor.packing_samples = False  # Actor sets this only when it loads the model itself (OpenRLHF 0.11.2)
     opt = torch.optim.SGD(actor.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     sequences = torch.randint(0, V, (B, P + R), generator=g)
     attention_mask = torch.ones(B, P + R, dtype=torch.long)
     action_mask = torch.ones(B, R, dtype=torch.bool)
@@ -257,7 +257,8 @@ def test_openrlhf_experience_gae_matches(openrlhf_integration, backend):
         if use_patch:
             openrlhf_integration.patch()
         kl = compute_approx_kl(logp, base, kl_estimator="k3")
-        reward = compute_reward(torch.randn(B, generator=torch.Generator().manual_seed(3)), 0.05, kl,
+        g = torch.Generator(torch.get_default_device()).manual_seed(3)
+        reward = compute_reward(torch.randn(B, generator=g), 0.05, kl,
                                 action_mask=mask)
         outs.append(RemoteExperienceMaker.get_advantages_and_returns(None, copy.deepcopy(values), reward, mask,
                                                                      0.99, 0.95))
