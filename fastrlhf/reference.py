@@ -117,7 +117,7 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
 def token_kl(logp, ref_logp, *, estimator="k1", clamp=None, straight_through=False, grad_weight=None):
     """Per-token KL estimate with r = logp - ref_logp.
 
-    k1 = r; k2 = r^2 / 2; k3 = exp(-r) - 1 + r with r clamped to +-20 inside exp;
+    k1 = r; k2 = r^2 / 2; k3 = exp(-c) - 1 + c with c = r clamped to +-20 (in both terms, as verl);
     abs = |r|. Aliases: kl = k1, mse = k2, low_var_kl = k3. `clamp` clamps the output
     to [-clamp, clamp] (verl clamps low_var_kl to 10, OpenRLHF every estimator to 10).
     Ties: both clamps pass the gradient at their bounds; d|r|/dr = 0 at r = 0.
@@ -133,7 +133,8 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None, straight_through=Fal
     elif name == "k2":
         kl = 0.5 * r * r
     elif name == "k3":
-        kl = torch.exp(-clamped(r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1 + r
+        c = clamped(r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        kl = torch.expm1(-c) + c
     else:
         kl = absolute(r)
     if clamp is not None:

@@ -1,9 +1,11 @@
 """Token-level KL estimators and KL-shaped rewards.
 
 With r = logp - ref_logp (fp32 math whatever the input dtype):
-    k1 = r;  k2 = r^2 / 2;  k3 = exp(-clamp(r, -20, 20)) - 1 + r;  abs = |r|
+    k1 = r;  k2 = r^2 / 2;  k3 = exp(-c) - 1 + c with c = clamp(r, -20, 20) (verl's low_var_kl);  abs = |r|
 and, when `clamp` is given, kl = clamp(kl, -clamp, clamp). Gradients follow the tie rules stated in
 `fastrlhf.reference`: both clamps pass the gradient at their bounds (closed intervals), d|r|/dr = 0 at 0.
+k3 and its derivative 1 - exp(-c) cancel for small |c| (k3 ~ c^2 / 2 from terms ~1): below
+K3_SERIES_BELOW they are summed as their Taylor series instead (relative error ~1e-7, not ~1e-7 / c^2).
 
 Where fast: elementwise, memory-bound; one program per BLOCK elements (flat grid, up to 2^31-1
 programs), so any shape that fits in memory. `kl_shaped_rewards` runs one program per row and
@@ -18,24 +20,43 @@ import triton
 import triton.language as tl
 from fastrlhf.kernels._masks import as_loadable
 
-from fastrlhf.constants import LOG_RATIO_CLAMP
+from fastrlhf.constants import K3_SERIES_BELOW, LOG_RATIO_CLAMP
 
 ESTIMATOR_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
-R_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |r| bound inside exp for k3
+R_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |r| bound of k3
+SERIES_BELOW = tl.constexpr(K3_SERIES_BELOW)
 _BLOCK = 1024
 _ROW_BLOCK = 1024
 
 
 @triton.jit
+def _k3(c):
+    # exp(-c) - 1 + c = c^2 (1/2 - c/6 + c^2/24 - ...): the series up to c^8 where |c| < SERIES_BELOW
+    # (truncation < 1e-7 relative), the direct form elsewhere
+    s = c * (1.0 / 5040 - c * (1.0 / 40320))
+    s = c * (1.0 / 120 - c * (1.0 / 720 - s))
+    s = c * c * (0.5 - c * (1.0 / 6 - c * (1.0 / 24 - s)))
+    return tl.where(tl.abs(c) < SERIES_BELOW, s, tl.exp(-c) - 1.0 + c)
+
+
+@triton.jit
+def _dk3(c):
+    # 1 - exp(-c) = c (1 - c/2 + c^2/6 - ...), as _k3
+    s = c * (1.0 / 720 - c * (1.0 / 5040))
+    s = c * (1.0 / 24 - c * (1.0 / 120 - s))
+    s = c * (1.0 - c * (0.5 - c * (1.0 / 6 - s)))
+    return tl.where(tl.abs(c) < SERIES_BELOW, s, 1.0 - tl.exp(-c))
+
+
+@triton.jit
 def _kl_value(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
-    # k1 = r, k2 = r^2 / 2, k3 = exp(-clamp(r, +-20)) - 1 + r, abs = |r|; then clamp to +-clamp
+    # k1 = r, k2 = r^2 / 2, k3 = exp(-c) - 1 + c with c = clamp(r, +-20), abs = |r|; then clamp to +-clamp
     if ESTIMATOR == 0:
         kl = r
     elif ESTIMATOR == 1:
         kl = 0.5 * r * r
     elif ESTIMATOR == 2:
-        rc = tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)
-        kl = tl.exp(-rc) - 1.0 + r
+        kl = _k3(tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP))
     else:
         kl = tl.abs(r)
     if HAS_CLAMP:
@@ -45,7 +66,7 @@ def _kl_value(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
 
 @triton.jit
 def _kl_derivative(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
-    # dk1/dr = 1, dk2/dr = r, dk3/dr = 1 - exp(-r) * [|r| <= 20], dabs/dr = sign(r) (0 at 0);
+    # dk1/dr = 1, dk2/dr = r, dk3/dr = (1 - exp(-r)) [|r| <= 20], dabs/dr = sign(r) (0 at 0);
     # times [|kl| <= clamp] when clamped: the gradient passes at the bounds
     if ESTIMATOR == 0:
         d = tl.full(r.shape, 1.0, tl.float32)
@@ -53,8 +74,7 @@ def _kl_derivative(r, ESTIMATOR: tl.constexpr, HAS_CLAMP: tl.constexpr, clamp):
         d = r
     elif ESTIMATOR == 2:
         inside = (r >= -R_CLAMP) & (r <= R_CLAMP)
-        rc = tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)
-        d = 1.0 - tl.where(inside, tl.exp(-rc), 0.0)
+        d = tl.where(inside, _dk3(tl.minimum(tl.maximum(r, -R_CLAMP), R_CLAMP)), 0.0)
     else:
         d = tl.where(r > 0, 1.0, tl.where(r < 0, -1.0, 0.0))
     if HAS_CLAMP:

@@ -51,20 +51,45 @@ def test_token_kl_forward_backward(backend, poison, dtype, estimator, clamp):
 
 
 def test_token_kl_hand_worked(backend):
-    # r = 1: k1 = 1, k2 = 0.5, k3 = e^-1 - 1 + 1 = 0.3679, abs = 1; r = -30: k3 = e^20 - 31 (clamped in exp)
-    logp = torch.tensor([0.0, -30.0])
-    ref_logp = torch.tensor([-1.0, 0.0])
-    assert ops.token_kl(logp, ref_logp, estimator="k1").tolist() == [1.0, -30.0]
-    assert ops.token_kl(logp, ref_logp, estimator="k2").tolist() == [0.5, 450.0]
+    # r = 1: k1 = 1, k2 = 0.5, k3 = e^-1 - 1 + 1 = 0.3679, abs = 1; r = -30: k3 = e^20 - 1 - 20 (r clamped
+    # to -20 in both terms, as verl's low_var_kl); r = 25: k3 = e^-20 - 1 + 20 (not 24: float32 tells these
+    # apart, not e^20 - 21 from e^20 - 31)
+    logp = torch.tensor([0.0, -30.0, 25.0])
+    ref_logp = torch.tensor([-1.0, 0.0, 0.0])
+    assert ops.token_kl(logp, ref_logp, estimator="k1").tolist() == [1.0, -30.0, 25.0]
+    assert ops.token_kl(logp, ref_logp, estimator="k2").tolist() == [0.5, 450.0, 312.5]
     k3 = ops.token_kl(logp, ref_logp, estimator="k3")
-    torch.testing.assert_close(k3, torch.tensor([math.exp(-1), math.exp(20) - 31]), rtol=1e-6, atol=0)
+    expected = torch.tensor([math.exp(-1), math.exp(20) - 21, math.exp(-20) + 19])
+    torch.testing.assert_close(k3, expected, rtol=1e-6, atol=0)
     assert ops.token_kl(logp, ref_logp, estimator="k3", clamp=10).tolist() == pytest.approx(
-        [math.exp(-1), 10.0]
+        [math.exp(-1), 10.0, 10.0]
     )
+    # a -inf log-prob: +10 after verl's clamp (not -10), no gradient; outside |r| <= 20 k3 is flat
+    x = torch.tensor([float("-inf"), -30.0, 25.0], requires_grad=True)
+    k3 = ops.token_kl(x, torch.tensor([-1.0, 0.0, 0.0]), estimator="k3", clamp=10)
+    k3.sum().backward()
+    assert k3.tolist() == [10.0, 10.0, 10.0] and x.grad.tolist() == [0.0, 0.0, 0.0]
+    y = torch.tensor([-30.0, 25.0], requires_grad=True)
+    ops.token_kl(y, torch.zeros(2), estimator="k3").sum().backward()
+    assert y.grad.tolist() == [0.0, 0.0]
     # d|r|/dr at r = 0 is 0, as torch's abs
     x = torch.zeros(2, requires_grad=True)
     ops.token_kl(x, torch.zeros(2), estimator="abs").sum().backward()
     assert x.grad.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_k3_near_zero_keeps_its_relative_accuracy(backend, sign):
+    """k3 ~ r^2 / 2 and its derivative ~ r near r = 0: float32 within 1e-6 relative of float64 on the same
+    r (the direct exp(-r) - 1 + r is off by ~1e-7 / r^2 there: 10% at r = 1e-3), either side of the
+    series' bound |r| = 0.5."""
+    r = sign * torch.tensor([1e-6, 1e-4, 1e-3, 3e-2, 0.1, 0.3, 0.4999, 0.5, 0.5001, 2.0])
+    x = r.clone().requires_grad_()
+    k3 = ops.token_kl(x, torch.zeros_like(r), estimator="k3")
+    k3.sum().backward()
+    r64 = r.double()
+    torch.testing.assert_close(k3.double(), torch.expm1(-r64) + r64, rtol=1e-6, atol=0)
+    torch.testing.assert_close(x.grad.double(), -torch.expm1(-r64), rtol=1e-6, atol=0)
 
 
 def test_token_kl_nd_and_empty(backend):

@@ -1,8 +1,9 @@
 """Token-level KL estimates and KL-shaped rewards: `token_kl`, `kl_shaped_rewards`
 (kernels: fastrlhf/kernels/kl.py).
 
-    r = logp - ref_logp;  k1 = r,  k2 = r^2 / 2,  k3 = exp(-clamp(r, -20, 20)) - 1 + r,  abs = |r|
+    r = logp - ref_logp;  k1 = r,  k2 = r^2 / 2,  k3 = exp(-c) - 1 + c with c = clamp(r, -20, 20),  abs = |r|
     then, with `clamp`, kl = clamp(kl, -clamp, clamp)
+(float32 k3 and its derivative near r = 0 as their Taylor series: no cancellation; kernels/kl.py)
 
 Custom ops: fastrlhf::token_kl, fastrlhf::token_kl_backward (d(kl)/d(logp) times the upstream
 gradient; d(ref_logp) is its negation), fastrlhf::kl_shaped_rewards (no gradient: rewards are data).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fastrlhf.constants import KL_ESTIMATORS, LOG_RATIO_CLAMP
+from fastrlhf.constants import K3_SERIES_BELOW, KL_ESTIMATORS, LOG_RATIO_CLAMP
 from fastrlhf.ops._common import (
     check_choice,
     check_device,
@@ -31,6 +32,26 @@ from fastrlhf.ops._common import (
 # ---------------------------------------------------------------- torch path (also used by ops.losses, ops.linear)
 
 
+def _k3(c: Tensor) -> Tensor:
+    """exp(-c) - 1 + c: float64 through expm1; float32 as kernels/kl.py (series where |c| < K3_SERIES_BELOW)."""
+    if c.dtype == torch.float64:
+        return torch.expm1(-c).add_(c)
+    s = c * (1 / 5040 - c * (1 / 40320))
+    s = c * (1 / 120 - c * (1 / 720 - s))
+    s = c * c * (0.5 - c * (1 / 6 - c * (1 / 24 - s)))
+    return torch.where(c.abs() < K3_SERIES_BELOW, s, torch.exp(-c) - 1 + c)
+
+
+def _dk3(c: Tensor) -> Tensor:
+    """1 - exp(-c), as _k3."""
+    if c.dtype == torch.float64:
+        return torch.expm1(-c).neg_()
+    s = c * (1 / 720 - c * (1 / 5040))
+    s = c * (1 / 24 - c * (1 / 120 - s))
+    s = c * (1 - c * (0.5 - c * (1 / 6 - s)))
+    return torch.where(c.abs() < K3_SERIES_BELOW, s, 1 - torch.exp(-c))
+
+
 def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
     """The per-token estimate in out_dtype(logp); `estimator` is a canonical name (k1, k2, k3, abs).
     (In-place steps on fresh tensors: on CPU each new buffer of a small op costs as much as its math.)"""
@@ -39,7 +60,7 @@ def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None
     if estimator == "k2":
         kl = r.square_().mul_(0.5)
     elif estimator == "k3":
-        kl = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).neg_().exp_().sub_(1).add_(r)
+        kl = _k3(r.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     elif estimator == "abs":
         kl = r.abs_()
     else:
@@ -49,7 +70,7 @@ def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None
 
 def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
     """d(kl)/d(logp) per token (= -d(kl)/d(ref_logp)), written out with the tie rules:
-    dk1 = 1, dk2 = r, dk3 = 1 - exp(-r) [|r| <= 20], dabs = sign(r) (0 at 0), times [|kl| <= clamp].
+    dk1 = 1, dk2 = r, dk3 = (1 - exp(-r)) [|r| <= 20], dabs = sign(r) (0 at 0), times [|kl| <= clamp].
     (A clamp returns its input itself inside its bounds, so `x == clamp(x)` tests inside, bounds included.)"""
     dtype = out_dtype(logp)
     r = logp.to(dtype) - ref_logp.to(dtype)
@@ -57,8 +78,7 @@ def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None)
         d = r
     elif estimator == "k3":
         r_in = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        inside = r_in == r
-        d = r_in.neg_().exp_().mul_(inside).neg_().add_(1)
+        d = _dk3(r_in).mul_(r_in == r)
     elif estimator == "abs":
         d = r.sign()
     else:

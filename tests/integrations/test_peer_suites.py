@@ -31,15 +31,9 @@ SUITES = {
                  "tests/test_ppo_trainer.py"],
 }
 MODULES = {"verl": "verl.trainer.ppo.core_algos", "openrlhf": "openrlhf.models.utils"}
-KNOWN_FAILURES = {
-    "torch": set(),
-    # OpenRLHF checks k3 against its own float32 formula with torch.allclose (rtol 1e-5): at r = -0.113
-    # (k3 = 0.0066, computed as exp(-r) - 1 + r, which cancels) the Triton kernel's exp lands 1 ulp off
-    # and its k3 is 1.3e-5 off in relative terms (float64: 8e-8 absolute; OpenRLHF's own float32 error is
-    # 3.5e-8). Within DESIGN.md's 2x + atol rule, outside this test's rtol; an expm1-accurate k3 for small
-    # |r| in kernels/kl.py would pass it.
-    "triton": {"test_kl_estimator_gradient.py::test_flag_off_matches_legacy"},
-}
+# none today: OpenRLHF's test_flag_off_matches_legacy (k3 against its float32 formula, rtol 1e-5) passes
+# on the kernels since their k3 is summed as its series near r = 0 instead of cancelling
+KNOWN_FAILURES = {"torch": set(), "triton": set()}
 
 
 def test_peer_unit_tests_pass_with_patch(backend, tmp_path):
