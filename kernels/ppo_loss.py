@@ -38,9 +38,18 @@ flight: ~60% of pass 2 from L2, ~2.4 passes of DRAM traffic instead of 3. A pers
 kernel walks rows pid, pid + grid, ...) of 1 program per SM keeps 39 MB in flight (nearly all of
 pass 2 from L2; the 0.75 target needs ~75%) but half the bytes in flight to hide DRAM latency;
 2 per SM is the one-row-per-program occupancy without the tail effect of 16k short-lived programs.
+Measured on an H100 (B = 16, T = 1024, V = 151936 bf16, autotuned among the first three configs,
+the winner not recorded): fwd+bwd 0.977x logprobs fwd+bwd, so pass 2 costs about a full DRAM read
+and write, not L2 hits. Possible reasons (not measured): even 39 MB of rows in flight, next to the
+streamed d(logits) stores, is more than L2 (two partitions of 25 MB) keeps under an evict-last hint.
+So the list also offers persistent grids of fewer programs than SMs: 0.5 per SM (66 rows, ~20 MB in
+flight on 132 SMs) and 0.25 (33 rows, ~10 MB). The prediction: these re-read most of pass 2 from L2,
+at the cost of fewer bytes in flight per SM to hide DRAM latency in pass 1; which effect wins is for
+the tuner (and the bench, which records the config it picked) to tell.
 On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x
 warps x programs per SM, keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with
-8192 x 8, two per SM with 8192 x 8, one per SM with 16384 x 16 (32 logits per thread each).
+8192 x 8, two per SM with 8192 x 8, then 16384 x 16 (32 logits per thread) at one, one half and one
+quarter program per SM (at least one program).
 Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on CUDA).
 """
 
@@ -69,7 +78,8 @@ LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024
 # the fused actor loss on CUDA: tile x warps x grid, autotuned among these (module docstring)
 ACTOR_CONFIGS = [triton.Config({"BLOCK_V": block_v, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
-                 for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1))]
+                 for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1), (16384, 16, 0.5),
+                                                (16384, 16, 0.25))]
 IGNORE = tl.constexpr(IGNORE_INDEX)
 POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
@@ -253,6 +263,7 @@ def _actor_loss_fwd_kernel(
     ALIGN: tl.constexpr,  # logits in 16 bytes
     BLOCK_V: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # the grid (read by the launcher): 0 = one program per row, else k per SM
+    # (k may be a fraction: 0.5 = one program per two SMs)
 ):
     # rows pid, pid + grid, ...: one each with a grid of N programs, several with a persistent grid
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
@@ -497,8 +508,12 @@ def actor_config(V: int, device: torch.device) -> dict:
     return config | {"PROGRAMS_PER_SM": 0}
 
 
-def _actor_grid(N: int, programs_per_sm: int, device: torch.device) -> tuple[int]:
-    return (N,) if programs_per_sm == 0 else (min(N, programs_per_sm * sm_count(device)),)
+def _actor_grid(N: int, programs_per_sm: float, device: torch.device) -> tuple[int]:
+    """(programs,): one per row for programs_per_sm == 0, else programs_per_sm x SMs (a fraction
+    allowed), at least 1 and at most N."""
+    if programs_per_sm == 0:
+        return (N,)
+    return (max(1, min(N, int(programs_per_sm * sm_count(device)))),)
 
 
 def actor_loss_fwd(

@@ -100,7 +100,7 @@ def test_actor_loss_non_contiguous_logits(backend):
              entropy_coef=0.02, kl_coef=0.05)
 
 
-@pytest.mark.parametrize("config", range(3), ids=lambda i: f"config{i}")
+@pytest.mark.parametrize("config", range(5), ids=lambda i: f"config{i}")
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
 def test_actor_loss_cuda_configs(monkeypatch, config, dtype, atol):
     """The fused kernel with each tile x warps x grid its CUDA autotuner may pick (the interpreter
@@ -110,7 +110,7 @@ def test_actor_loss_cuda_configs(monkeypatch, config, dtype, atol):
     from fastrlhf.kernels import ppo_loss as pk
 
     chosen = pk.ACTOR_CONFIGS[config]
-    assert len(pk.ACTOR_CONFIGS) == 3
+    assert len(pk.ACTOR_CONFIGS) == 5
     monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
     monkeypatch.setattr(pk, "actor_config", lambda V, device: chosen.kwargs | {"num_warps": chosen.num_warps})
     B, T, V = 4, 3, 2 * chosen.kwargs["BLOCK_V"] + 100
@@ -276,3 +276,16 @@ def test_actor_loss_odd_vocab_at_odd_offsets(backend, V):
     shifted = torch.cat([torch.zeros(1, T, V, dtype=torch.bfloat16), logits])[1:]  # storage offset T V
     for view in (strided, shifted):
         _compare(view, labels, old_logp, ref_logp, advantages, mask, 1e-3, entropy_coef=0.02, kl_coef=0.05)
+
+
+def test_actor_grid_fractional_programs_per_sm():
+    """0 = one program per row; k per SM, a fraction included, at least 1 and at most N programs
+    (the interpreter counts 2 SMs)."""
+    from fastrlhf.kernels import ppo_loss as pk
+
+    cpu = torch.device("cpu")
+    assert pk._actor_grid(37, 0, cpu) == (37,)
+    assert pk._actor_grid(37, 2, cpu) == (4,)
+    assert pk._actor_grid(37, 0.5, cpu) == (1,)
+    assert pk._actor_grid(37, 0.25, cpu) == (1,)
+    assert pk._actor_grid(3, 4, cpu) == (3,)
