@@ -30,6 +30,16 @@ log_softmax is as good.
 Logits may be any [B, T, V] view with stride(-1) == 1 (e.g. `logits[:, :-1]`): the row
 offset is b * stride_b + t * stride_t in int64, nothing is copied.
 
+Alignment. A row that starts off a 16-byte boundary (V % 8 != 0 in bf16, e.g. 50257; any odd row
+stride) would lose the 128-bit loads if tiles began at the row's start. So each program walks the
+16-byte aligned middle of its columns (offsets from the logits pointer rounded up to ALIGN = 16 /
+element size) in unmasked BLOCK_V tiles, the last one masked in whole 16-byte groups, and then the
+fewer than ALIGN columns before and after it in one small masked tile (`_aligned_span`,
+`_ragged_ends`). The stores of d(logits) are as aligned as the loads when d(logits) has the logits'
+strides (in place, or both contiguous). The sm_90 PTX of the bf16 V = 50257 launches (log-prob
+forward and backward, actor loss) has ld/st.global.v4 in the loops (a one-off check, not a test);
+whether that recovers the bandwidth of V = 151936 at V = 50257 is to be measured.
+
 Tiles and warps. A tile's block-wide max and sum (shuffles, a shared-memory round trip and
 barriers) are paid once per tile, so larger tiles amortise them: 8192 bf16 logits over 8 warps
 are 32 per thread, four 128-bit loads in flight each. On CUDA, for V >= TUNE_MIN_V, the forward
@@ -86,6 +96,36 @@ def _online_tile(x, m, d, s, scale, COMPUTE_ENTROPY: tl.constexpr):
 
 
 @triton.jit
+def _bwd_tile(x, scale, lse2, a, b, HAS_GRAD_ENTROPY: tl.constexpr):
+    # d(logits) = p (a + b t) without the one-hot part, p = 2^t, t = x scale - lse / ln 2
+    t = x * scale - lse2
+    if HAS_GRAD_ENTROPY:
+        t = tl.maximum(t, T_FLOOR)  # a -inf logit: p = 0 and p (a + b t) = 0
+        return tl.exp2(t) * (a + b * t)
+    return tl.exp2(t) * a
+
+
+@triton.jit
+def _aligned_span(row_off, lo, hi, ALIGN: tl.constexpr):
+    # the 16-byte aligned middle of the columns [lo, hi) of a row that starts at element row_off of the
+    # tensor: absolute start a (int64) and length n (int32: < V), both multiples of ALIGN (the elements
+    # in 16 bytes)
+    a = tl.cdiv(row_off + lo, ALIGN) * ALIGN
+    n = (tl.maximum(row_off + hi - a, 0) // ALIGN * ALIGN).to(tl.int32)
+    return tl.multiple_of(a, ALIGN), tl.multiple_of(n, ALIGN)
+
+
+@triton.jit
+def _ragged_ends(lo, hi, a_rel, n, ALIGN: tl.constexpr):
+    # the columns of [lo, hi) outside its aligned middle [a_rel, a_rel + n) (row-relative): fewer than
+    # ALIGN before it, fewer than ALIGN after it; (columns, mask) over 2 * ALIGN lanes
+    j = tl.arange(0, 2 * ALIGN)
+    head = j < ALIGN
+    col = tl.where(head, lo + j, a_rel + n + j - ALIGN)
+    return col, tl.where(head, col < tl.minimum(a_rel, hi), col < hi)
+
+
+@triton.jit
 def _finish_row(m, d, s, row, row_ptr, labels_ptr, logp_ptr, entropy_ptr, lse_ptr, V, inv_temperature, ignore_index,
                 COMPUTE_ENTROPY: tl.constexpr):
     # lse, entropy and logp of one row from its base-2 stats (m, d, s)
@@ -125,21 +165,33 @@ def _logprobs_fwd_kernel(
     ignore_index,
     COMPUTE_ENTROPY: tl.constexpr,
     SPLIT: tl.constexpr,  # the row's vocab is split over grid axis 1: write partials for the combine kernel
+    ALIGN: tl.constexpr,  # logits in 16 bytes
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
     lo = split * chunk_v
     hi = tl.minimum(lo + chunk_v, V)
 
+    # the row's 16-byte aligned middle in BLOCK_V tiles (128-bit loads whatever V and the row's start),
+    # its last tile masked in whole 16-byte groups, then the few ragged columns at either end
+    a, n = _aligned_span(row_off, lo, hi, ALIGN)
+    n_full = n // BLOCK_V * BLOCK_V
+    cols = tl.arange(0, BLOCK_V)
     m = tl.full((), FP32_MIN, tl.float32)
     d = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
-    for v0 in range(lo, hi, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+    for k in range(0, n_full, BLOCK_V):
+        x = tl.load(logits_ptr + a + k + cols).to(tl.float32)
         m, d, s = _online_tile(x, m, d, s, scale, COMPUTE_ENTROPY)
+    if n_full < n:
+        x_tail = tl.load(logits_ptr + a + n_full + cols, mask=n_full + cols < n, other=float("-inf"))
+        m, d, s = _online_tile(x_tail.to(tl.float32), m, d, s, scale, COMPUTE_ENTROPY)
+    col, ok = _ragged_ends(lo, hi, a - row_off, n, ALIGN)
+    x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=float("-inf")).to(tl.float32)
+    m, d, s = _online_tile(x_ends, m, d, s, scale, COMPUTE_ENTROPY)
+    row_ptr = logits_ptr + row_off
 
     if SPLIT:
         splits = tl.num_programs(1)
@@ -216,13 +268,15 @@ def _logprobs_bwd_kernel(
     HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     ONE_HOT: tl.constexpr,  # add g_logp at the label; False: the caller adds the one-hot part (K labels per row)
+    SAME_LAYOUT: tl.constexpr,  # dlogits has the logits' strides (in place, or both contiguous)
+    ALIGN: tl.constexpr,  # logits in 16 bytes
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    t = row % T
-    row_ptr = logits_ptr + b * stride_b + t * stride_t
-    drow_ptr = dlogits_ptr + b * dstride_b + t * dstride_t
+    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
+    drow_off = row_off
+    if not SAME_LAYOUT:
+        drow_off = (row // T) * dstride_b + (row % T) * dstride_t
 
     lse2 = tl.load(lse_ptr + row) * (1.0 / LN2)
     label = tl.load(labels_ptr + row)
@@ -234,32 +288,47 @@ def _logprobs_bwd_kernel(
         if ONE_HOT:
             g_logp = tl.where(takes_grad, g_logp, 0.0)
     # d(logits) = p (a + b t) [+ g_logp / temperature at the label], p = 2^t, log p = t ln 2
-    a = -g_logp * inv_temperature
-    b_t = tl.zeros((), tl.float32)
+    a_coef = -g_logp * inv_temperature
+    b_coef = tl.zeros((), tl.float32)
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(grad_entropy_ptr + row)
-        a -= g_ent * tl.load(entropy_ptr + row) * inv_temperature
-        b_t = -g_ent * LN2 * inv_temperature
+        a_coef -= g_ent * tl.load(entropy_ptr + row) * inv_temperature
+        b_coef = -g_ent * LN2 * inv_temperature
     g_label = g_logp * inv_temperature
-    # the label as an int32 column (-1 when it takes no gradient): one 32-bit compare per logit
-    label_col = tl.where(takes_grad, label, -1).to(tl.int32)
-    cols = tl.arange(0, BLOCK_V)
+    # the row's 16-byte aligned middle in BLOCK_V tiles, its last tile masked in whole 16-byte groups,
+    # then the few ragged columns at either end (see _logprobs_fwd_kernel); with SAME_LAYOUT the
+    # stores are as aligned as the loads
     lo = tl.program_id(1) * chunk_v
     hi = tl.minimum(lo + chunk_v, V)
-
-    for v0 in range(lo, hi, BLOCK_V):
-        offs = v0 + cols
-        in_row = offs < hi
-        x = tl.load(row_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-        tt = x * scale - lse2
-        if HAS_GRAD_ENTROPY:
-            tt = tl.maximum(tt, T_FLOOR)  # a -inf logit: p = 0 and p (a + b t) = 0
-            dz = tl.exp2(tt) * (a + b_t * tt)
-        else:
-            dz = tl.exp2(tt) * a
+    a, n = _aligned_span(row_off, lo, hi, ALIGN)
+    n_full = n // BLOCK_V * BLOCK_V
+    src = logits_ptr + a
+    dst = dlogits_ptr + (drow_off + (a - row_off))
+    if SAME_LAYOUT:
+        dst = dlogits_ptr + a
+    # the label as an int32 column from the aligned start (-1 when it takes no gradient): one 32-bit
+    # compare per logit
+    label_col = tl.where(takes_grad, label - (a - row_off), -1).to(tl.int32)
+    cols = tl.arange(0, BLOCK_V)
+    out_ty = dlogits_ptr.dtype.element_ty
+    for k in range(0, n_full, BLOCK_V):
+        dz = _bwd_tile(tl.load(src + k + cols).to(tl.float32), scale, lse2, a_coef, b_coef, HAS_GRAD_ENTROPY)
         if ONE_HOT:
-            dz += tl.where(cols == label_col - v0, g_label, 0.0)
-        tl.store(drow_ptr + offs, dz.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+            dz += tl.where(cols == label_col - k, g_label, 0.0)
+        tl.store(dst + k + cols, dz.to(out_ty))
+    if n_full < n:
+        in_span = n_full + cols < n
+        x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0).to(tl.float32)
+        dz = _bwd_tile(x_tail, scale, lse2, a_coef, b_coef, HAS_GRAD_ENTROPY)
+        if ONE_HOT:
+            dz += tl.where(cols == label_col - n_full, g_label, 0.0)
+        tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span)
+    col, ok = _ragged_ends(lo, hi, a - row_off, n, ALIGN)
+    dz = _bwd_tile(tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32), scale, lse2, a_coef,
+                   b_coef, HAS_GRAD_ENTROPY)
+    if ONE_HOT:
+        dz += tl.where(takes_grad & (col == label), g_label, 0.0)
+    tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
 
 
 # autotuned launchers of the same kernels (CUDA only; see the module docstring)
@@ -334,7 +403,7 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
             B * T, T, V, V,
             logits.stride(0), logits.stride(1),
             scale, inv_t, int(ignore_index),
-            COMPUTE_ENTROPY=compute_entropy, SPLIT=False, **config,
+            COMPUTE_ENTROPY=compute_entropy, SPLIT=False, ALIGN=16 // logits.element_size(), **config,
         )
         return logp, entropy, lse
     # few rows: each row's vocab over `splits` programs, then one program per row merges their stats
@@ -344,7 +413,7 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
         B * T, T, V, chunk_v,
         logits.stride(0), logits.stride(1),
         scale, inv_t, int(ignore_index),
-        COMPUTE_ENTROPY=compute_entropy, SPLIT=True, **fixed_config(V),
+        COMPUTE_ENTROPY=compute_entropy, SPLIT=True, ALIGN=16 // logits.element_size(), **fixed_config(V),
     )
     _logprobs_combine_kernel[(B * T,)](
         logits, labels, partial, logp, entropy if compute_entropy else lse, lse,
@@ -382,6 +451,6 @@ def logprobs_bwd(logits, labels, lse, entropy, grad_logp, grad_entropy, *, tempe
         logits.stride(0), logits.stride(1), dlogits.stride(0), dlogits.stride(1),
         LOG2E / float(temperature), 1.0 / float(temperature), int(ignore_index),
         HAS_GRAD_LOGP=grad_logp is not None, HAS_GRAD_ENTROPY=grad_entropy is not None, ONE_HOT=one_hot,
-        **config,
+        SAME_LAYOUT=dlogits.stride() == logits.stride(), ALIGN=16 // logits.element_size(), **config,
     )
     return dlogits

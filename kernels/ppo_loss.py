@@ -33,13 +33,23 @@ DRAM. The bet (to be measured, `fastrlhf bench`: ppo_actor_loss fwd+bwd vs logpr
 walks the row from its end with L2 hints (pass-1 loads evict-last, pass-2 loads and the d(logits)
 stores evict-first), so the tiles read last are re-read from L2 rather than DRAM. The hit rate is
 about L2 / (rows in flight x row bytes): a row is 297 KiB at V = 151936 in bf16, an H100's L2 50 MB.
-One program per row with 3 programs per SM (79 registers x 256 threads) keeps ~400 rows, ~118 MB,
-in flight: ~40% of pass 2 from L2, ~2.6 passes of DRAM traffic instead of 3. A persistent grid (the
-kernel walks rows pid, pid + grid, ...) of 2 or 1 programs per SM keeps 78 or 39 MB in flight
-(~65% or nearly all of pass 2 from L2, the 0.75 target needing ~75%) but fewer bytes in flight to
-hide DRAM latency. On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x
+One program per row, at 127 registers x 256 threads two per SM, keeps ~264 rows, ~78 MB, in
+flight: ~60% of pass 2 from L2, ~2.4 passes of DRAM traffic instead of 3. A persistent grid (the
+kernel walks rows pid, pid + grid, ...) of 1 program per SM keeps 39 MB in flight (nearly all of
+pass 2 from L2; the 0.75 target needs ~75%) but half the bytes in flight to hide DRAM latency;
+2 per SM is the one-row-per-program occupancy without the tail effect of 16k short-lived programs.
+Measured on an H100 (B = 16, T = 1024, V = 151936 bf16, autotuned among the first three configs,
+the winner not recorded): fwd+bwd 0.977x logprobs fwd+bwd, so pass 2 costs about a full DRAM read
+and write, not L2 hits. Possible reasons (not measured): even 39 MB of rows in flight, next to the
+streamed d(logits) stores, is more than L2 (two partitions of 25 MB) keeps under an evict-last hint.
+So the list also offers persistent grids of fewer programs than SMs: 0.5 per SM (66 rows, ~20 MB in
+flight on 132 SMs) and 0.25 (33 rows, ~10 MB). The prediction: these re-read most of pass 2 from L2,
+at the cost of fewer bytes in flight per SM to hide DRAM latency in pass 1; which effect wins is for
+the tuner (and the bench, which records the config it picked) to tell.
+On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x
 warps x programs per SM, keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with
-8192 x 8, two per SM with 8192 x 8, one per SM with 16384 x 16 (32 logits per thread each).
+8192 x 8, two per SM with 8192 x 8, then 16384 x 16 (32 logits per thread) at one, one half and one
+quarter program per SM (at least one program).
 Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on CUDA).
 """
 
@@ -50,7 +60,17 @@ import triton
 import triton.language as tl
 from fastrlhf.kernels._masks import as_loadable
 from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative
-from fastrlhf.kernels.logprobs import FP32_MIN, LN2, LOG2E, T_FLOOR, TUNE_MIN_V, _online_tile, fixed_config
+from fastrlhf.kernels.logprobs import (
+    FP32_MIN,
+    LN2,
+    LOG2E,
+    TUNE_MIN_V,
+    _aligned_span,
+    _bwd_tile,
+    _online_tile,
+    _ragged_ends,
+    fixed_config,
+)
 
 from fastrlhf.constants import IGNORE_INDEX, LOG_RATIO_CLAMP
 
@@ -58,7 +78,8 @@ LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024
 # the fused actor loss on CUDA: tile x warps x grid, autotuned among these (module docstring)
 ACTOR_CONFIGS = [triton.Config({"BLOCK_V": block_v, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
-                 for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1))]
+                 for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1), (16384, 16, 0.5),
+                                                (16384, 16, 0.25))]
 IGNORE = tl.constexpr(IGNORE_INDEX)
 POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
 VALUE_SUMS = ("loss", "n_clipped", "n_mask")
@@ -238,15 +259,19 @@ def _actor_loss_fwd_kernel(
     KL_STRAIGHT_THROUGH: tl.constexpr,  # the KL gradient is r = logp - ref_logp (that of r^2 / 2)
     HAS_ENTROPY: tl.constexpr,  # entropy_coef != 0
     NEED_GRAD: tl.constexpr,
+    SAME_LAYOUT: tl.constexpr,  # the logits are contiguous (as d(logits)): both rows align alike
+    ALIGN: tl.constexpr,  # logits in 16 bytes
     BLOCK_V: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # the grid (read by the launcher): 0 = one program per row, else k per SM
+    # (k may be a fraction: 0.5 = one program per two SMs)
 ):
     # rows pid, pid + grid, ...: one each with a grid of N programs, several with a persistent grid
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
         _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
                         logp_ptr, entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature,
                         ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP, HAS_IS_WEIGHTS,
-                        HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY, NEED_GRAD, BLOCK_V)
+                        HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY, NEED_GRAD, SAME_LAYOUT,
+                        ALIGN, BLOCK_V)
 
 
 @triton.jit
@@ -255,24 +280,36 @@ def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_p
                     ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
                     HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
                     HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                    NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index
-    row_ptr = logits_ptr + (row // T) * stride_b + (row % T) * stride_t
+                    NEED_GRAD: tl.constexpr, SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index. The row is walked as
+    # in kernels/logprobs.py: its 16-byte aligned middle in BLOCK_V tiles (the last one masked in whole
+    # 16-byte groups), then its few ragged columns at either end
+    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
+    a, n = _aligned_span(row_off, 0, V, ALIGN)
+    n_full = n // BLOCK_V * BLOCK_V
+    cols = tl.arange(0, BLOCK_V)
+    src = logits_ptr + a
+    col, ok = _ragged_ends(0, V, a - row_off, n, ALIGN)
 
-    # pass 1: lse, entropy, logp (kernels/logprobs.py, base 2); these loads ask L2 to keep the row
+    # pass 1: lse, entropy, logp (base 2, kernels/logprobs.py); these loads ask L2 to keep the row
     m = tl.full((), FP32_MIN, tl.float32)
     d = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"), eviction_policy="evict_last")
-        m, d, s = _online_tile(x.to(tl.float32), m, d, s, scale, True)
+    for k in range(0, n_full, BLOCK_V):
+        x = tl.load(src + k + cols, eviction_policy="evict_last").to(tl.float32)
+        m, d, s = _online_tile(x, m, d, s, scale, True)
+    if n_full < n:
+        x_tail = tl.load(src + n_full + cols, mask=n_full + cols < n, other=float("-inf"),
+                         eviction_policy="evict_last")
+        m, d, s = _online_tile(x_tail.to(tl.float32), m, d, s, scale, True)
+    x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=float("-inf")).to(tl.float32)
+    m, d, s = _online_tile(x_ends, m, d, s, scale, True)
     log2_d = tl.log2(d)
     lse2 = m + log2_d  # lse / ln 2
     entropy = (log2_d - s / d) * LN2
     label = tl.load(labels_ptr + row)
     valid = (label >= 0) & (label < V)
-    x_label = tl.load(row_ptr + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
+    x_label = tl.load(logits_ptr + row_off + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
     logp = tl.where(valid, x_label * inv_temperature - lse2 * LN2, float("nan"))
     logp = tl.where(label == IGNORE, 0.0, logp)
     tl.store(logp_ptr + row, logp)
@@ -297,35 +334,43 @@ def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_p
                 d_kl = _kl_derivative(r, KL_ESTIMATOR, HAS_KL_CLAMP, kl_clamp)
             g_logp += kl_coef * w * d_kl
         # ignored and out-of-range labels have no log-prob, hence no gradient through it
-        g_logp = tl.where(counts & valid & (label != IGNORE), g_logp, 0.0)
+        takes_grad = counts & valid & (label != IGNORE)
+        g_logp = tl.where(takes_grad, g_logp, 0.0)
         # d(logits) = p (a + b t) [+ g_logp / temperature at the label], p = 2^t, t = y - lse / ln 2
-        a = -g_logp * inv_temperature
-        b = tl.zeros((), tl.float32)
+        a_coef = -g_logp * inv_temperature
+        b_coef = tl.zeros((), tl.float32)
         if HAS_ENTROPY:
             g_ent = tl.where(counts, -entropy_coef * w, 0.0)
-            a -= g_ent * entropy * inv_temperature
-            b = -g_ent * LN2 * inv_temperature
+            a_coef -= g_ent * entropy * inv_temperature
+            b_coef = -g_ent * LN2 * inv_temperature
         g_label = g_logp * inv_temperature
-        label_col = tl.where(valid, label, -1).to(tl.int32)
+        label_col = tl.where(takes_grad, label - (a - row_off), -1).to(tl.int32)  # from the aligned start
 
         # pass 2, from the row's end back to its start: the tiles read last in pass 1 are the likeliest
-        # still in L2; d(logits) is written once and streamed out (evict first)
-        cols = tl.arange(0, BLOCK_V)
-        drow_ptr = dlogits_ptr + row * V
-        n_tiles = tl.cdiv(V, BLOCK_V)
-        for i in range(0, n_tiles):
-            v0 = (n_tiles - 1 - i) * BLOCK_V
-            offs = v0 + cols
-            in_row = offs < V
-            x = tl.load(row_ptr + offs, mask=in_row, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            t = x * scale - lse2
-            if HAS_ENTROPY:
-                t = tl.maximum(t, T_FLOOR)  # a -inf logit: p = 0 and p (a + b t) = 0
-                dz = tl.exp2(t) * (a + b * t)
-            else:
-                dz = tl.exp2(t) * a
-            dz += tl.where(cols == label_col - v0, g_label, 0.0)
-            tl.store(drow_ptr + offs, dz.to(dlogits_ptr.dtype.element_ty), mask=in_row, eviction_policy="evict_first")
+        # still in L2; d(logits) is written once and streamed out (evict first). d(logits) is contiguous
+        # (or the logits themselves): with SAME_LAYOUT (contiguous logits) its rows align as theirs.
+        drow_off = row * V
+        dst = dlogits_ptr + (drow_off + (a - row_off))
+        if SAME_LAYOUT:
+            drow_off = row_off
+            dst = dlogits_ptr + a  # as aligned as the loads
+        out_ty = dlogits_ptr.dtype.element_ty
+        if n_full < n:
+            in_span = n_full + cols < n
+            x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0, eviction_policy="evict_first")
+            dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+            dz += tl.where(cols == label_col - n_full, g_label, 0.0)
+            tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span, eviction_policy="evict_first")
+        for i in range(0, n_full // BLOCK_V):
+            k = n_full - BLOCK_V - i * BLOCK_V
+            x = tl.load(src + k + cols, eviction_policy="evict_first").to(tl.float32)
+            dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+            dz += tl.where(cols == label_col - k, g_label, 0.0)
+            tl.store(dst + k + cols, dz.to(out_ty), eviction_policy="evict_first")
+        x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32)
+        dz = _bwd_tile(x_ends, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz += tl.where(col == label, g_label, 0.0)  # g_label is 0 where the label takes no gradient
+        tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
 
 
 @triton.jit
@@ -463,8 +508,12 @@ def actor_config(V: int, device: torch.device) -> dict:
     return config | {"PROGRAMS_PER_SM": 0}
 
 
-def _actor_grid(N: int, programs_per_sm: int, device: torch.device) -> tuple[int]:
-    return (N,) if programs_per_sm == 0 else (min(N, programs_per_sm * sm_count(device)),)
+def _actor_grid(N: int, programs_per_sm: float, device: torch.device) -> tuple[int]:
+    """(programs,): one per row for programs_per_sm == 0, else programs_per_sm x SMs (a fraction
+    allowed), at least 1 and at most N."""
+    if programs_per_sm == 0:
+        return (N,)
+    return (max(1, min(N, int(programs_per_sm * sm_count(device)))),)
 
 
 def actor_loss_fwd(
@@ -532,7 +581,7 @@ def actor_loss_fwd(
         DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
         KL_ESTIMATOR=ESTIMATOR_IDS[kl_estimator], HAS_KL_CLAMP=kl_clamp is not None,
         KL_STRAIGHT_THROUGH=bool(kl_straight_through), HAS_ENTROPY=entropy_coef != 0.0, NEED_GRAD=need_grad,
-        **config,
+        SAME_LAYOUT=logits.is_contiguous(), ALIGN=16 // logits.element_size(), **config,
     )
     return logp, entropy, d_logits
 

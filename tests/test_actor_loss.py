@@ -100,7 +100,7 @@ def test_actor_loss_non_contiguous_logits(backend):
              entropy_coef=0.02, kl_coef=0.05)
 
 
-@pytest.mark.parametrize("config", range(3), ids=lambda i: f"config{i}")
+@pytest.mark.parametrize("config", range(5), ids=lambda i: f"config{i}")
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
 def test_actor_loss_cuda_configs(triton_backend, monkeypatch, config, dtype, atol):
     """The fused kernel with each tile x warps x grid its CUDA autotuner may pick (the interpreter
@@ -110,7 +110,7 @@ def test_actor_loss_cuda_configs(triton_backend, monkeypatch, config, dtype, ato
     from fastrlhf.kernels import ppo_loss as pk
 
     chosen = pk.ACTOR_CONFIGS[config]
-    assert len(pk.ACTOR_CONFIGS) == 3
+    assert len(pk.ACTOR_CONFIGS) == 5
     monkeypatch.setattr(pk, "actor_config", lambda V, device: chosen.kwargs | {"num_warps": chosen.num_warps})
     B, T, V = 4, 3, 2 * chosen.kwargs["BLOCK_V"] + 100
     logits, labels, old_logp, ref_logp, advantages, mask = _batch(B, T, V, dtype)
@@ -258,3 +258,32 @@ def test_actor_loss_is_weights_straight_through_kl_and_global_counts(backend, dt
     _compare(logits, labels, old_logp, ref_logp, advantages, mask, atol, kl_coef=0.2, kl_estimator="low_var_kl",
              kl_clamp=10.0, kl_straight_through=True, entropy_coef=0.01, is_weights=torch.rand(B, T) * 2,
              dual_clip=3.0, agg=agg, **agg_kw)
+
+
+@pytest.mark.parametrize("V", [5, 301, 1003])
+def test_actor_loss_odd_vocab_at_odd_offsets(backend, V):
+    """Rows at odd element offsets (a view whose data pointer is off a 16-byte boundary, rows V + 3
+    apart) and V below one 16-byte group: the aligned middle and the ragged ends cover each row once,
+    labels at the first and last column."""
+    B, T = 4, 5
+    logits, labels, old_logp, ref_logp, advantages, mask = _batch(B, T, V, torch.bfloat16)
+    labels[0, :2] = torch.tensor([0, V - 1])
+    flat = torch.zeros(1 + B * T * (V + 3), dtype=torch.bfloat16)
+    strided = flat[1:].as_strided((B, T, V), (T * (V + 3), V + 3, 1))
+    strided.copy_(logits)
+    shifted = torch.cat([torch.zeros(1, T, V, dtype=torch.bfloat16), logits])[1:]  # storage offset T V
+    for view in (strided, shifted):
+        _compare(view, labels, old_logp, ref_logp, advantages, mask, 1e-3, entropy_coef=0.02, kl_coef=0.05)
+
+
+def test_actor_grid_fractional_programs_per_sm():
+    """0 = one program per row; k per SM, a fraction included, at least 1 and at most N programs
+    (the interpreter counts 2 SMs)."""
+    from fastrlhf.kernels import ppo_loss as pk
+
+    cpu = torch.device("cpu")
+    assert pk._actor_grid(37, 0, cpu) == (37,)
+    assert pk._actor_grid(37, 2, cpu) == (4,)
+    assert pk._actor_grid(37, 0.5, cpu) == (1,)
+    assert pk._actor_grid(37, 0.25, cpu) == (1,)
+    assert pk._actor_grid(3, 4, cpu) == (3,)

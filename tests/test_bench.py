@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from conftest import DEVICE
 
 from fastrlhf import bench
 from fastrlhf.bench import environment, measure, providers, run
@@ -26,7 +29,7 @@ from fastrlhf.bench.cases import GRID_TARGET, LINEAR_TARGET, LOGITS_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"op", "shape", "dims", "dtype", "pass", "provider", "backend", "median_ms", "p10_ms", "p90_ms", "reps",
-            "bytes", "gbps", "roofline", "peak_mem_bytes", "grad_bytes", "extra_peak_bytes"}
+            "bytes", "gbps", "roofline", "peak_mem_bytes", "grad_bytes", "extra_peak_bytes", "autotune"}
 RECORD_KEYS = {"schema", "device", "kind", "torch", "triton", "commit", "kernels_tree", "kernels_tree_files", "dirty",
                "command", "driver", "probes", "settings", "cases", "finished", "results", "targets", "skipped",
                "errors", "notes"}
@@ -69,6 +72,7 @@ def test_rows_for_every_op_pass_and_provider(record):
         assert row["reps"] >= 3  # --min-reps defaults to 3 on CPU, whatever --rep-ms says
         assert row["gbps"] == pytest.approx(row["bytes"] / 1e9 / (row["median_ms"] / 1e3))
         assert row["peak_mem_bytes"] is None and row["extra_peak_bytes"] is None
+        assert row["autotune"] == []  # CPU tensors: no autotuned launch
     measured = {(r["op"], r["shape"], r["dtype"], r["pass"], r["provider"]) for r in rows}
     cases = bench.cases("tiny")
     assert {c.op for c in cases} == set(bench.OPS)
@@ -216,6 +220,39 @@ def test_every_provider_gets_fresh_identical_inputs(monkeypatch):
     assert seen["torch"] == seen["fastrlhf"] != 0.0
     a, b = bench.make_pool(case, settings), bench.make_pool(case, settings)
     assert torch.equal(a[0]["logits"], b[0]["logits"]) and a[0]["logits"].data_ptr() != b[0]["logits"].data_ptr()
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=2, num_stages=2)], key=["n"])
+@triton.jit
+def _tuned_fill_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, 1.0, mask=offs < n)
+
+
+def test_rows_record_the_autotuned_configs(monkeypatch):
+    """Each row names the config every `triton.autotune` kernel of its provider chose (here one that
+    runs in the interpreter; on CUDA the log-prob and actor-loss kernels), and the bench leaves
+    triton's Autotuner as it found it."""
+    from triton.runtime.autotuner import Autotuner
+
+    def load(pass_):
+        def fn(logits, labels):
+            out = torch.empty(labels.numel(), device=labels.device)
+            _tuned_fill_kernel[lambda meta: (triton.cdiv(out.numel(), meta["BLOCK"]),)](out, out.numel())
+            return out
+
+        return fn
+
+    monkeypatch.setitem(providers.TABLE, "logprobs", {"fastrlhf": load, "torch": providers.TABLE["logprobs"]["torch"]})
+    case = bench.Case("logprobs", {"B": 2, "T": 4, "V": 64}, torch.float32, ("fwd",))
+    settings = bench.Settings(torch.device(DEVICE), rep_ms=0.0, rotate_bytes=0, min_reps=1)
+    run_before = Autotuner.run
+    out = run.bench([case], ["fastrlhf", "torch"], settings, {"read_gbps": 1.0, "copy_gbps": 1.0})
+    assert Autotuner.run is run_before
+    rows = {r["provider"]: r for r in out.rows}
+    assert rows["fastrlhf"]["autotune"] == [{"kernel": f"{__name__}._tuned_fill_kernel",
+                                            "config": {"BLOCK": 16, "num_warps": 2, "num_stages": 2}}]
+    assert rows["torch"]["autotune"] == []
 
 
 def test_time_budget_and_compile_last(monkeypatch):

@@ -330,3 +330,61 @@ def test_few_rows_split_vocab(triton_backend, monkeypatch, dtype, atol):
     for name, o, r, sd in zip(("logp", "entropy", "d_logits"), out, r64, same):
         assert_close_to_ref(o, r, sd, atol=atol, name=f"K labels {name}")
 
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("rows", [2, 9], ids=["few-rows-split", "row-per-program"])
+def test_vocab_not_a_multiple_of_16(backend, dtype, atol, rows):
+    """V = 50257 (GPT-2): most rows start off a 16-byte boundary, so the kernels read (and write) each
+    row's aligned middle in 128-bit accesses and its ragged ends column by column. Labels in the
+    ragged head, at the first aligned column and in the last column; contiguous logits, a
+    non-contiguous view (other row offsets, and d(logits) in another layout), the in-place backward."""
+    V = 50257
+    full = (torch.randn(1, rows + 1, V) * 3).to(dtype)
+    align = 16 // full.element_size()
+    labels = torch.randint(0, V, (1, rows))
+    for r in range(rows):
+        first_aligned = -r * V % align  # the first 16-byte aligned column of contiguous row r
+        labels[0, r] = [max(first_aligned - 1, 0), first_aligned, V - 1][r % 3]
+    for logits in (full[:, :rows].contiguous(), full[:, 1:]):
+        _, _, dx = _check_against_reference(ops.logprobs, logits, labels, atol, temperature=0.9)
+        x = logits.clone().requires_grad_()
+        g = torch.randn(1, rows)
+        lp = ops.logprobs(x * 1.0, labels, temperature=0.9, inplace_backward=True)
+        (d_inplace,) = torch.autograd.grad(lp, x, g)
+        expected = _fwd_bwd(ops.logprobs, logits, labels, g, torch.zeros(1, rows), temperature=0.9)[2]
+        torch.testing.assert_close(d_inplace, expected, rtol=0, atol=0)
+
+
+def _odd_layouts(rows, V, dtype):
+    """[1, rows, V] logits whose rows start at odd element offsets: contiguous (row r at r V), the
+    view full[:, 1:] (its data pointer itself off a 16-byte boundary) and rows V + 3 apart."""
+    full = (torch.randn(1, rows + 1, V) * 3).to(dtype)
+    flat = (torch.randn(1 + rows * (V + 3)) * 3).to(dtype)
+    return {"contiguous": full[:, :rows].contiguous(), "offset view": full[:, 1:],
+            "row stride V + 3": flat[1:].as_strided((1, rows, V), (rows * (V + 3), V + 3, 1))}
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("V", [5, 301, 1003])
+def test_small_odd_vocab_at_odd_offsets(backend, dtype, atol, V):
+    """V below one 16-byte group, and odd V with rows at odd element offsets: the aligned middle,
+    its masked last tile and the ragged ends together cover each row once (forward, out-of-place
+    and in-place backward, K labels); labels at the first, the last and a middle column."""
+    rows = 6
+    labels = torch.randint(0, V, (1, rows))
+    labels[0, :3] = torch.tensor([0, V - 1, V // 2])
+    for name, logits in _odd_layouts(rows, V, dtype).items():
+        _check_against_reference(ops.logprobs, logits, labels, atol, temperature=0.9)
+        g = torch.randn(1, rows)
+        expected = _fwd_bwd(ops.logprobs, logits, labels, g, torch.zeros(1, rows), temperature=0.9)[2]
+        x = logits.clone().requires_grad_()
+        (d_inplace,) = torch.autograd.grad(ops.logprobs(x * 1.0, labels, temperature=0.9, inplace_backward=True),
+                                           x, g)
+        torch.testing.assert_close(d_inplace, expected, rtol=0, atol=0, msg=f"{name}: in-place backward")
+        k_labels = torch.stack([labels, (labels + 1) % V, torch.full_like(labels, V - 1)], -1)
+        g_k, g_ent = torch.randn(1, rows, 3), torch.randn(1, rows)
+        out = _fwd_bwd(ops.logprobs, logits, k_labels, g_k, g_ent, temperature=0.9)
+        r64 = _fwd_bwd(ref.logprobs, logits.double(), k_labels, g_k, g_ent, temperature=0.9)
+        same = _fwd_bwd(ref.logprobs, logits, k_labels, g_k, g_ent, temperature=0.9)
+        for what, o, r, s in zip(("logp", "entropy", "d_logits"), out, r64, same):
+            assert_close_to_ref(o, r, s, atol=atol, name=f"{name}, K labels: {what}")

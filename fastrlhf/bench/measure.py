@@ -16,11 +16,12 @@ On CPU these are None (no allocator statistics; `bench/linear_memory.py` measure
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,34 @@ def make_runner(pass_: str, fn: Callable, autograd: bool, pool: list[dict],
         out.backward(g, retain_graph=True)
 
     return run_bwd, grads
+
+
+@contextlib.contextmanager
+def autotune_choices() -> Iterator[list[dict]]:
+    """Within the block, each `triton.autotune` kernel that launches adds the config it chose (timing
+    its configs on a key's first launch, or from its cache) to the yielded list, once per distinct
+    (kernel, config): {"kernel": "module.function", "config": {constexprs, num_warps, num_stages}}.
+    Wraps `Autotuner.run` for the block only: the bench uses it around the untimed warm-up calls."""
+    from triton.runtime.autotuner import Autotuner
+
+    chosen: list[dict] = []
+    original = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        config = getattr(self, "best_config", None)
+        if config is not None:
+            entry = {"kernel": f"{self.base_fn.__module__}.{self.base_fn.__qualname__}",
+                     "config": dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)}
+            if entry not in chosen:
+                chosen.append(entry)
+        return out
+
+    Autotuner.run = run
+    try:
+        yield chosen
+    finally:
+        Autotuner.run = original
 
 
 def warmup_calls(provider: str) -> int:

@@ -1,9 +1,10 @@
 """How it is reported: a terminal table, the JSON record, a plot and the README table.
 
 The JSON record (schema 2) holds the environment (device, clocks, nominal bandwidth, versions,
-commit, kernels tree), `probes`, `settings`, one row per (case, pass, provider) in `results`,
-`targets`, `skipped`, `errors`, `notes`, and `finished` (false while a run is still writing
-it, or when it was stopped before its end).
+commit, kernels tree), `probes`, `settings`, one row per (case, pass, provider) in `results`
+(each with `autotune`: the config every autotuned Triton kernel of that row chose), `targets`,
+`skipped`, `errors`, `notes`, and `finished` (false while a run is still writing it, or when it
+was stopped before its end).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def print_table(result: dict) -> None:
     for t in result["targets"]:
         tt.add_row(t["name"], t["goal"], _fmt(t["value"]), _met(t["met"], rich=True), t["case"] or "-", t["detail"])
     console.print(tt)
+    for r in rows:
+        for t in r.get("autotune", []):
+            config = ", ".join(f"{k}={v}" for k, v in t["config"].items())
+            console.print(f"[dim]autotune {r['op']} {r['pass']} {r['shape']} {r['dtype']} {r['provider']}: "
+                          f"{t['kernel']} {config}[/]")
     for note in result["notes"]:
         console.print(f"[dim]note: {note}[/]")
     for s in result["skipped"]:

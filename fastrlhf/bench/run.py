@@ -20,6 +20,7 @@ from fastrlhf.bench.cases import OPS, Case, case_bytes, case_flops
 from fastrlhf.bench.measure import (
     GB,
     Settings,
+    autotune_choices,
     is_oom,
     make_pool,
     make_runner,
@@ -49,7 +50,8 @@ class Run:
 
 
 def measure(case: Case, provider: str, pass_: str, settings: Settings, probes: dict) -> dict:
-    """One row: time and peak memory of one provider and pass on fresh inputs. Raises Skip when
+    """One row: time and peak memory of one provider and pass on fresh inputs, and the configs its
+    autotuned Triton kernels chose (`autotune`: [] where none ran, e.g. off CUDA). Raises Skip when
     the provider cannot run it. The inputs, the runner and any graphs it retains die with this
     frame, before the next measurement builds its own."""
     device = settings.device
@@ -58,8 +60,9 @@ def measure(case: Case, provider: str, pass_: str, settings: Settings, probes: d
         torch._dynamo.reset()  # fresh compile caches: no recompile limit reached across cases
     pool = make_pool(case, settings)
     runner, grads = make_runner(pass_, fn, autograd, pool, device)
-    for _ in range(warmup_calls(provider)):  # compiles torch.compile graphs and Triton kernels
-        runner()
+    with autotune_choices() as tuned:  # the config each autotuned Triton kernel of this case picks
+        for _ in range(warmup_calls(provider)):  # compiles torch.compile graphs and Triton kernels (and tunes)
+            runner()
     sync(device)
     timing = time_fn(runner, settings, grads)
     peak, grad_bytes = peak_memory(runner, device, grads)
@@ -71,7 +74,7 @@ def measure(case: Case, provider: str, pass_: str, settings: Settings, probes: d
            "median_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms, "reps": timing.reps,
            "bytes": counted[pass_], "gbps": counted[pass_] / GB / (timing.median_ms / 1e3),
            "roofline": ideal_ms / timing.median_ms, "peak_mem_bytes": peak, "grad_bytes": grad_bytes,
-           "extra_peak_bytes": None if peak is None else peak - grad_bytes}
+           "extra_peak_bytes": None if peak is None else peak - grad_bytes, "autotune": tuned}
     flops = case_flops(case, pass_)
     if flops is not None:
         row["tflops"] = flops / 1e12 / (timing.median_ms / 1e3)
