@@ -6,6 +6,8 @@ The calibration against DeepSpeed-Chat and this trainer's recorded runs is in te
 """
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,6 +259,37 @@ def test_measure_cuda_state_bytes(lora_rank):
     result = est.measure(lora_rank, device="cuda")
     for key in ("weights", "gradients", "optimizer"):
         assert abs(_rel(result["predicted"][key], result["measured"][key])) <= 0.10, (key, result)
+
+
+STATE_RECORD = Path(__file__).resolve().parents[1] / "bench" / "results" / "dist_state_bytes_cpu.json"
+SHARD_ZERO = {"full": "3", "grad_op": "2", "none": "0"}  # --shard -> --zero (fsdp2 engine)
+
+
+@pytest.mark.parametrize("run", list(json.loads(STATE_RECORD.read_text())["runs"]))
+def test_planner_predicts_the_recorded_fsdp2_state_bytes(run, tmp_path, capsys):
+    """Issue 11: the planner predicts the bytes per rank of parameters, gradients and AdamW states
+    that `fastrlhf sft` measured on 1 process and on 2 ranks under each --shard mode (bench/
+    dist_state_bytes.py), through the same `fastrlhf estimate` command line a user runs. The issue's bar is
+    10%; the model is exact here (every first dimension of the 36M Llama divides 2, so FSDP2 pads nothing),
+    so the test holds it to the byte."""
+    record = json.loads(STATE_RECORD.read_text())
+    assert record["device"] == "cpu" and record["model"]["dtype"] == "float32"
+    assert record["model"]["optimizer"] == "AdamW" and record["model"]["mixed_precision"] == "none"
+    command = shlex.split(record["runs"][run]["command"])
+    ranks = int(command[command.index("--nproc-per-node") + 1]) if "--nproc-per-node" in command else 1
+    zero = SHARD_ZERO[command[command.index("--shard") + 1]] if "--shard" in command else "0"
+    (tmp_path / "config.json").write_text(json.dumps(record["model"]["config"]))
+    argv = ["--model", str(tmp_path / "config.json"), "--stage", "sft", "--gpu", "cpu", "--gpus", str(ranks),
+            "--engine", "fsdp2", "--zero", zero, "--lora-rank", "0", "--json"]  # dtype: the trainer's on cpu
+    assert est.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["inputs"]["dtype"] == "fp32"
+    assert out["params"] == record["model"]["num_params"]  # 35,660,288: the formula and the model agree
+    predicted = out["stages"]["sft"]["models"]["actor"]
+    measured = record["runs"][run]["max_over_ranks"]
+    for ours, theirs in (("weights", "params"), ("gradients", "grads"), ("optimizer", "optimizer")):
+        error = _rel(predicted[ours], measured[theirs])
+        assert predicted[ours] == measured[theirs], (run, ours, predicted[ours], measured[theirs], f"{error:+.1%}")
 
 
 # --- what real setups differ in ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from fastrlhf.estimate.plan import (
     Spec,
     actor_arch,
     estimate,
+    resolved,
 )
 
 DESCRIPTION = """Memory per GPU, FLOPs, time (with a range) and cost of each RLHF stage and PPO phase, fit per pool.
@@ -78,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
                                                   "or narrowed to it (layers kept; weights, FLOPs, activations, "
                                                   "KV cache follow)")
     p.add_argument("--stage", default=d.stage, choices=(*STAGES, "all"), help="all = sft, rm, ppo")
-    p.add_argument("--gpus", type=int, default=d.gpus, help="GPUs of a colocated run")
+    p.add_argument("--gpus", type=int, default=d.gpus,
+                   help="GPUs of a colocated run (--gpu cpu: processes, torchrun --nproc-per-node)")
     p.add_argument("--placement", default=d.placement, choices=("colocated", "disaggregated"),
                    help="colocated: every model on every GPU; disaggregated: a pool of GPUs per role (--pools)")
     p.add_argument("--pools", default=None,
@@ -90,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
                    help="ZeRO stage 0-3 for every model, or per model: actor=3,critic=2,reference=3,reward=0 "
                         "(all=N sets the rest); fsdp2: 0 none, 2 reshard_after_forward=False, 3 full")
     p.add_argument("--dtype", default=d.dtype, choices=("bf16", "fp16", "fp32"),
-                   help="bf16 / fp16: mixed precision; fp32")
+                   help="bf16 / fp16: mixed precision; fp32. Unset: the trainer's, fp32 with --gpu cpu, else bf16")
     p.add_argument("--lora-rank", type=int, default=d.lora_rank, help="0 = full fine-tuning")
     p.add_argument("--lora-targets", default=",".join(d.lora_targets), help="comma list of " + ",".join(LINEARS))
     p.add_argument("--qlora", action="store_true", help="4-bit NF4 base under the adapters")
@@ -146,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> Spec:
     pools = _mapping(args.pools, "pools", POOLS) if args.pools else None
-    return Spec(model=args.model, params=args.params, stage=args.stage, gpus=args.gpus, placement=args.placement,
+    spec = Spec(model=args.model, params=args.params, stage=args.stage, gpus=args.gpus, placement=args.placement,
                 pools=pools, engine=args.engine, zero=parse_zero(args.zero), dtype=args.dtype,
                 lora_rank=args.lora_rank,
                 lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
@@ -158,6 +160,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
                 critic=args.critic, reward=args.reward, gen_engine=args.gen_engine, gen_tp=args.gen_tp,
                 offload=args.offload, offload_frozen=args.offload_frozen, ema=args.ema, gpu=args.gpu,
                 cpu_threads=args.cpu_threads, price=args.price, steps=args.steps)
+    return resolved(spec)  # dtype None: the trainer's on the device
 
 
 def spec_json(spec: Spec) -> dict:

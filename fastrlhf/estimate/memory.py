@@ -19,6 +19,15 @@ engine fsdp2, this trainer's real buffers (fastrlhf/models.py, fastrlhf/ppo.py o
     (single process: 2P from forward to backward), or FSDP2's all-gathered layers (`--zero 3`: two layers,
     the current one and the prefetched one; `--zero 2` = reshard_after_forward=False: 2P from forward to
     backward). The frozen reference is a deep copy of the policy (fp32).
+    Gradients are what FSDP2 keeps as `param.grad`, this GPU's reduce-scattered shard; under `--zero 3` the
+    gathered layer's whole gradient exists only during that layer's backward and is counted as a buffer.
+    fp32 (the trainer on CPU: no autocast, FSDP2 gathers fp32): weights 4, gradients 4, optimizer 8, no
+    compute copy. Checked against the trainer (bench/results/dist_state_bytes_cpu.json, 36M Llama, fp32,
+    AdamW, 1 process and 2 ranks under --shard full / grad_op / none): parameters, gradients and AdamW
+    states per rank as predicted, to the byte (tests/test_estimate.py). FSDP2 pads each tensor's first
+    dimension to a multiple of N: P / N is exact when every first dimension divides N (there: all do), else
+    short by less than one row per tensor. `--zero 2` keeps parameters sharded between steps too (FSDP2
+    frees the gathered layers after backward).
     LoRA: the frozen base in the run dtype (bf16 on CUDA), adapters in fp32 (peft upcasts them): 4 + 4 + 8.
     The reward model loads in fp32 (`RewardModel.from_pretrained` default dtype).
     `--zero 0` = not sharded, 2 = reshard_after_forward=False, 3 = fully sharded; FSDP2 has no stage 1.
@@ -156,14 +165,25 @@ def fill_states(m: ModelState, *, engine: str, dtype: str, lora_rank: int, lora_
     if not lora and table["compute_copy"]:
         full_copy = arch.params() * table["compute_copy"]
         m.compute_copy = 2 * layer * table["compute_copy"] if (engine == "fsdp2" and z == 3) else full_copy
-    if z == 3:  # the gathered layer's gradient before it is reduce-scattered
-        grads += min(trainable, layer) * db
+    layer_grad = min(trainable, layer) * db  # a gathered layer's whole gradient, before its reduce-scatter
+    if z == 3 and engine == "fsdp2":
+        # FSDP2 keeps only the reduce-scattered shard as `param.grad`: the gathered layer's whole gradient
+        # lives during that layer's backward only, so it is a buffer beside the gathered weights, not part
+        # of the gradients a GPU holds. Measured (bench/results/dist_state_bytes_cpu.json: 36M Llama, fp32,
+        # 2 ranks, --shard full, read after the optimizer step): 71,320,576 B of gradients per rank, 4 B x P / 2
+        # exactly; counting the layer's gradient there predicted 88,097,792 B (+23.5%). The peak is unchanged.
+        m.gathered += layer_grad
+    elif z == 3:
+        grads += layer_grad
     if offload in ("optimizer", "params"):
         host += optim + (trainable * 4 / (n if z >= 1 else 1) if engine == "deepspeed" else 0)
         optim = 0.0
         if offload == "params":
             host += grads
-            grads = min(trainable, layer) * db
+            grads = layer_grad
+            if engine == "fsdp2":  # the transient layer gradient is a buffer (above)
+                grads = 0.0
+                m.gathered += layer_grad if z != 3 else 0.0
     m.gradients, m.optimizer, m.host_bytes = grads, optim, host
     return m
 

@@ -75,8 +75,9 @@ class Spec:
     """fsdp2: this trainer (FSDP2, its real buffers); deepspeed: the ZeRO paper's accounting"""
     zero: int | dict = 0
     """ZeRO stage 0-3 for every model, or per model {"actor": 3, "critic": 2, "all": 0}"""
-    dtype: str = "bf16"
-    """bf16 / fp16: mixed precision; fp32"""
+    dtype: str | None = None
+    """bf16 / fp16: mixed precision; fp32; None = the trainer's on `gpu`: fp32 on cpu (no autocast there,
+    FSDP2 gathers fp32: fastrlhf/devices.py, distributed.shard_model), bf16 on a GPU"""
     lora_rank: int = 0
     """0 = full fine-tuning"""
     lora_targets: tuple[str, ...] = LINEARS
@@ -131,6 +132,13 @@ class Spec:
     """dollars per GPU-hour"""
     steps: int = 1
     """optimizer steps (SFT, RM, DPO) or iterations (PPO, GRPO) to cost"""
+
+
+def resolved(spec: Spec) -> Spec:
+    """`spec` with what it leaves to the device filled in (dtype None: fp32 on cpu, else bf16)."""
+    if spec.dtype is None:
+        return dataclasses.replace(spec, dtype="fp32" if spec.gpu == "cpu" else "bf16")
+    return spec
 
 
 def _check(spec: Spec) -> None:
@@ -826,7 +834,7 @@ def _run_stage(spec: Spec, stage: str) -> dict:
 
 def estimate(spec: Spec | None = None, **overrides) -> dict:
     """Memory per GPU, FLOPs, seconds (with ranges) and cost of each stage: the `--json` schema."""
-    spec = dataclasses.replace(spec or Spec(), **overrides)
+    spec = resolved(dataclasses.replace(spec or Spec(), **overrides))
     _check(spec)
     dev = device(spec.gpu)
     arch = actor_arch(spec)
@@ -879,6 +887,7 @@ def estimate(spec: Spec | None = None, **overrides) -> dict:
 def phase_works(spec: Spec) -> dict[str, timing.Work]:
     """The work of each PPO / GRPO phase on its slowest pool, and 'update:<model>' per trained model
     (what `python -m fastrlhf.estimate.calibrate` fits the coefficients to)."""
+    spec = resolved(spec)
     _check(spec)
     stage = spec.stage if spec.stage in ("ppo", "grpo") else "ppo"
     phases = _ppo_like(spec, actor_arch(spec), stage)["phases"]
