@@ -14,8 +14,8 @@
 #                       (subprocesses of the tests and of torchrun see them too)
 #   env       25 / 30   nvidia-smi, torch / triton / CUDA versions, SM and memory clocks, commit, kernels tree
 #   tests    220 / 90   pytest tests/ on CUDA (xdist and per-test timeouts when installed; dry run: tests/test_kl.py)
-#   bench    140 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny)
-#   ppo      110 / 90   fastrlhf ppo on qwen2-0.5b, LoRA, bf16 (dry run: the tiny model on CPU)
+#   bench    130 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny)
+#   ppo      140 / 90   fastrlhf ppo on qwen2-0.5b, LoRA, bf16 (dry run: the tiny model on CPU)
 #
 # Wheels: `bash bench/gpu_wheels.sh` (here, with network) fills .whl/ with what the GPU image lacks (datasets,
 # the peers); pass `.whl` in the device call's carry. Without them the run still goes, but the tests that need
@@ -59,7 +59,7 @@ if [ "$DRY" = 1 ]; then
   L_INSTALL=30 L_ENV=30 L_TESTS=90 L_BENCH=90 L_PPO=90
 else
   DEADLINE=$((START + ${GPU_RUN_DEADLINE_S:-525}))
-  L_INSTALL=45 L_ENV=25 L_TESTS=220 L_BENCH=140 L_PPO=110
+  L_INSTALL=45 L_ENV=25 L_TESTS=220 L_BENCH=130 L_PPO=140
 fi
 
 has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }

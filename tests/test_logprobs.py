@@ -5,6 +5,7 @@ import importlib
 
 import pytest
 import torch
+from conftest import DEVICE
 from fastrlhf.kernels import logprobs as kernels
 from helpers import assert_close_to_ref, poison_outputs
 
@@ -275,16 +276,20 @@ def test_torch_path_blocks_of_rows(monkeypatch, dtype, atol):
 @pytest.mark.parametrize("config", kernels.CONFIGS, ids=lambda c: f"{c.kwargs['BLOCK_V']}x{c.num_warps}")
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 1e-3), (torch.float32, 1e-5)])
 def test_every_autotune_config_matches_reference(triton_backend, monkeypatch, config, dtype, atol):
-    """Each tile x warps config the CUDA autotuner may pick, run through the Triton kernels (the
-    interpreter takes the fixed config otherwise): a vocab of two full 16384 tiles and a partial
-    one, the label in the last column, -inf logits, temperature != 1."""
+    """Each tile x warps config the CUDA autotuner may pick, run through the Triton kernels (in the
+    interpreter as the fixed config; on CUDA as the autotuner's only config): a vocab of two full
+    16384 tiles and a partial one, the label in the last column, -inf logits, temperature != 1."""
     monkeypatch.setattr(kernels, "fixed_config",
                         lambda V: {"BLOCK_V": config.kwargs["BLOCK_V"], "num_warps": config.num_warps})
+    for tuned in (kernels._logprobs_fwd_tuned, kernels._logprobs_bwd_tuned):
+        monkeypatch.setattr(tuned, "configs", [config])
+        monkeypatch.setattr(tuned, "cache", {})
     V = 2 * 16384 + 1000
-    logits = (torch.randn(3, 3, V) * 3).to(dtype)  # 9 rows: one program per row (no vocab split)
-    assert kernels.vocab_splits(9, V, logits.device)[0] == 1
+    T = kernels.FEW_ROWS_WAVES * kernels.sm_count(torch.device(DEVICE)) // 3 + 1  # one program per row (no split)
+    logits = (torch.randn(3, T, V) * 3).to(dtype)
+    assert kernels.vocab_splits(3 * T, V, logits.device)[0] == 1
     logits[0, 1, 5000:9000] = float("-inf")
-    labels = torch.randint(0, V, (3, 3))
+    labels = torch.randint(0, V, (3, T))
     labels[0, 0] = V - 1
     labels[0, 1] = 42  # a finite logit: the row's -inf ones get p = 0 and gradient 0
     _check_against_reference(ops.logprobs, logits, labels, atol, temperature=0.8)

@@ -53,6 +53,12 @@ def test_peer_unit_tests_pass_with_patch(backend, tmp_path):
     env = dict(os.environ, FASTRLHF_PATCH=",".join(peers), FASTRLHF_BACKEND=backend,
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     if backend == "triton":  # the peers' suites make CPU tensors: the kernels run in the interpreter, GPU or not
+        import triton
+        from packaging.version import Version
+
+        if Version(triton.__version__) < Version("3.8"):  # the GPU image's 3.6, say (CI has the newest)
+            pytest.skip(f"triton {triton.__version__}'s interpreter cannot run a loop over a runtime bound (its ints "
+                        "are 1-d: 'only 0-dimensional arrays can be converted'); 3.8 and 3.9 run these suites")
         env["TRITON_INTERPRET"] = "1"
     rootdir = os.path.commonpath([str(f.parent) for f in files])  # node ids name the peers' test files
     proc = subprocess.run(
