@@ -189,10 +189,17 @@ def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages
     return dict(means, skipped_nonfinite=skipped)
 
 
+def rollout_cache(cfg: PPOConfig, device: torch.device) -> str:
+    """cfg.rollout_cache with `auto` resolved: static on one CUDA process, else dynamic."""
+    if cfg.rollout_cache != "auto":
+        return cfg.rollout_cache
+    return "static" if device.type == "cuda" and not distributed.active() else "dynamic"
+
+
 def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device) -> Rollout:
     """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids})."""
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, device=device, cache=cfg.rollout_cache)
+                    temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device))
 
 
 @dataclasses.dataclass
@@ -238,8 +245,9 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
                          f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
     if cfg.temperature <= 0:
         raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
-    if cfg.rollout_cache not in ROLLOUT_CACHES:
-        raise ValueError(f"ppo: rollout_cache must be one of {', '.join(ROLLOUT_CACHES)}, got {cfg.rollout_cache!r}")
+    if cfg.rollout_cache not in ("auto", *ROLLOUT_CACHES):
+        raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
+                         f"got {cfg.rollout_cache!r}")
     check_advantage(cfg)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
@@ -414,6 +422,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         "device": str(device), "lora_rank": cfg.lora_rank, "advantage": cfg.advantage,
         "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
         "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
+        "rollout_cache": rollout_cache(cfg, device),
         **state_bytes,
     }
     if distributed.active():  # per-rank figures: max above, mean here

@@ -155,6 +155,12 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(tiny):
                                device=CPU, cache=cache).batch
     assert torch.equal(runs["static"].input_ids, runs["dynamic"].input_ids)
     assert torch.equal(runs["static"].response_mask, runs["dynamic"].response_mask)
+    from fastrlhf.config import PPOConfig
+    from fastrlhf.ppo import rollout_cache
+
+    assert rollout_cache(PPOConfig(), torch.device("cpu")) == "dynamic"  # auto: nothing compiles on the CPU
+    assert rollout_cache(PPOConfig(), torch.device("cuda")) == "static"
+    assert rollout_cache(PPOConfig(rollout_cache="dynamic"), torch.device("cuda")) == "dynamic"
     with pytest.raises(ValueError, match="cache must be one of dynamic, static, got 'paged'"):
         generate(ac.policy, tok, prompt_ids, ["x"] * 5, max_new_tokens=2, temperature=1.0, device=CPU, cache="paged")
 

@@ -160,9 +160,10 @@ def markdown_table(result: dict) -> str:
     lines += ["", "| target | goal | measured | met |", "| --- | --- | ---: | --- |"]
     for t in result["targets"]:
         lines.append(f"| {t['name']} | {t['goal']} | {_fmt(t['value'])} | {_met(t['met'])} |")
-    kernels = (result.get("kernels_tree") or result.get("kernels_tree_files") or "-")[:12]
-    lines += ["", f"Command: `{result['command']}` (commit {(result.get('commit') or '-')[:12]}, "
-                  f"kernels tree {kernels}{', uncommitted changes' if result.get('dirty') else ''})."]
+    # the tree hash of the kernels/ files as they ran (git's HEAD may be stale in a copied checkout)
+    kernels = (result.get("kernels_tree_files") or result.get("kernels_tree") or "-")[:12]
+    lines += ["", f"Command: `{result['command']}` (kernels tree {kernels}, computed from the files that ran: "
+                  f"`git rev-parse HEAD:kernels` names the commits with these kernels)."]
     if not result.get("finished", True):
         lines.append("This run was stopped before its end: cases it did not reach are missing.")
     return "\n".join(lines)
