@@ -202,12 +202,13 @@ class PPOConfig:
     assistant's turn opened); false, or no template: the prompt's tokens as they are."""
     temperature: float = 1.0
     """Sampling temperature, also used for the log-probs."""
-    rollout_cache: str = "auto"
+    rollout_cache: str = "dynamic"
     """KV cache of the rollout's `generate`: `dynamic` (grows per token), or `static` (preallocated
     for max_prompt_len + max_new_tokens; on CUDA transformers then compiles the decoding step: ~45 s
     once, then the rollout of qwen2-0.5b, 64 x 256 tokens, took 2.1 s instead of 13.4 s per step on an
     H100, bench/results/2026-11-23-h100-ppo-*.json); `auto` = static on one CUDA process, else dynamic
-    (on CPU nothing is compiled; under torchrun it is not measured yet)."""
+    (on CPU nothing is compiled; under torchrun it is not measured yet). The default stays dynamic
+    until the test suite has run on CUDA with static (each test's first rollout would compile)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's

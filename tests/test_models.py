@@ -158,8 +158,9 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(tiny):
     from fastrlhf.config import PPOConfig
     from fastrlhf.ppo import rollout_cache
 
-    assert rollout_cache(PPOConfig(), torch.device("cpu")) == "dynamic"  # auto: nothing compiles on the CPU
-    assert rollout_cache(PPOConfig(), torch.device("cuda")) == "static"
+    auto = PPOConfig(rollout_cache="auto")
+    assert rollout_cache(auto, torch.device("cpu")) == "dynamic"  # nothing compiles on the CPU
+    assert rollout_cache(auto, torch.device("cuda")) == "static"
     assert rollout_cache(PPOConfig(rollout_cache="dynamic"), torch.device("cuda")) == "dynamic"
     with pytest.raises(ValueError, match="cache must be one of dynamic, static, got 'paged'"):
         generate(ac.policy, tok, prompt_ids, ["x"] * 5, max_new_tokens=2, temperature=1.0, device=CPU, cache="paged")
