@@ -2,7 +2,7 @@
 
 Published points (DeepSpeed-Chat): fastrlhf/estimate/data/points_deepspeed_chat.json, each with its
 source, setup and band. Recorded runs: bench/results/cpu_*.json (`python -m fastrlhf.estimate.record`) and
-fastrlhf/estimate/data/runs/h100_*.json (`record --from-steps` of bench/results/2026-11-23-h100-ppo-*.json).
+fastrlhf/estimate/data/recorded/h100_*.json (`record --from-steps` of bench/results/2026-11-23-h100-ppo-*.json).
 OpenRLHF's benchmark is held out: never fitted, only reported (and its runs, which completed, must be
 judged to fit).
 """
@@ -79,7 +79,7 @@ def test_recorded_cpu_runs_within_30_percent():
 
 def test_recorded_h100_runs_within_30_percent():
     """Issue 15's acceptance on a GPU: the 0.5B PPO run on an H100 (qwen2-0.5b, LoRA r16, 64 x 256 tokens),
-    with HF's dynamic KV cache and with the static one (data/runs/, from bench/results/2026-11-23-h100-ppo-*.json):
+    with HF's dynamic KV cache and with the static one (data/recorded/, from bench/results/2026-11-23-h100-ppo-*.json):
     every phase over 0.5% of the step within 30% of its measured wall time. The GPU host coefficients are
     fitted to these two runs (in-sample): this checks the fit and the cache switch, not a held-out GPU run."""
     from fastrlhf.estimate.compare import spec_from_run
@@ -202,5 +202,5 @@ def test_record_from_steps_keeps_the_steady_state_steps(tmp_path):
     assert [r["step"] for r in out["warmup_rows"]] == [1]
     assert out["median_phase_seconds"]["rollout"] == pytest.approx(data["steady_state_mean"]["rollout_s"])
     assert out["config"]["rollout_cache"] == "dynamic" and out["source"] == str(source)
-    committed = json.loads((calibrate.DATA / "runs" / "h100_ppo_qwen2-0.5b_dynamic.json").read_text())
+    committed = json.loads((calibrate.DATA / "recorded" / "h100_ppo_qwen2-0.5b_dynamic.json").read_text())
     assert committed["median_phase_seconds"] == out["median_phase_seconds"]

@@ -8,7 +8,7 @@
 Points:
 - published: data/points_deepspeed_chat.json (DeepSpeed-Chat's step-3 log, blog figures);
 - measured: records of fastrlhf runs (`python -m fastrlhf.estimate.record`), bench/results/*.json (the CPU
-  runs) and data/runs/*.json (the H100 runs, made with `record --from-steps` from
+  runs) and data/recorded/*.json (the H100 runs, made with `record --from-steps` from
   bench/results/2026-11-23-h100-ppo-*.json); the record's device picks the class.
 Held out: data/heldout_openrlhf.json (OpenRLHF's published benchmark), predicted, never fitted.
 
@@ -36,7 +36,7 @@ from fastrlhf.estimate.plan import Spec, estimate, phase_works
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
-RUNS = (RESULTS, DATA / "runs")  # where recorded runs are kept
+RUNS = (RESULTS, DATA / "recorded")  # where recorded runs are kept
 PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
 
 # features fitted per class; the rest keep their prior (or physical) value
@@ -87,7 +87,7 @@ def heldout_points() -> list[dict]:
 
 
 def run_records(directory: Path | tuple[Path, ...] = RUNS) -> list[tuple[str, RunRecord, dict]]:
-    """(name, record, raw json) of every recorded fastrlhf run under bench/results/ and data/runs/."""
+    """(name, record, raw json) of every recorded fastrlhf run under bench/results/ and data/recorded/."""
     out = []
     directories = (directory,) if isinstance(directory, Path) else directory
     for path in sorted(p for d in directories for p in d.glob("*.json")):

@@ -13,7 +13,7 @@ rollouts were padded to, and per logged step the time and peak memory of each ph
 bench/results/*-ppo-*.json (`steps`: per step `<phase>_s` and `<phase>_peak_bytes`; `steady_state_steps`):
 the steady-state steps become the record's rows and the others (compilation, allocator warm-up) its
 `warmup_rows`; the source file is named in the record (`source`). The GPU records of
-fastrlhf/estimate/data/runs/ were made this way.
+fastrlhf/estimate/data/recorded/ were made this way.
 
 `--cpu-time` also records the process's CPU seconds of each phase (`cpu/<phase>`): the command runs
 in a Python that wraps fastrlhf.metrics.PhaseTimer.phase to read time.process_time() around each
