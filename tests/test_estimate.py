@@ -5,6 +5,7 @@ Published figures are decimal GB (1e9 bytes), as the sources print them
 The calibration against DeepSpeed-Chat and this trainer's recorded runs is in test_estimate_calibration.py.
 """
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -321,6 +322,29 @@ def test_micro_rollout_batch_bounds_the_kv_cache_and_costs_time():
     assert kv(micro) == kv(whole) / 8
     assert micro["phases"]["rollout"]["seconds"] > 2 * whole["phases"]["rollout"]["seconds"]
     assert whole["phases"]["update"]["memory_per_gpu_bytes"]["kv_cache"] == 0
+
+
+def test_rollout_cache_follows_the_trainers_rule_and_costs_host_time(capsys):
+    """--rollout-cache mirrors `fastrlhf ppo --rollout_cache`: auto = static for hf generate on one GPU, else
+    dynamic; the two have their own host overhead per layer call (calls:hf, calls:hf-static)."""
+    from fastrlhf.estimate.plan import host_engine, resolved
+
+    one = est.Spec(model="qwen2-0.5b", gpu="h100", lora_rank=16, reward="rule", seq_len=8, gen_len=256,
+                   rollout_batch=64, micro_batch=16, mini_batch=32, ppo_epochs=2)
+    assert resolved(one).rollout_cache == "static" and host_engine(one) == "hf-static"
+    assert resolved(dataclasses.replace(one, gpus=2)).rollout_cache == "dynamic"
+    assert resolved(dataclasses.replace(one, gpu="cpu")).rollout_cache == "dynamic"
+    assert resolved(dataclasses.replace(one, gen_engine="vllm")).rollout_cache == "dynamic"
+    t = lambda cache: est.estimate(one, rollout_cache=cache)["stages"]["ppo"]["phases"]["rollout"]  # noqa: E731
+    assert t("auto")["seconds"] == t("static")["seconds"]
+    assert t("dynamic")["seconds"] > 3 * t("static")["seconds"]
+    assert t("dynamic")["terms"]["calls:hf"] > 0 and "calls:hf" not in t("static")["terms"]
+    with pytest.raises(ValueError, match="rollout_cache"):
+        est.estimate(one, rollout_cache="paged")
+    with pytest.raises(ValueError, match="rollout_cache"):
+        est.estimate(one, rollout_cache="static", gen_engine="vllm")
+    assert est.main(["--model", "qwen2-0.5b", "--gpu", "h100", "--rollout-cache", "dynamic", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["rollout_cache"] == "dynamic"
 
 
 def test_mean_response_length_matters_to_vllm_not_to_hf():

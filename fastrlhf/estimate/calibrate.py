@@ -7,8 +7,9 @@
 
 Points:
 - published: data/points_deepspeed_chat.json (DeepSpeed-Chat's step-3 log, blog figures);
-- measured: bench/results/*.json records of fastrlhf runs (`python -m fastrlhf.estimate.record`), on
-  CPU now and on a GPU when one is recorded (the same code path: the record's device picks the class).
+- measured: records of fastrlhf runs (`python -m fastrlhf.estimate.record`), bench/results/*.json (the CPU
+  runs) and data/recorded/*.json (the H100 runs, made with `record --from-steps` from
+  bench/results/2026-11-23-h100-ppo-*.json); the record's device picks the class.
 Held out: data/heldout_openrlhf.json (OpenRLHF's published benchmark), predicted, never fitted.
 
 The fit: for one device class, each measured time t is a sum of work features times coefficients
@@ -35,13 +36,29 @@ from fastrlhf.estimate.plan import Spec, estimate, phase_works
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
+RUNS = (RESULTS, DATA / "recorded")  # where recorded runs are kept
 PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
 
 # features fitted per class; the rest keep their prior (or physical) value
 FREE = {
     "cpu": ("fwd", "train", "fwd/h", "train/h", "decode:hf", "calls:hf", "steps:hf", "calls:fwd", "calls:train",
             "micro:fwd", "micro:train", "opt_tensors", "adv", "steps:adv", "fixed"),
-    "gpu": ("train", "train/h", "decode:ds-he", "decode:hf", "calls:hf", "decode:vllm"),
+    "gpu": ("train", "train/h", "decode:ds-he", "decode:vllm", "calls:hf", "calls:hf-static", "calls:fwd",
+            "calls:train", "adapters:train", "adv", "fixed"),
+}
+# GPU features the fit does not determine, set from another coefficient (fit_all): {feature: (source, why)}.
+# The H100 runs' rollouts are host-bound (their weight and KV-cache bytes are about a tenth of the static
+# rollout's time), so they do not constrain HF's bandwidth fraction; and on one model size the host overhead
+# per generation step and per layer call cannot be told apart: all of it goes to the layer calls.
+GPU_PRIORS = {
+    "decode:hf": ("decode:ds-he", "the H100 runs are host-bound, their bytes term is small"),
+    "decode:vllm": ("decode:ds-he", "no vllm GPU run"),
+    "steps:hf": ("cpu steps:hf", "one GPU model size: the host overhead is per layer call (calls:hf)"),
+    "steps:hf-static": ("cpu steps:hf", "one GPU model size: the host overhead is per layer call (calls:hf-static)"),
+}
+CPU_PRIORS = {  # on CPU transformers compiles nothing, and the trainer's auto cache is dynamic there
+    "calls:hf-static": ("calls:hf", "no static-cache CPU run"),
+    "steps:hf-static": ("steps:hf", "no static-cache CPU run"),
 }
 # DeepSpeed-Chat's log cannot separate the forward's efficiency from the training's
 TIED = {"gpu": {"fwd": "train", "fwd/h": "train/h"}}
@@ -69,10 +86,11 @@ def heldout_points() -> list[dict]:
     return json.loads((DATA / "heldout_openrlhf.json").read_text())["points"]
 
 
-def run_records(directory: Path = RESULTS) -> list[tuple[str, RunRecord, dict]]:
-    """(name, record, raw json) of every recorded fastrlhf run under bench/results/."""
+def run_records(directory: Path | tuple[Path, ...] = RUNS) -> list[tuple[str, RunRecord, dict]]:
+    """(name, record, raw json) of every recorded fastrlhf run under bench/results/ and data/recorded/."""
     out = []
-    for path in sorted(directory.glob("*.json")):
+    directories = (directory,) if isinstance(directory, Path) else directory
+    for path in sorted(p for d in directories for p in d.glob("*.json")):
         data = json.loads(path.read_text())
         if "rows" in data and "model_config" in data:
             out.append((path.stem, RunRecord.from_json(data), data))
@@ -160,7 +178,7 @@ def fig6_rows() -> list[tuple[str, timing.Work, float]]:
     return rows
 
 
-def calibration_rows(kind: str, directory: Path = RESULTS) -> list[tuple[str, timing.Work, float]]:
+def calibration_rows(kind: str, directory: Path | tuple[Path, ...] = RUNS) -> list[tuple[str, timing.Work, float]]:
     """(label, work, measured seconds) of every quantity the class's coefficients are fitted to: the
     published points and the recorded runs of that device class (a CUDA record joins the gpu class)."""
     rows = []
@@ -185,12 +203,13 @@ def calibration_rows(kind: str, directory: Path = RESULTS) -> list[tuple[str, ti
 # The fit
 
 
-def fit(kind: str, rows=None) -> dict[str, dict]:
-    """Least-squares coefficients (relative errors) for the free features of a class, with ranges."""
+def fit(kind: str, rows=None, base: dict | None = None) -> dict[str, dict]:
+    """Least-squares coefficients (relative errors) for the free features of a class, with ranges; the
+    other features keep their value in `base` (default: the committed table)."""
     import numpy as np
 
     rows = calibration_rows(kind) if rows is None else rows
-    table = json.loads(json.dumps(timing.coefficients(kind)))
+    table = json.loads(json.dumps(base or timing.coefficients(kind)))
     tied = TIED.get(kind, {})
     free = [f for f in FREE[kind] if any(w.get(f, 0) or any(w.get(t, 0) for t, s in tied.items() if s == f)
                                          for _, w, _ in rows)]
@@ -242,25 +261,31 @@ def fit(kind: str, rows=None) -> dict[str, dict]:
     return table
 
 
+def _apply_priors(table: dict, priors: dict, sources: dict) -> None:
+    for feature, (source, why) in priors.items():
+        src = sources[source.split()[-1]] if source.startswith("cpu ") else table[source]
+        from_ = ", ".join(src["from"])
+        table[feature] = {"value": src["value"], "range": list(src["range"]),
+                          "from": [f"prior = {source} ({from_}); {why}"]}
+
+
 def fit_all() -> dict[str, dict]:
-    """Both classes. GPU coefficients that no GPU point constrains take stated priors: HF and vLLM decode
-    at the bandwidth fraction fitted to DeepSpeed's inference kernels (no HF / vLLM GPU run is
-    recorded), and HF's host overhead per layer call and per decode step as measured in the CPU runs
-    (HF generate waits on the host every step; the host work is the same Python and dispatch)."""
+    """Both classes. Coefficients no point constrains take the stated priors (GPU_PRIORS, CPU_PRIORS). A GPU
+    prior's source is itself fitted, and the prior enters the fit as a fixed term: refitted until the
+    values stop changing (a fixed point, whatever the committed table held)."""
     cpu = fit("cpu")
-    gpu = fit("gpu")
-    constrained = {f for _, w, _ in calibration_rows("gpu") for f, v in w.items() if v}
-    for engine in ("hf", "vllm"):
-        feature = f"decode:{engine}"
-        if feature not in constrained:
-            gpu[feature] = dict(gpu["decode:ds-he"])
-            gpu[feature]["from"] = [f"prior = decode:ds-he ({', '.join(gpu['decode:ds-he']['from'])}); "
-                                    f"no {engine} GPU run"]
-    for feature in ("calls:hf", "steps:hf"):
-        if feature not in constrained:
-            gpu[feature] = dict(cpu[feature])
-            gpu[feature]["from"] = [f"prior = the CPU runs' host overhead ({', '.join(cpu[feature]['from'])}); "
-                                    "no hf GPU run"]
+    _apply_priors(cpu, CPU_PRIORS, cpu)
+    rows = calibration_rows("gpu")
+    gpu = fit("gpu", rows)
+    for _ in range(100):
+        _apply_priors(gpu, GPU_PRIORS, cpu)
+        again = fit("gpu", rows, base=gpu)
+        _apply_priors(again, GPU_PRIORS, cpu)
+        done = all(abs(again[f]["value"] - gpu[f]["value"]) <= 1e-12 * max(1.0, abs(gpu[f]["value"]))
+                   for f in gpu)
+        gpu = again
+        if done:
+            break
     return {"cpu": cpu, "gpu": gpu}
 
 
@@ -470,8 +495,8 @@ def markdown(report: dict) -> str:
                 else:
                     out.append(f"| {r['case']} | {r['published']} | {r['predicted_s'] / 3600:.2f} h | "
                                f"{r['ratio']:.2f} | {r['batch_per_gpu']} |")
-    out += ["", "| recorded run (CPU, one thread) | phase | measured CPU s | wall s (median) | predicted s | range | "
-                "pred / CPU s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out += ["", "| recorded run (cpu_: one thread, CPU s; h100_: wall s) | phase | measured s | wall s (median) | "
+                "predicted s | range | pred / measured |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for run in report["runs"]:
         for ph, r in run["phases"].items():
             ratio = f"{r['ratio']:.2f}" + ("" if r["judged"] else " (under 0.5% of the step: not judged)")

@@ -17,10 +17,12 @@ from fastrlhf.estimate.plan import (
     LOGITS,
     OFFLOADS,
     POOLS,
+    ROLLOUT_CACHES,
     STAGES,
     Spec,
     actor_arch,
     estimate,
+    host_engine,
     resolved,
 )
 
@@ -121,6 +123,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-engine", default=d.gen_engine, choices=GEN_ENGINES,
                    help="hf generate; ds-he: DeepSpeed hybrid engine; vllm")
     p.add_argument("--gen-tp", type=int, default=d.gen_tp, help="tensor-parallel GPUs per generation engine")
+    p.add_argument("--rollout-cache", default=d.rollout_cache, choices=ROLLOUT_CACHES,
+                   help="hf generate's KV cache (fastrlhf ppo --rollout_cache): dynamic (eager decode step), "
+                        "static (decode step compiled by transformers); auto = static on one GPU, else dynamic")
     p.add_argument("--offload", default=d.offload, choices=OFFLOADS,
                    help="optimizer: states on the host (deepspeed); params: weights too (ZeRO-3 / FSDP2 "
                         "CPUOffloadPolicy)")
@@ -158,7 +163,8 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
                 rollout_batch=args.rollout_batch, micro_rollout_batch=args.micro_rollout_batch,
                 mini_batch=args.mini_batch, ppo_epochs=args.ppo_epochs, num_generations=args.num_generations,
                 critic=args.critic, reward=args.reward, gen_engine=args.gen_engine, gen_tp=args.gen_tp,
-                offload=args.offload, offload_frozen=args.offload_frozen, ema=args.ema, gpu=args.gpu,
+                rollout_cache=args.rollout_cache, offload=args.offload, offload_frozen=args.offload_frozen,
+                ema=args.ema, gpu=args.gpu,
                 cpu_threads=args.cpu_threads, price=args.price, steps=args.steps)
     return resolved(spec)  # dtype None: the trainer's on the device
 
@@ -256,8 +262,11 @@ def format_table(result: dict, spec: Spec) -> str:
         return 1 / c if c else float("inf")
 
     generates = any("rollout" in r.get("phases", {}) for r in result["stages"].values())
+    calls = coef[f"calls:{host_engine(spec)}"]
     decode = (f"{spec.gen_engine} decode at {1 / dec['value']:.2f} of memory bandwidth "
-              f"(from {', '.join(dec['from'])}); " if generates else "")
+              f"(from {', '.join(dec['from'])}), {host_engine(spec)} host overhead "
+              f"{calls['value'] * 1e3:.2g} ms per layer call (from {', '.join(calls['from'])}); "
+              if generates else "")
     lines.append(f"time ({kind}): at this model's width training MFU {mfu('train'):.2f}, forward MFU {mfu('fwd'):.2f}; "
                  f"{decode}a range takes every coefficient at an end of its calibrated range; fits = peak + CUDA "
                  "context <= GPU memory")

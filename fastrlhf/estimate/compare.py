@@ -138,7 +138,8 @@ def read_run(out: str | Path, argv: list[str] | None = None) -> RunRecord:
     summary = out / "summary.json"
     ppo = json.loads(summary.read_text()).get("ppo", {}) if summary.is_file() else {}
     device = ppo.get("device", "")
-    config.update({k: ppo[k] for k in ("max_prompt_len", "max_new_tokens") if ppo.get(k)})  # lengths as resolved
+    # lengths and the rollout's KV cache as the stage resolved them
+    config.update({k: ppo[k] for k in ("max_prompt_len", "max_new_tokens", "rollout_cache") if ppo.get(k)})
     return RunRecord(out=str(out), config=config, device=device or "unknown",
                      prompt_len=_prompt_len(out, config), rows=rows,
                      model_config=_model_config(policy_dir(out, config)),
@@ -208,7 +209,8 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 micro_batch=int(c["micro_batch_size"]), seq_len=record.prompt_len, gen_len=int(c["max_new_tokens"]),
                 mean_gen_len=max(1, min(int(c["max_new_tokens"]), round(record.mean_response_length()))),
                 rollout_batch=int(c["rollout_batch_size"]), mini_batch=int(c["mini_batch_size"]),
-                ppo_epochs=int(c["ppo_epochs"]), critic="shared", reward=reward, gen_engine="hf", gpu=dev,
+                ppo_epochs=int(c["ppo_epochs"]), critic="shared", reward=reward, gen_engine="hf",
+                rollout_cache=c.get("rollout_cache") or "auto", gpu=dev,
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 
 

@@ -52,6 +52,7 @@ POOLS = ("gen", "actor", "critic", "reference", "reward")
 ENGINES = ("fsdp2", "deepspeed")
 GEN_ENGINES = timing.GEN_ENGINES
 OFFLOADS = ("none", "optimizer", "params")
+ROLLOUT_CACHES = ("auto", "dynamic", "static")
 LOGITS = ("linear", "fused", "materialised")
 
 
@@ -118,6 +119,9 @@ class Spec:
     """hf: Hugging Face generate; ds-he: DeepSpeed hybrid engine; vllm: vLLM (paged KV, continuous batching)"""
     gen_tp: int = 1
     """tensor-parallel GPUs per generation engine"""
+    rollout_cache: str = "auto"
+    """hf generate's KV cache (`fastrlhf ppo --rollout_cache`): dynamic (eager decode step), static (the decode
+    step compiled by transformers), auto = the trainer's rule: static on one CUDA process, else dynamic"""
     offload: str = "none"
     """none, optimizer (states on the host), params (weights too)"""
     offload_frozen: bool = False
@@ -135,9 +139,13 @@ class Spec:
 
 
 def resolved(spec: Spec) -> Spec:
-    """`spec` with what it leaves to the device filled in (dtype None: fp32 on cpu, else bf16)."""
+    """`spec` with what it leaves to the device filled in (dtype None: fp32 on cpu, else bf16; rollout_cache
+    auto: static for hf generate on one GPU, else dynamic, as fastrlhf.ppo.rollout_cache)."""
     if spec.dtype is None:
-        return dataclasses.replace(spec, dtype="fp32" if spec.gpu == "cpu" else "bf16")
+        spec = dataclasses.replace(spec, dtype="fp32" if spec.gpu == "cpu" else "bf16")
+    if spec.rollout_cache == "auto":
+        one_gpu = spec.gpu != "cpu" and spec.placement == "colocated" and spec.gpus == 1 and spec.gen_engine == "hf"
+        spec = dataclasses.replace(spec, rollout_cache="static" if one_gpu else "dynamic")
     return spec
 
 
@@ -158,6 +166,10 @@ def _check(spec: Spec) -> None:
         raise ValueError(f"placement: expected colocated or disaggregated, got {spec.placement!r}")
     if spec.gen_engine not in GEN_ENGINES:
         raise ValueError(f"gen_engine: expected one of {', '.join(GEN_ENGINES)}, got {spec.gen_engine!r}")
+    if spec.rollout_cache not in ROLLOUT_CACHES:
+        raise ValueError(f"rollout_cache: expected one of {', '.join(ROLLOUT_CACHES)}, got {spec.rollout_cache!r}")
+    if spec.rollout_cache == "static" and spec.gen_engine != "hf":
+        raise ValueError(f"rollout_cache: static is hf generate's cache; gen_engine {spec.gen_engine!r} has its own")
     if spec.offload not in OFFLOADS:
         raise ValueError(f"offload: expected one of {', '.join(OFFLOADS)}, got {spec.offload!r}")
     if spec.offload == "optimizer" and spec.engine == "fsdp2":
@@ -376,8 +388,11 @@ def train_work(spec: Spec, arch: Arch, dev: Device, sequences: float, seq: int, 
     passes = train_passes(spec, lora)
     calls = math.ceil(sequences / micro) if sequences else 0
     flops = passes * forward_flops(arch, sequences * seq, seq / 2, lm_head, _head_tokens(spec, sequences, seq))
+    adapters = sum(1 for t in arch.linear_shapes() if t in spec.lora_targets) if lora else 0
+    # adapters:train: LoRA adapter calls (each a few small kernels and their backward: host overhead)
     return timing.Work(compute(spec, "train", flops, arch, dev)).add({"calls:train": calls * arch.layers * passes,
-                                                               "micro:train": calls})
+                                                               "adapters:train": calls * arch.layers * passes
+                                                               * adapters, "micro:train": calls})
 
 
 def optimizer_work(spec: Spec, m: ModelState, dev: Device, steps: int) -> timing.Work:
@@ -410,6 +425,12 @@ def _gen_weight_bytes(spec: Spec, m: ModelState) -> float:
     if spec.engine == "fsdp2" and spec.lora_rank == 0 and spec.gen_engine == "hf":
         per = STATE_BYTES["fsdp2"]["mixed" if per == 2 else "fp32"]["weights"]
     return m.arch.params() * per
+
+
+def host_engine(spec: Spec) -> str:
+    """The name of the generation's host-overhead features (calls:<name>, steps:<name>): hf-static for hf
+    generate with the static cache (transformers compiles its decode step), else the engine's own."""
+    return "hf-static" if spec.gen_engine == "hf" and resolved(spec).rollout_cache == "static" else spec.gen_engine
 
 
 VLLM_MEMORY_UTILIZATION = 0.9  # vLLM's default gpu_memory_utilization
@@ -458,10 +479,11 @@ def generation(spec: Spec, actor: ModelState, dev: Device, engine_gpus: int,
         mb = per_gpu * tp  # ds-he gathers the micro-batches of its tensor-parallel group
         calls = math.ceil(sequences / mb)
         e = spec.gen_engine
+        host = host_engine(spec)
         prefill = calls * forward_flops(arch, mb * p, p / 2, head_tokens=mb)
         w.add(compute(spec, "fwd", prefill / tp, arch, dev))
-        w[f"calls:{e}"] += calls * arch.layers * (g + 1)
-        w[f"steps:{e}"] += calls * g
+        w[f"calls:{host}"] += calls * arch.layers * (g + 1)
+        w[f"steps:{host}"] += calls * g
         w[f"decode:{e}"] += calls * (g * weights / tp + mb * kv_tok * (p * g + g * g / 2) / tp
                                      + mb * g * sample) / dev.bandwidth
         w.add(compute(spec, "fwd", calls * mb * g * (flops_tok + 4 * arch.layers * arch.hidden * (p + g / 2)) / tp,

@@ -9,6 +9,12 @@ rollouts were padded to, and per logged step the time and peak memory of each ph
 (`time/<phase>`, `memory/<phase>` rows of OUT/metrics.jsonl). `fastrlhf estimate
 --compare-run OUT` reads the same rows; `fastrlhf.estimate.calibrate` reads these records.
 
+`--from-steps RUN.json` writes the same record from a PPO run kept in the step format of
+bench/results/*-ppo-*.json (`steps`: per step `<phase>_s` and `<phase>_peak_bytes`; `steady_state_steps`):
+the steady-state steps become the record's rows and the others (compilation, allocator warm-up) its
+`warmup_rows`; the source file is named in the record (`source`). The GPU records of
+fastrlhf/estimate/data/recorded/ were made this way.
+
 `--cpu-time` also records the process's CPU seconds of each phase (`cpu/<phase>`): the command runs
 in a Python that wraps fastrlhf.metrics.PhaseTimer.phase to read time.process_time() around each
 phase (the trainer's files are not changed). On a machine shared with other jobs a one-thread
@@ -74,6 +80,41 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def from_steps(data: dict, *, source: str, device_name: str, rollout_cache: str | None = None) -> dict:
+    """A record (the schema of `main`'s) from a PPO run in the step format of bench/results/*-ppo-*.json.
+    `rollout_cache`: the KV cache the run's rollout used, when its command does not say (a run made
+    before `fastrlhf ppo --rollout_cache` existed used HF's dynamic cache)."""
+    from fastrlhf.config import PPOConfig, parse_args, to_dict
+    from fastrlhf.estimate.compare import RUN_PHASES, RunRecord, _model_config, _prompt_len, _reward_config
+
+    command = shlex.split(data["command"])
+    if command[:2] != ["fastrlhf", "ppo"]:
+        raise ValueError(f"from-steps: expected a `fastrlhf ppo ...` command, got {data['command']!r}")
+    config = to_dict(parse_args(PPOConfig, command[2:]))
+    if "--rollout_cache" not in command:
+        if rollout_cache is None:
+            raise ValueError("from-steps: the command does not name --rollout_cache; pass the cache the run used")
+        config["rollout_cache"] = rollout_cache
+    steady = set(data["steady_state_steps"])
+
+    def row(step: dict) -> dict:
+        out = {"step": step["step"], "response_length": step["response_length"], "tokens_per_s": step["tokens_per_s"]}
+        for ph in RUN_PHASES:
+            out[f"time/{ph}"] = step[f"{ph}_s"]
+            out[f"memory/{ph}"] = step[f"{ph}_peak_bytes"]
+        return out
+
+    out = Path(config["out"])
+    run = RunRecord(out=str(out), config=config, device="cuda" if "cuda" in data["command"] else "cpu",
+                    prompt_len=_prompt_len(out, config), rows=[row(s) for s in data["steps"] if s["step"] in steady],
+                    model_config=_model_config(config["model"]), reward_config=_reward_config(out, config),
+                    device_name=device_name)
+    return {"command": data["command"], "source": source,
+            "note": "steady-state steps of the source as rows; the others (compilation, warm-up) as warmup_rows",
+            "git_commit": data.get("commit"), "dirty": data.get("dirty"), **run.to_json(),
+            "warmup_rows": [row(s) for s in data["steps"] if s["step"] not in steady]}
+
+
 def _out_dir(command: list[str]) -> Path:
     for i, token in enumerate(command):
         if token == "--out" and i + 1 < len(command):
@@ -88,8 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="where to write the record")
     p.add_argument("--note", default="", help="free text stored in the record")
     p.add_argument("--cpu-time", action="store_true", help="also record CPU seconds per phase (cpu/<phase>)")
+    p.add_argument("--from-steps", metavar="RUN.json",
+                   help="write the record from a PPO run in bench/results/*-ppo-*.json's step format instead")
+    p.add_argument("--device-name", default="", help="--from-steps: the GPU's name (torch.cuda.get_device_name)")
+    p.add_argument("--rollout-cache", choices=("dynamic", "static"),
+                   help="--from-steps: the rollout's KV cache, when the run's command does not name it")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- fastrlhf ppo|pipeline ... --out DIR")
     args = p.parse_args(argv)
+    if args.from_steps:
+        record = from_steps(json.loads(Path(args.from_steps).read_text()), source=args.from_steps,
+                            device_name=args.device_name, rollout_cache=args.rollout_cache)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+        return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if len(command) < 2 or command[1] not in ("ppo", "pipeline"):
         raise SystemExit("record: expected `-- fastrlhf ppo|pipeline ... --out DIR`")

@@ -9,6 +9,10 @@ decode:<engine>             bytes a decode step reads (weights, KV cache,   1 / 
                             sampling logits), summed over steps / bandwidth     the engine reaches
 calls:<engine|fwd|train>    decoder-layer calls (launch + Python overhead)  seconds per layer call
 steps:<engine>              generation steps (sampling, stopping checks)    seconds per step
+                            (<engine> hf-static: hf generate with the static
+                            KV cache, its decode step compiled)
+adapters:train              LoRA adapter calls in training (layer calls x   seconds per adapter call
+                            adapted linears)
 opt                         optimizer bytes (AdamW reads 4, writes 3        1 / fraction of bandwidth
                             tensors) / bandwidth
 host                        bytes over the host link (offload) / link       1 (physical, not fitted)
