@@ -325,12 +325,15 @@ def test_micro_rollout_batch_bounds_the_kv_cache_and_costs_time():
 
 
 def test_rollout_cache_follows_the_trainers_rule_and_costs_host_time(capsys):
-    """--rollout-cache mirrors `fastrlhf ppo --rollout_cache`: auto = static for hf generate on one GPU, else
-    dynamic; the two have their own host overhead per layer call (calls:hf, calls:hf-static)."""
+    """--rollout-cache mirrors `fastrlhf ppo --rollout_cache`: dynamic by default, as the trainer; auto = static
+    for hf generate on one GPU, else dynamic; the two have their own host overhead per layer call (calls:hf,
+    calls:hf-static)."""
     from fastrlhf.estimate.plan import host_engine, resolved
 
-    one = est.Spec(model="qwen2-0.5b", gpu="h100", lora_rank=16, reward="rule", seq_len=8, gen_len=256,
-                   rollout_batch=64, micro_batch=16, mini_batch=32, ppo_epochs=2)
+    default = est.Spec(model="qwen2-0.5b", gpu="h100", lora_rank=16, reward="rule", seq_len=8, gen_len=256,
+                       rollout_batch=64, micro_batch=16, mini_batch=32, ppo_epochs=2)
+    assert resolved(default).rollout_cache == "dynamic" and host_engine(default) == "hf"
+    one = dataclasses.replace(default, rollout_cache="auto")
     assert resolved(one).rollout_cache == "static" and host_engine(one) == "hf-static"
     assert resolved(dataclasses.replace(one, gpus=2)).rollout_cache == "dynamic"
     assert resolved(dataclasses.replace(one, gpu="cpu")).rollout_cache == "dynamic"

@@ -180,12 +180,13 @@ def test_a_gpu_record_joins_the_gpu_calibration(tmp_path):
     rows = [r for r in calibrate.calibration_rows("gpu", tmp_path) if r[0].startswith("gpu_ppo_test")]
     assert {label.split(":")[1] for label, _, _ in rows} == set(est.PPO_PHASES)
     rollout = next(w for label, w, _ in rows if label.endswith("rollout"))
-    # one CUDA process: the trainer's auto cache is static, its decode step's host overhead is hf-static's
-    assert rollout["decode:hf"] > 0 and rollout["calls:hf-static"] > 0 and not rollout["calls:hf"]
-    record["config"] = dict(record["config"], rollout_cache="dynamic")
-    (tmp_path / "gpu_ppo_test.json").write_text(json.dumps(record))
-    rows = [r for r in calibrate.calibration_rows("gpu", tmp_path) if r[0] == "gpu_ppo_test:rollout"]
-    assert rows[0][1]["calls:hf"] > 0 and not rows[0][1]["calls:hf-static"]
+    # a record without rollout_cache: the trainer's default, the dynamic cache (hf's host overhead)
+    assert rollout["decode:hf"] > 0 and rollout["calls:hf"] > 0 and not rollout["calls:hf-static"]
+    for cache in ("static", "auto"):  # auto: static on one CUDA process, as the trainer
+        record["config"] = dict(record["config"], rollout_cache=cache)
+        (tmp_path / "gpu_ppo_test.json").write_text(json.dumps(record))
+        rows = [r for r in calibrate.calibration_rows("gpu", tmp_path) if r[0] == "gpu_ppo_test:rollout"]
+        assert rows[0][1]["calls:hf-static"] > 0 and not rows[0][1]["calls:hf"], cache
 
 
 def test_record_from_steps_keeps_the_steady_state_steps(tmp_path):

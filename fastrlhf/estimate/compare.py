@@ -210,7 +210,7 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 mean_gen_len=max(1, min(int(c["max_new_tokens"]), round(record.mean_response_length()))),
                 rollout_batch=int(c["rollout_batch_size"]), mini_batch=int(c["mini_batch_size"]),
                 ppo_epochs=int(c["ppo_epochs"]), critic="shared", reward=reward, gen_engine="hf",
-                rollout_cache=c.get("rollout_cache") or "auto", gpu=dev,
+                rollout_cache=c.get("rollout_cache") or "dynamic", gpu=dev,
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 
 

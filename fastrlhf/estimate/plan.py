@@ -119,9 +119,9 @@ class Spec:
     """hf: Hugging Face generate; ds-he: DeepSpeed hybrid engine; vllm: vLLM (paged KV, continuous batching)"""
     gen_tp: int = 1
     """tensor-parallel GPUs per generation engine"""
-    rollout_cache: str = "auto"
+    rollout_cache: str = "dynamic"
     """hf generate's KV cache (`fastrlhf ppo --rollout_cache`): dynamic (eager decode step), static (the decode
-    step compiled by transformers), auto = the trainer's rule: static on one CUDA process, else dynamic"""
+    step compiled by transformers), auto = static on one CUDA process, else dynamic; the default is the trainer's (dynamic)"""
     offload: str = "none"
     """none, optimizer (states on the host), params (weights too)"""
     offload_frozen: bool = False
