@@ -121,7 +121,7 @@ class Spec:
     """tensor-parallel GPUs per generation engine"""
     rollout_cache: str = "dynamic"
     """hf generate's KV cache (`fastrlhf ppo --rollout_cache`): dynamic (eager decode step), static (the decode
-    step compiled by transformers), auto = static on one CUDA process, else dynamic; the default is the trainer's (dynamic)"""
+    step compiled by transformers), auto = static on one CUDA process, else dynamic; default: the trainer's"""
     offload: str = "none"
     """none, optimizer (states on the host), params (weights too)"""
     offload_frozen: bool = False
