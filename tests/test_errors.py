@@ -17,6 +17,18 @@ def _mask():
     return torch.rand(B, T) > 0.3
 
 
+# ---------------------------------------------------------------- backends
+
+
+def test_triton_backend_on_cpu_tensors_without_the_interpreter(monkeypatch):
+    """FASTRLHF_BACKEND=triton with CPU tensors needs the interpreter: a clear error, not Triton's
+    "Pointer argument cannot be accessed from Triton (cpu tensor?)"."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="FASTRLHF_BACKEND=triton needs CUDA tensors, or TRITON_INTERPRET=1"):
+        ops.token_kl(torch.zeros(3, device="cpu"), torch.zeros(3, device="cpu"))
+
+
 # ---------------------------------------------------------------- log-probs
 
 

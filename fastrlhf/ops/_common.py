@@ -26,7 +26,8 @@ def use_triton(x: torch.Tensor) -> bool:
         raise ValueError(f"FASTRLHF_BACKEND must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return x.is_cuda
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+    if backend == "triton" and not x.is_cuda and not interpreted:
         raise ValueError(f"FASTRLHF_BACKEND=triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton is "
                          f"imported) for {x.device} tensors; got a {x.device} tensor")
     return backend == "triton"
