@@ -251,8 +251,10 @@ def all_finite(x: torch.Tensor) -> bool:
     return all_sum(bad).item() == 0
 
 
-def broadcast_list(values: list[int]) -> list[int]:
-    """Rank 0's list of ints on every rank (all ranks pass a list of the same length)."""
+def draw(pool, n: int) -> list[int]:
+    """n ints of `pool` (a list or range) drawn uniformly with replacement with torch's generator,
+    rank 0's draw on every rank (all ranks call it with pools of the same length)."""
+    values = [pool[i] for i in torch.randint(len(pool), (n,)).tolist()]
     if not active():
         return values
     t = torch.tensor(values, dtype=torch.long, device=_comm_device(None))

@@ -198,8 +198,7 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     while step < run.stop:
         # 1. batch: B pairs (rank 0's draw; each rank its share) -> 2B rows, the chosen responses
         #    first, then the rejected ones
-        idx = distributed.broadcast_list([train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,))
-                                          .tolist()])
+        idx = distributed.draw(train_idx, cfg.batch_size)
         rows = distributed.local_rows(data, idx)
         batch = pair_batch(rows, range(len(rows["prompt"])), pad_id).to(device)
         # 2-3. reference sums, then the policy's sums and the DPO loss in one fused pass (a mean over

@@ -344,7 +344,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         #    each rank its share, whole groups)
         with timer.phase("rollout"):
             G = cfg.num_generations
-            idx = distributed.broadcast_list(torch.randint(len(data), (cfg.rollout_batch_size // G,)).tolist())
+            idx = distributed.draw(range(len(data)), cfg.rollout_batch_size // G)
             rows = distributed.local_rows(data, [i for i in idx for _ in range(G)])
             rollout = model.run(sample, tokenizer, rows, cfg, device, gathered=True)
         # 2. reward: one score per sequence

@@ -216,8 +216,7 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     while step < run.stop:
         # 1. batch of pairs (rank 0's draw; each rank its share): chosen and rejected for the
         #    same prompts, scored in one forward
-        idx = distributed.broadcast_list([train_idx[i] for i in torch.randint(len(train_idx), (cfg.batch_size,))
-                                          .tolist()])
+        idx = distributed.draw(train_idx, cfg.batch_size)
         rows = distributed.local_rows(data, idx)
         chosen, rejected = sharded.run(_pair_scores, rows, range(len(rows["prompt"])), pad_id, device)
         # 2. Bradley-Terry loss (a mean over this rank's equal share: FSDP's gradient average

@@ -115,7 +115,7 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
     while step < run.stop:
         # 1. batch: random (prompt, response) pairs (rank 0's draw; each rank its share),
         #    prompts left-padded, responses right-padded
-        idx = distributed.broadcast_list(torch.randint(len(data), (cfg.batch_size,)).tolist())
+        idx = distributed.draw(range(len(data)), cfg.batch_size)
         rows = distributed.local_rows(data, idx)
         batch = pack(rows["prompt_ids"], rows["response_ids"], tokenizer.pad_token_id).to(device)
         # 2. forward: log-probs of the response tokens straight from the hidden states
