@@ -176,6 +176,7 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
             entropy[s:e] = ent
         if keep_logits:
             kept = logits
+        del logits  # freed before the next chunk's are made: one chunk of logits at a time
     return logp, entropy, lse, kept
 
 
@@ -289,11 +290,13 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
             s = slice(start, min(start + chunk_size, N))
             h = hidden[s]
             logits = chunk_logits(h, weight, bias)  # matmul 1
-            logp[s], entropy[s], _ = kernels.actor_loss_fwd(
+            # d(logits) is written over `logits` and returned as that same tensor: left unbound, so that
+            # `del logits` below frees the chunk before the next one is made
+            logp[s], entropy[s] = kernels.actor_loss_fwd(
                 logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), temperature=temperature,
                 clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
                 kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
-                entropy_coef=entropy_coef, need_grad=need_grad, inplace=True)
+                entropy_coef=entropy_coef, need_grad=need_grad, inplace=True)[:2]
             if need_grad:  # the logits now hold d(logits)
                 _add_chunk_gradients(logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
             del logits
@@ -309,6 +312,7 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
             if need_grad:
                 d_logits = _chunk_bwd(logits, y, lse, entropy, g_logp, g_ent, temperature, IGNORE_INDEX, use_triton)
                 _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
+                del d_logits  # the chunk's logits, written over
             del logits
     loss, stats = actor_loss_and_stats(rows, mask.sum(), kl_coef, entropy_coef)
     return (loss, stats, _or_empty(d_hidden, hidden),
