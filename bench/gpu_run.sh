@@ -14,7 +14,8 @@
 #                       (subprocesses of the tests and of torchrun see them too)
 #   env       25 / 30   nvidia-smi, torch / triton / CUDA versions, SM and memory clocks, commit, kernels tree
 #   tests    220 / 90   pytest tests/ on CUDA (xdist and per-test timeouts when installed; dry run: tests/test_kl.py)
-#   bench    130 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny)
+#   bench    130 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny), with the tests'
+#                       peer_stubs standing in for the peers' unused ray / vllm / deepspeed imports
 #   ppo      140 / 90   fastrlhf ppo on qwen2-0.5b, LoRA, bf16 (dry run: the tiny model on CPU)
 #
 # Wheels: `bash bench/gpu_wheels.sh` (here, with network) fills .whl/ with what the GPU image lacks (datasets,
@@ -152,7 +153,12 @@ if [ "$DRY" = 1 ]; then
 else
   BENCH_ARGS=(--cases targets --budget-s $((L_BENCH - 50)))  # the last pass started may compile for ~30 s
 fi
-step bench "$L_BENCH" 3 "$PY" -m fastrlhf bench "${BENCH_ARGS[@]}" --json "$OUT/bench.json" --plot "$OUT/bench.png"
+# verl's and OpenRLHF's modules import ray / vllm / deepspeed at module level (absent from the image and from the
+# --no-deps peer wheels) without using them in the functions timed: the tests' peer_stubs stands in for them, so the
+# peers' columns (e.g. verl's GAE) are measured rather than skipped
+WITH_PEER_STUBS=(env PYTHONPATH="$REPO/tests/integrations${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c
+                 "import sys, peer_stubs; peer_stubs.install(); from fastrlhf.cli import main; sys.exit(main())")
+step bench "$L_BENCH" 3 "${WITH_PEER_STUBS[@]}" bench "${BENCH_ARGS[@]}" --json "$OUT/bench.json" --plot "$OUT/bench.png"
 
 # 5. PPO timing run
 if [ "$DRY" = 1 ]; then

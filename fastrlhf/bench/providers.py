@@ -173,7 +173,10 @@ def _openrlhf_kl(mod, pass_):
 
 
 def _verl_gae(mod, pass_):
-    return lambda rewards, values, mask: mod.compute_gae_advantage_return(rewards, values, mask, 1.0, 0.95)
+    # verl's response_mask is numeric (its trainer's attention-mask slice): it computes 1 - mask, which a
+    # bool tensor refuses; the cast is one elementwise op next to its loop of T steps
+    return lambda rewards, values, mask: mod.compute_gae_advantage_return(rewards, values, mask.to(values.dtype),
+                                                                          1.0, 0.95)
 
 
 def _verl_policy_loss(mod, pass_):
