@@ -3,6 +3,8 @@
 #
 #   bash bench/gpu_run.sh OUT            # install, environment, tests on CUDA, bench at the target shapes, PPO run
 #   bash bench/gpu_run.sh OUT --dry-run  # the same steps on CPU (CUDA hidden) at small shapes (CI: tests/test_gpu_run.py)
+#   bash bench/gpu_run.sh OUT --experiments [--dry-run]   # install, environment, then the experiments below
+#                                          # instead of tests, bench and PPO (each a JSON file in OUT)
 #
 # Steps, each with its own time limit (seconds, GPU / dry run), run in order and continue on
 # failure; a global deadline cuts the last ones short if earlier ones ran long:
@@ -29,14 +31,20 @@
 #   ppo.json     the PPO run: command, summary (phase seconds, peak memory), per-step rows, steady-state means
 #   tests.log    pytest's output
 #   logs.tar.gz  every step's log, env.json, junit.xml, the PPO run's metrics.jsonl, summary.json and plots
+# Experiments (--experiments), each with its own limit (GPU / dry run), its JSON in OUT:
+#   coop     150 / 90   bench/experiments/coop_actor_loss.py: the split-row actor loss vs the fused one  -> coop.json
+#   chunks   150 / 90   bench/experiments/linear_chunks.py: linear ops' time and extra peak per chunk size -> linear_chunks.json
+#   dist     200 / 120  bench/dist_peak_memory.py: a 1-rank NCCL --shard full PPO run's peak vs the planner
+#                       (issue 11)                                                       -> dist_peak_memory.json
 # Environment: PYTHON (default python3), GPU_RUN_DEADLINE_S (default 525; dry run 300).
 set -uo pipefail
 
-usage() { echo "usage: $0 OUT [--dry-run]" >&2; exit 2; }
-OUT="" DRY=0
+usage() { echo "usage: $0 OUT [--dry-run] [--experiments]" >&2; exit 2; }
+OUT="" DRY=0 EXPERIMENTS=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
+    --experiments) EXPERIMENTS=1 ;;
     -*) usage ;;
     *) [ -z "$OUT" ] || usage; OUT="$arg" ;;
   esac
@@ -135,6 +143,25 @@ print('SM clock', s.get('clocks.sm'), 'of', s.get('clocks.max.sm'), 'MHz | memor
       s.get('clocks.max.mem'), 'MHz | nominal bandwidth', (g.get('nominal_bandwidth') or {}).get('gbps'), 'GB/s')"
 }
 step env "$L_ENV" 8 environment
+
+if [ "$EXPERIMENTS" = 1 ]; then
+  if [ "$DRY" = 1 ]; then
+    COOP_ARGS=(--dry-run) CHUNK_ARGS=(--dry-run) DIST_ARGS=(--device cpu --model tiny --steps 2 --rollout-batch 8
+                                                             --mini-batch 4 --micro-batch 2)
+    L_COOP=90 L_CHUNKS=90 L_DIST=120
+  else
+    COOP_ARGS=() CHUNK_ARGS=() DIST_ARGS=() L_COOP=150 L_CHUNKS=150 L_DIST=200
+  fi
+  step coop "$L_COOP" 30 "$PY" bench/experiments/coop_actor_loss.py "${COOP_ARGS[@]}" --out "$OUT/coop.json"
+  step chunks "$L_CHUNKS" 45 "$PY" bench/experiments/linear_chunks.py "${CHUNK_ARGS[@]}" --out "$OUT/linear_chunks.json"
+  step dist "$L_DIST" 20 "$PY" bench/dist_peak_memory.py "${DIST_ARGS[@]}" --out "$OUT/dist_peak_memory.json"
+  "$PY" bench/gpu_record.py status "$WORK/steps.tsv" "$WORK/env.json" "$OUT/status.json" $([ "$DRY" = 1 ] && echo --dry-run)
+  bundle
+  echo "== summary ($(($(date +%s) - START)) s)"
+  "$PY" bench/gpu_record.py summary "$OUT"
+  echo "== files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+  exit 0
+fi
 
 # 3. tests
 if [ "$DRY" = 1 ]; then
