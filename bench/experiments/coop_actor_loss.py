@@ -78,6 +78,11 @@ import sys
 if __name__ == "__main__" and "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -89,7 +94,9 @@ CHUNK = 8192  # columns per program on CUDA: 32 fp32 per thread at 8 warps
 NUM_WARPS = 8
 SPIN_LIMIT = 1 << 14  # polls of the row counter before a program falls back to streaming its row
 # the (CHUNK, num_warps) pairs the GPU run times
-CONFIGS = ((4096, 4), (8192, 8), (8192, 16), (16384, 16))
+# (an sm_90 compile with triton 3.9: registers 48 / 48 / 114 / 63 / 110, so about 10 / 5 / 2 / 2 / 1 programs
+# per SM; at V = 50257, whose scalar loads need more: 96 / 128 / 213 / 121 / 128)
+CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
 
 
 # ---------------------------------------------------------------- kernel
@@ -347,3 +354,206 @@ def coop_actor_loss_fwd(
         CHUNK=chunk, BLOCK_S=triton.next_power_of_2(S), num_warps=default_warps if num_warps is None else num_warps,
     )
     return logp, entropy, d_logits
+
+
+# ---------------------------------------------------------------- GPU run: check, then time
+
+
+TARGET_SHAPES = ((16, 1024, 151936), (16, 1024, 50257))  # fastrlhf.bench.cases LOGITS_TARGET, LOGITS_TARGET_50K
+DRY_SHAPES = ((1, 3, 300), (1, 3, 301))
+DRY_CONFIGS = ((64, 1), (128, 2))
+
+
+def _inputs(B: int, T: int, V: int, device: torch.device, seed: int = 0) -> dict:
+    """The bench's own ppo_actor_loss inputs (fastrlhf.bench.cases: bf16 logits x 2, right-padded mask, ...)."""
+    from fastrlhf.bench.cases import OPS, Case
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return OPS["ppo_actor_loss"].inputs(Case("ppo_actor_loss", {"B": B, "T": T, "V": V}, torch.bfloat16,
+                                             ("fwd+bwd",)), device, gen)
+
+
+def _kernel_args(inputs: dict) -> tuple[tuple, dict]:
+    """(positional, keyword) arguments of actor_loss_fwd for the bench's case, as ops.ppo_actor_loss forms
+    them: token-mean weights mask / n, kl_coef 0.05 (k3), entropy_coef 0.01, clip 0.2 both sides."""
+    from fastrlhf.bench.providers import ACTOR_KW
+
+    mask = inputs["mask"].reshape(-1).float()
+    args = (inputs["logits"].detach(), inputs["labels"].reshape(-1), inputs["old_logp"].reshape(-1).float(),
+            inputs["advantages"].reshape(-1).float(), mask, mask / mask.sum().clamp_min(1.0),
+            inputs["ref_logp"].reshape(-1).float(), None)
+    flags = dict(temperature=1.0, clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=ACTOR_KW["kl_coef"],
+                 kl_estimator="k3", kl_clamp=None, kl_straight_through=False, entropy_coef=ACTOR_KW["entropy_coef"],
+                 need_grad=True)
+    return args, flags
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 512) -> float:
+    """max |a - b| in fp32 over row blocks (no full-size fp32 temporaries); NaN where only one is NaN."""
+    a, b = (t.reshape(-1, t.shape[-1]) if t.dim() > 1 else t[:, None] for t in (a, b))
+    worst = 0.0
+    for i in range(0, a.shape[0], rows):
+        x, y = a[i:i + rows].float(), b[i:i + rows].float()
+        if not torch.equal(torch.isnan(x), torch.isnan(y)):
+            return float("nan")
+        ok = ~torch.isnan(x)
+        if ok.any():
+            worst = max(worst, (x[ok] - y[ok]).abs().max().item())
+    return worst
+
+
+def _time_ms(fn, device: torch.device, grad_to_none=None) -> dict:
+    """Median (p10, p90) ms: triton.testing.do_bench on CUDA (L2 flushed per call), else a few timed calls."""
+    if device.type == "cuda":
+        med, p10, p90 = triton.testing.do_bench(fn, warmup=25, rep=150, grad_to_none=grad_to_none,
+                                                quantiles=[0.5, 0.1, 0.9])
+        return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
+    fn()
+    times = []
+    for _ in range(3):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": statistics.median(times), "p10_ms": min(times), "p90_ms": max(times)}
+
+
+def run_shape(B: int, T: int, V: int, configs, device: torch.device, spin_limit: int) -> dict:
+    """At one shape: coop vs actor_loss_fwd (max |diff| of logp, entropy, d(logits)) for each config, then
+    the times of ops.logprobs fwd+bwd (issue 13's reference), ops.ppo_actor_loss fwd+bwd, the actor_loss_fwd
+    kernel alone and the coop kernel per config, with its timeout count."""
+    from fastrlhf.kernels.ppo_loss import actor_loss_fwd
+
+    from fastrlhf import ops
+    from fastrlhf.bench.measure import autotune_choices
+    from fastrlhf.bench.providers import ACTOR_KW
+
+    inputs = _inputs(B, T, V, device)
+    logits = inputs["logits"]
+    args, flags = _kernel_args(inputs)
+    N, elem = B * T, logits.element_size()
+    out = {"shape": {"B": B, "T": T, "V": V}, "dtype": "bfloat16", "flags": flags, "spin_limit": spin_limit,
+           "logit_bytes": N * V * elem, "rows": []}
+    with torch.no_grad(), autotune_choices() as chosen:
+        want = actor_loss_fwd(*args, **flags)
+    out["actor_loss_fwd_autotune"] = chosen
+
+    # 1. correctness: coop vs the current fused kernel
+    checks = []
+    for chunk, warps in configs:
+        timeouts = torch.zeros(1, dtype=torch.int32, device=device)
+        got = coop_actor_loss_fwd(*args, **flags, chunk=chunk, num_warps=warps, spin_limit=spin_limit,
+                                  timeouts=timeouts)
+        check = {"chunk": chunk, "num_warps": warps, "programs_per_row": triton.cdiv(V, chunk),
+                 "max_abs_diff": {name: _max_abs_diff(g, w) for name, g, w in
+                                  zip(("logp", "entropy", "d_logits"), got, want)},
+                 "timeouts": int(timeouts.item())}
+        checks.append(check)
+        print(f"  check {chunk:>6} x {warps:>2} warps: max|diff| " + ", ".join(
+            f"{k} {v:.3g}" for k, v in check["max_abs_diff"].items()) + f"; timeouts {check['timeouts']}", flush=True)
+        del got
+    out["checks"] = checks
+    del want
+
+    # 2. times
+    def row(name, timing, moved_bytes=None, **extra):
+        entry = {"name": name, **timing, **extra}
+        if moved_bytes:
+            entry["gbps"] = moved_bytes / 1e9 / (timing["median_ms"] / 1e3)
+        out["rows"].append(entry)
+        print(f"  {name:<34} {timing['median_ms']:9.3f} ms" + (f"  {entry['gbps']:7.0f} GB/s" if moved_bytes else "")
+              + "".join(f"  {k} {v}" for k, v in extra.items()), flush=True)
+        return timing["median_ms"]
+
+    g = torch.randn(B, T, device=device)
+    labels = inputs["labels"]
+
+    def logprobs_fwd_bwd():
+        ops.logprobs(logits, labels).backward(g)
+
+    def actor_fwd_bwd():
+        ops.ppo_actor_loss(logits, labels, inputs["old_logp"], inputs["advantages"], inputs["mask"],
+                           ref_logp=inputs["ref_logp"], **ACTOR_KW)[0].backward()
+
+    three, two = 3 * N * V * elem, 2 * N * V * elem
+    t_lp = row("ops.logprobs fwd+bwd", _time_ms(logprobs_fwd_bwd, device, [logits]), three)
+    t_actor = row("ops.ppo_actor_loss fwd+bwd", _time_ms(actor_fwd_bwd, device, [logits]), three)
+    with torch.no_grad():
+        t_kernel = row("actor_loss_fwd kernel", _time_ms(lambda: actor_loss_fwd(*args, **flags), device), three)
+        for chunk, warps in configs:
+            timeouts = torch.zeros(1, dtype=torch.int32, device=device)
+            calls = [0]
+
+            def coop(chunk=chunk, warps=warps, timeouts=timeouts, calls=calls):
+                calls[0] += 1
+                coop_actor_loss_fwd(*args, **flags, chunk=chunk, num_warps=warps, spin_limit=spin_limit,
+                                    timeouts=timeouts)
+
+            timing = _time_ms(coop, device)
+            t_coop = row(f"coop {chunk} x {warps} warps", timing, two, timeouts=int(timeouts.item()), calls=calls[0])
+            out["rows"][-1].update(chunk=chunk, num_warps=warps, over_logprobs=t_coop / t_lp,
+                                   over_actor_kernel=t_coop / t_kernel,
+                                   # the issue-13 ratio if ops.ppo_actor_loss launched this kernel instead
+                                   target_ratio_estimate=(t_actor - t_kernel + t_coop) / t_lp)
+    out["ppo_actor_loss_over_logprobs"] = t_actor / t_lp
+    out["actor_kernel_over_logprobs"] = t_kernel / t_lp
+    return out
+
+
+def _print_table(record: dict) -> None:
+    print(f"\n{'shape':<22} {'config':<16} {'ms':>9} {'/ logprobs':>11} {'/ kernel':>9} {'target est.':>12} "
+          f"{'timeouts/calls':>15}")
+    for case in record["cases"]:
+        shape = "x".join(str(v) for v in case["shape"].values())
+        for r in case["rows"]:
+            if "chunk" not in r:
+                continue
+            print(f"{shape:<22} {r['chunk']:>6} x {r['num_warps']:<2} w  {r['median_ms']:9.3f} "
+                  f"{r['over_logprobs']:11.3f} {r['over_actor_kernel']:9.3f} {r['target_ratio_estimate']:12.3f} "
+                  f"{r['timeouts']:>7}/{r['calls']:<7}")
+        print(f"{shape:<22} {'ppo_actor_loss':<16} {'':>9} {case['ppo_actor_loss_over_logprobs']:11.3f}   "
+              f"(today's issue-13 ratio; actor_loss_fwd kernel alone: {case['actor_kernel_over_logprobs']:.3f})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check and time the cooperative split-row actor loss (experiment).")
+    parser.add_argument("--out", help="write the JSON record here")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, in the Triton interpreter, at tiny shapes (tests the script, times nothing real)")
+    parser.add_argument("--spin-limit", type=int, default=None,
+                        help=f"polls before a program falls back (default {SPIN_LIMIT}; 1 with --dry-run, where "
+                             "the programs run one after another and a wait can never end early)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--dry-run needs TRITON_INTERPRET=1 before triton is imported (run this file as a script)")
+        device, shapes, configs = torch.device("cpu"), DRY_SHAPES, DRY_CONFIGS
+        spin_limit = 1 if args.spin_limit is None else args.spin_limit
+    else:
+        if not torch.cuda.is_available():
+            parser.error("needs CUDA (or --dry-run)")
+        device, shapes, configs = torch.device("cuda"), TARGET_SHAPES, CONFIGS
+        spin_limit = SPIN_LIMIT if args.spin_limit is None else args.spin_limit
+    from fastrlhf.bench.environment import environment
+
+    record = {"experiment": "bench/experiments/coop_actor_loss.py", "command": " ".join(sys.argv),
+              "dry_run": args.dry_run, "environment": environment(device), "cases": []}
+    start = time.perf_counter()
+    for B, T, V in shapes:
+        print(f"bf16 [{B} x {T} x {V}]", flush=True)
+        record["cases"].append(run_shape(B, T, V, configs, device, spin_limit))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["wall_s"] = time.perf_counter() - start
+    _print_table(record)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
