@@ -15,26 +15,30 @@ adjacent: pid = row * S + split). A program
     2. computes its partial base-2 stats (m, d, s) with `_online_tile` and stores them to scratch [3, N, S];
     3. arrives on the row's int32 counter (zeroed per launch): `tl.debug_barrier()`, then
        `tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")`;
-    4. spins (acquire atomics, at most `spin_limit` times) until the counter reads S;
+    4. polls the counter until it reads S, at most `spin_limit` times: `tl.atomic_add(counter, 0,
+       sem="acquire", scope="gpu")`, which Triton (3.8, 3.9) lowers to `ld.global.gpu.acquire.b32`;
     5. merges the S partials (M = max m_j, d = sum d_j 2^(m_j - M), s = sum 2^(m_j - M) (s_j + (m_j - M) d_j)),
        forms lse, entropy, logp and the token's gradient coefficients as `_actor_loss_row` does (with its own
        jit helpers: `_policy_token`, `_kl_derivative`, `_online_tile`, `_bwd_tile`, imported, not copied);
     6. writes d(logits) = p (a + b t) [+ g_logp / temperature at the label] for its chunk, from the registers.
 Split 0 stores logp and entropy. Without NEED_GRAD only split 0 waits; the others arrive and finish.
-Why not a persistent grid: with N * S short programs, the SM keeps several of them resident (~3 per SM at
-8 warps and ~80 registers), so while one waits on its row's counter the others' loads keep DRAM busy; a
-persistent program would sit idle in its own wait unless it software-pipelined the next chunk's loads
-through the spin, which is more code than this experiment needs. (A persistent grid of at most one wave
+Why not a persistent grid: with N * S short programs, the SM keeps several of them resident (ptxas,
+sm_90, triton 3.9: 48 registers at 2048 x 4 warps and 4096 x 8, so ~10 and ~5 per SM; 114 at 8192 x 8,
+2 per SM), so while one waits on its row's counter the others' loads keep DRAM busy; a persistent program
+would sit idle in its own wait unless it software-pipelined the next chunk's loads through the spin,
+which is more code than this experiment needs. (A persistent grid of at most one wave
 with S <= grid size is also deadlock-free: the wait of a row's earliest program is only on items of the
 same row, none of them behind that row in any program's queue. It is the next thing to try if the block
 scheduler's cost for ~311k programs shows in the timings.)
 
-Memory ordering. Writer: each thread's stores of (m, d, s), then `tl.debug_barrier()` (bar.sync: every
-store of the CTA is ordered before what follows), then one thread's `atom.acq_rel.gpu` add: a release at
-gpu scope, cumulative over the CTA's stores it is ordered after by the barrier. Reader: the acquire atomic
-that reads S synchronises with every writer's release (all S adds are in the counter's modification order
-before the value S); Triton broadcasts a scalar atomic's result through shared memory behind a barrier,
-so every thread's later loads of the partials are ordered after the acquire. The arrival is acq_rel, not
+Memory ordering. Writer: the stores of (m, d, s), then `tl.debug_barrier()` (bar.sync: every store of
+the CTA is ordered before what follows), then one thread's `atom.global.gpu.acq_rel.add`: a release at
+gpu scope, cumulative over the CTA's stores the barrier ordered before it (in the sm_90 PTX the scalar
+stores and the atomic are issued by the same one thread anyway). Reader: the acquire that reads S
+synchronises with every writer's release (all S adds precede the value S in the counter's modification
+order); Triton broadcasts a scalar atomic's or acquire load's result to the CTA through shared memory
+behind a bar.sync (seen in the PTX), so the CTA takes one uniform branch, and every thread's later loads
+of the partials are ordered after the acquire. The arrival is acq_rel, not
 release only, because the last program to arrive reads S from its own add and must acquire there. The
 partial loads use `.cg` (L2, never a stale L1 line).
 
@@ -62,8 +66,13 @@ PREDICTION (not measured; the GPU run decides): each logit is read once and d(lo
 the kernel moves 2 of the 3 passes of logprobs fwd+bwd: ~0.67x its time at full bandwidth. Costs on top:
 the wait (an L2 atomic round trip or two, ~1-2 us per program, hidden by the other resident programs only
 if enough of them are loading at any time), the block scheduling of N * S programs, and one memset of the
-counters. Expected: 0.70-0.80x logprobs fwd+bwd at V = 151936 for the kernel alone (CHUNK 8192 x 8 warps
-or 16384 x 16), the 0.75 target borderline; worse at V = 50257 (scalar loads). Timeouts: expected 0 on an
+counters. An H100 needs ~20 KiB of loads in flight per SM (Little's law: ~3.3 TB/s x ~0.8 us over 132 SMs);
+8192 x 8 has 2 programs of 16 KiB per SM, and one of them is often waiting or writing, so it likely
+falls short; 4096 x 8 and 2048 x 4 keep ~5 and ~10 smaller programs per SM, at the price of 2x and 4x
+as many programs (more scheduling, more counter traffic). Expected: the best config at 0.70-0.80x
+logprobs fwd+bwd at V = 151936 for the kernel alone (4096 x 8 the likeliest), the 0.75 target borderline
+(ops.ppo_actor_loss adds its torch glue on top: the JSON's target_ratio_estimate); worse at V = 50257,
+whose scalar 2-byte loads and stores need 96-213 registers. Timeouts: expected 0 on an
 idle GPU; a count above a few per launch means the co-residency argument fails there.
 
 Run: `python bench/experiments/coop_actor_loss.py --out FILE.json` on CUDA (under 2 minutes on an H100);
@@ -92,7 +101,11 @@ from fastrlhf.kernels.ppo_loss import IGNORE, _policy_token  # noqa: E402
 
 CHUNK = 8192  # columns per program on CUDA: 32 fp32 per thread at 8 warps
 NUM_WARPS = 8
-SPIN_LIMIT = 1 << 14  # polls of the row counter before a program falls back to streaming its row
+# polls of the row counter before a program falls back to streaming its row. A poll is one L2 round trip
+# (~0.5 us); a row's programs should all have arrived within a few us (one program's load), so 2048 polls
+# (~1 ms) is far past a legitimate wait, and short enough that a GPU where waits never end still finishes
+# (each program then streams its row after ~1 ms: slow, bounded). Not measured.
+SPIN_LIMIT = 2048
 # the (CHUNK, num_warps) pairs the GPU run times
 # (an sm_90 compile with triton 3.9: registers 48 / 48 / 114 / 63 / 110, so about 10 / 5 / 2 / 2 / 1 programs
 # per SM; at V = 50257, whose scalar loads need more: 96 / 128 / 213 / 121 / 128)
@@ -405,7 +418,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 512) -> float:
 def _time_ms(fn, device: torch.device, grad_to_none=None) -> dict:
     """Median (p10, p90) ms: triton.testing.do_bench on CUDA (L2 flushed per call), else a few timed calls."""
     if device.type == "cuda":
-        med, p10, p90 = triton.testing.do_bench(fn, warmup=25, rep=150, grad_to_none=grad_to_none,
+        med, p10, p90 = triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                                 quantiles=[0.5, 0.1, 0.9])
         return {"median_ms": med, "p10_ms": p10, "p90_ms": p90}
     fn()
@@ -541,16 +554,18 @@ def main(argv: list[str] | None = None) -> int:
     record = {"experiment": "bench/experiments/coop_actor_loss.py", "command": " ".join(sys.argv),
               "dry_run": args.dry_run, "environment": environment(device), "cases": []}
     start = time.perf_counter()
-    for B, T, V in shapes:
+    for i, (B, T, V) in enumerate(shapes):
         print(f"bf16 [{B} x {T} x {V}]", flush=True)
         record["cases"].append(run_shape(B, T, V, configs, device, spin_limit))
+        record["finished"] = i == len(shapes) - 1
+        record["wall_s"] = time.perf_counter() - start
+        if args.out:  # after every shape: a run cut short by its time limit still leaves what it measured
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    record["wall_s"] = time.perf_counter() - start
     _print_table(record)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 
