@@ -2,9 +2,11 @@
 against `fastrlhf.kernels.ppo_loss.actor_loss_fwd` (itself tested against reference.py in test_actor_loss.py),
 in the interpreter, and its sm_90 PTX (16-byte loads, acquire / release atomics at gpu scope).
 
-In the interpreter a row's programs run one after another, so every program but the last of a row times
-out and streams the row itself, and the last merges the partials: both paths run in each case, and the
-timeout count is exactly known. Tiny shapes (V = 300 in chunks of 64: S = 5, the last chunk partial)."""
+With spin_limit 0 every program but the last to arrive at its row streams the row itself and the last
+merges the partials (in the interpreter, where programs run one after another, that is so for any limit):
+both paths run in each case, and the timeout count is exactly known. On a GPU the same tests run compiled,
+and `test_coop_waits_on_the_gpu` runs the real waits. Tiny shapes: V = 300 in chunks of 64 (S = 5, the
+last chunk partial)."""
 
 import importlib.util
 import json
@@ -36,6 +38,7 @@ def _load():
 
 coop = _load()
 V, CHUNK = 300, 64  # S = 5 programs per row, the last with 44 columns
+SEQUENTIAL = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs programs one after another
 
 
 def _inputs(B, T, dtype, *, view=False):
@@ -78,6 +81,17 @@ def poison(monkeypatch):
     poison_outputs(monkeypatch, MODULE)
 
 
+@pytest.fixture(autouse=True)
+def on_the_gpu():
+    """With CUDA the tensors are made there (the kernels run compiled, the programs concurrently)."""
+    if torch.cuda.is_available():
+        torch.set_default_device("cuda")
+        yield
+        torch.set_default_device(None)
+    else:
+        yield
+
+
 def _close(got, want, name, **tol):
     assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{name}: NaN pattern differs"
     ok = ~torch.isnan(want)
@@ -85,8 +99,8 @@ def _close(got, want, name, **tol):
                                msg=lambda m: f"{name}: {m}\n{worst(got[ok], want[ok])}")
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_coop_matches_actor_loss_fwd(case):
+def _run_case(case, spin_limit):
+    """(coop outputs, actor_loss_fwd outputs, timeouts, S) for one case."""
     dtype, B, T, changes, view, is_w = CASES[case]
     inputs = _inputs(B, T, dtype, view=view)
     if is_w:
@@ -94,18 +108,37 @@ def test_coop_matches_actor_loss_fwd(case):
     flags = FLAGS | changes
     want = actor_loss_fwd(*inputs.values(), **flags)
     timeouts = torch.zeros(1, dtype=torch.int32)
-    got = coop.coop_actor_loss_fwd(*inputs.values(), **flags, chunk=CHUNK, spin_limit=1, timeouts=timeouts)
-    S = -(-V // CHUNK)
-    for name, g, w, tol in zip(("logp", "entropy"), got[:2], want[:2], (dict(rtol=0, atol=2e-6),) * 2):
-        _close(g, w, name, **tol)
-    assert torch.isnan(got[0][-1]).item() is False and got[0][-1].item() == 0.0  # ignore_index: logp 0
+    got = coop.coop_actor_loss_fwd(*inputs.values(), **flags, chunk=CHUNK, spin_limit=spin_limit, timeouts=timeouts)
+    for name, g, w in zip(("logp", "entropy"), got[:2], want[:2]):
+        _close(g, w, name, rtol=0, atol=2e-6)
+    assert got[0][-1].item() == 0.0  # ignore_index: logp 0
     if flags["need_grad"]:
         _close(got[2], want[2], "d(logits)", **TOL[dtype])
-        # all but the last program of each row timed out (sequential programs)
-        assert timeouts.item() == B * T * (S - 1)
     else:
         assert got[2] is None
-        assert timeouts.item() == B * T  # only split 0 waits without gradients, and times out
+    return timeouts.item(), B * T, -(-V // CHUNK), flags["need_grad"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_coop_matches_actor_loss_fwd(case):
+    """spin_limit 0: every program but the last to arrive at its row falls back (interpreter and GPU alike),
+    so both paths run and, with gradients, the timeout count is exact."""
+    timeouts, N, S, need_grad = _run_case(case, spin_limit=0)
+    if need_grad:
+        assert timeouts == N * (S - 1)
+    elif SEQUENTIAL:  # only split 0 waits without gradients; in the interpreter it arrives first
+        assert timeouts == N
+    else:
+        assert 0 <= timeouts <= N
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_coop_waits_on_the_gpu(case):
+    """The real protocol: concurrent programs wait for their row (default spin limit); the same numbers,
+    and never more fallbacks than programs that can wait."""
+    timeouts, N, S, need_grad = _run_case(case, spin_limit=coop.SPIN_LIMIT)
+    assert 0 <= timeouts <= (N * (S - 1) if need_grad else N)
 
 
 def test_one_program_per_row_merges_alone():
@@ -113,7 +146,7 @@ def test_one_program_per_row_merges_alone():
     inputs = _inputs(1, 2, torch.float32)
     want = actor_loss_fwd(*inputs.values(), **FLAGS)
     timeouts = torch.zeros(1, dtype=torch.int32)
-    got = coop.coop_actor_loss_fwd(*inputs.values(), **FLAGS, chunk=512, spin_limit=1, timeouts=timeouts)
+    got = coop.coop_actor_loss_fwd(*inputs.values(), **FLAGS, chunk=512, spin_limit=0, timeouts=timeouts)
     for name, g, w in zip(("logp", "entropy", "d(logits)"), got, want):
         _close(g, w, name, rtol=1e-5, atol=2e-6)
     assert timeouts.item() == 0
