@@ -61,6 +61,30 @@ def test_dry_run(tmp_path):
     assert "gpu_run (dry run) ok=True" in proc.stdout
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_experiments_dry_run(tmp_path):
+    """`--experiments --dry-run`: install, environment, then each experiment on CPU, each leaving its JSON."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("FASTRLHF_BACKEND", "TRITON_INTERPRET")}
+    env |= {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), str(out), "--experiments", "--dry-run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, errors="replace", timeout=330)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert {p.name for p in out.iterdir()} == {"status.json", "coop.json", "linear_chunks.json",
+                                                "dist_peak_memory.json", "logs.tar.gz"}
+    status = json.loads((out / "status.json").read_text())
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "coop", "chunks", "dist"]
+    assert status["ok"] is True, status["steps"]
+    assert json.loads((out / "coop.json").read_text())["finished"] is True
+    chunks = json.loads((out / "linear_chunks.json").read_text())
+    assert {(r["op"], r["accum"]) for r in chunks["rows"]} == {(op, accum) for op in ("linear_logprobs",
+                                                               "linear_ppo_actor_loss") for accum in ("fp32", "weight")}
+    assert all(r["median_ms"] > 0 for r in chunks["rows"])
+    dist = json.loads((out / "dist_peak_memory.json").read_text())
+    assert dist["measured"]["ranks"] == 1 and "error" not in dist["predicted"], dist["predicted"]
+
+
 def _gpu_record():
     spec = importlib.util.spec_from_file_location("gpu_record", ROOT / "bench" / "gpu_record.py")
     module = importlib.util.module_from_spec(spec)
