@@ -21,15 +21,21 @@ STEPS = ["install", "env", "tests", "bench", "ppo"]
 FILES = {"status.json", "bench.json", "bench.png", "ppo.json", "tests.log", "logs.tar.gz"}
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_dry_run(tmp_path):
+def _dry_run(tmp_path, *flags) -> tuple[Path, subprocess.CompletedProcess]:
+    """(OUT, the finished process) of `bench/gpu_run.sh OUT --dry-run *flags`, run on this python; it must exit 0."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("FASTRLHF_BACKEND", "TRITON_INTERPRET")}
     env |= {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), str(out), "--dry-run"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, errors="replace", timeout=330)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), str(out), "--dry-run", *flags], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, errors="replace", timeout=330)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return out, proc
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_dry_run(tmp_path):
+    out, proc = _dry_run(tmp_path)
 
     assert {p.name for p in out.iterdir()} == FILES and all(p.is_file() for p in out.iterdir())
     status = json.loads((out / "status.json").read_text())
@@ -65,12 +71,7 @@ def test_dry_run(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
 def test_experiments_dry_run(tmp_path):
     """`--experiments --dry-run`: install, environment, then each experiment on CPU, each leaving its JSON."""
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k not in ("FASTRLHF_BACKEND", "TRITON_INTERPRET")}
-    env |= {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), str(out), "--experiments", "--dry-run"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, errors="replace", timeout=330)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    out, _ = _dry_run(tmp_path, "--experiments")
     assert {p.name for p in out.iterdir()} == {"status.json", "coop.json", "linear_chunks.json",
                                                 "dist_peak_memory.json", "logs.tar.gz"}
     status = json.loads((out / "status.json").read_text())
