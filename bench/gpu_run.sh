@@ -32,10 +32,11 @@
 #   tests.log    pytest's output
 #   logs.tar.gz  every step's log, env.json, junit.xml, the PPO run's metrics.jsonl, summary.json and plots
 # Experiments (--experiments), each with its own limit (GPU / dry run), its JSON in OUT:
-#   coop     150 / 90   bench/experiments/coop_actor_loss.py: the split-row actor loss vs the fused one  -> coop.json
-#   chunks   150 / 90   bench/experiments/linear_chunks.py: linear ops' time and extra peak per chunk size -> linear_chunks.json
 #   dist     200 / 120  bench/dist_peak_memory.py: a 1-rank NCCL --shard full PPO run's peak vs the planner
 #                       (issue 11)                                                       -> dist_peak_memory.json
+#   coop     150 / 90   bench/experiments/coop_actor_loss.py: the split-row actor loss vs the fused one  -> coop.json
+#   chunks   150 / 90   bench/experiments/linear_chunks.py: linear ops' time and extra peak per chunk size -> linear_chunks.json
+#   few_rows  60 / 60   bench/experiments/few_rows_profile.py: kernel vs host time of logprobs at B=1, T=128 -> few_rows.json
 # Environment: PYTHON (default python3), GPU_RUN_DEADLINE_S (default 525; dry run 300).
 set -uo pipefail
 
@@ -148,13 +149,15 @@ if [ "$EXPERIMENTS" = 1 ]; then
   if [ "$DRY" = 1 ]; then
     COOP_ARGS=(--dry-run) CHUNK_ARGS=(--dry-run) DIST_ARGS=(--device cpu --model tiny --steps 2 --rollout-batch 8
                                                              --mini-batch 4 --micro-batch 2)
-    L_COOP=90 L_CHUNKS=90 L_DIST=120
+    FEW_ARGS=(--dry-run) L_COOP=90 L_CHUNKS=90 L_DIST=120 L_FEW=60
   else
-    COOP_ARGS=() CHUNK_ARGS=() DIST_ARGS=() L_COOP=150 L_CHUNKS=150 L_DIST=200
+    COOP_ARGS=() CHUNK_ARGS=() DIST_ARGS=() FEW_ARGS=() L_COOP=150 L_CHUNKS=150 L_DIST=200 L_FEW=60
   fi
+  # in order of need: issue 11's run first, the deadline cuts the last ones short
+  step dist "$L_DIST" 20 "$PY" bench/dist_peak_memory.py "${DIST_ARGS[@]}" --out "$OUT/dist_peak_memory.json"
   step coop "$L_COOP" 30 "$PY" bench/experiments/coop_actor_loss.py "${COOP_ARGS[@]}" --out "$OUT/coop.json"
   step chunks "$L_CHUNKS" 45 "$PY" bench/experiments/linear_chunks.py "${CHUNK_ARGS[@]}" --out "$OUT/linear_chunks.json"
-  step dist "$L_DIST" 20 "$PY" bench/dist_peak_memory.py "${DIST_ARGS[@]}" --out "$OUT/dist_peak_memory.json"
+  step few_rows "$L_FEW" 25 "$PY" bench/experiments/few_rows_profile.py "${FEW_ARGS[@]}" --out "$OUT/few_rows.json"
   "$PY" bench/gpu_record.py status "$WORK/steps.tsv" "$WORK/env.json" "$OUT/status.json" $([ "$DRY" = 1 ] && echo --dry-run)
   bundle
   echo "== summary ($(($(date +%s) - START)) s)"

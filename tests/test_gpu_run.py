@@ -73,15 +73,17 @@ def test_experiments_dry_run(tmp_path):
     """`--experiments --dry-run`: install, environment, then each experiment on CPU, each leaving its JSON."""
     out, _ = _dry_run(tmp_path, "--experiments")
     assert {p.name for p in out.iterdir()} == {"status.json", "coop.json", "linear_chunks.json",
-                                                "dist_peak_memory.json", "logs.tar.gz"}
+                                                "dist_peak_memory.json", "few_rows.json", "logs.tar.gz"}
     status = json.loads((out / "status.json").read_text())
-    assert [s["name"] for s in status["steps"]] == ["install", "env", "coop", "chunks", "dist"]
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "dist", "coop", "chunks", "few_rows"]
     assert status["ok"] is True, status["steps"]
     assert json.loads((out / "coop.json").read_text())["finished"] is True
     chunks = json.loads((out / "linear_chunks.json").read_text())
     assert {(r["op"], r["accum"]) for r in chunks["rows"]} == {(op, accum) for op in ("linear_logprobs",
                                                                "linear_ppo_actor_loss") for accum in ("fp32", "weight")}
     assert all(r["median_ms"] > 0 for r in chunks["rows"])
+    few = json.loads((out / "few_rows.json").read_text())["providers"]
+    assert {"fastrlhf", "torch"} <= set(few) and all(p["wall_us_per_call"] > 0 for p in few.values())
     dist = json.loads((out / "dist_peak_memory.json").read_text())
     assert dist["measured"]["ranks"] == 1 and "error" not in dist["predicted"], dist["predicted"]
 
