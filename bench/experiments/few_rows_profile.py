@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fastrlhf import ops, reference
+from fastrlhf.bench.environment import environment
 
-ROOT = Path(__file__).resolve().parents[2]
 CALLS = 20
 
 
@@ -92,13 +91,11 @@ def main(argv=None) -> int:
         for kname, k in list(rows[name]["kernels"].items())[:6]:
             print(f"{'':12s}{k['us_per_call']:8.1f} us x{k['launches_per_call']:.0f}  {kname[:90]}")
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {"experiment": "few_rows_profile",
               "command": "python bench/experiments/few_rows_profile.py " + " ".join(sys.argv[1:] if argv is None
                                                                                     else argv),
-              "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "commit": commit, "shape": {"B": B, "T": T, "V": V}, "dtype": "bfloat16", "calls": CALLS,
-              "providers": rows}
+              "environment": environment(device), "shape": {"B": B, "T": T, "V": V}, "dtype": "bfloat16",
+              "calls": CALLS, "providers": rows}
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.out}")

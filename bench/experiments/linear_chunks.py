@@ -29,20 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 from fastrlhf import ops
 from fastrlhf.bench.cases import Case
+from fastrlhf.bench.environment import environment
 from fastrlhf.bench.measure import GIB, Settings, make_pool, make_runner, peak_memory, time_fn
 from fastrlhf.bench.providers import ACTOR_KW, _matmuls
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGET = {"N": 16384, "H": 4096, "V": 151936}
 TINY = {"N": 96, "H": 16, "V": 500}
 
@@ -106,11 +103,8 @@ def main(argv=None) -> int:
                              "over_matmuls": m["median_ms"] / base["median_ms"], **m})
                 print(f"{'':55s} {rows[-1]['over_matmuls']:.3f}x the 3 matmuls", flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     record = {"experiment": "linear_chunks", "command": "python bench/experiments/linear_chunks.py "
-              + " ".join(sys.argv[1:] if argv is None else argv),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-              "torch": torch.__version__, "triton": triton.__version__, "commit": commit,
+              + " ".join(sys.argv[1:] if argv is None else argv), "environment": environment(device),
               "dims": dims, "dtype": str(dtype), "matmuls": base, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(record, indent=1))
