@@ -248,6 +248,30 @@ def test_compile_fullgraph_matches_eager(backend, name):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+def test_compile_fullgraph_with_changing_hyperparameters():
+    """A float keyword that changes between calls (an adaptive KL coefficient, a clip schedule) becomes
+    a SymFloat on the recompile: the argument checks must trace it (math.isfinite of one broke the
+    graph, an error under fullgraph). Also dynamic=True, where floats and ints are symbolic at once."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    old, adv, mask = -torch.rand(2, 3), torch.randn(2, 3), torch.rand(2, 3) > 0.3
+
+    def actor(x, kl_coef, clip, temperature):
+        return ops.ppo_actor_loss(x, y, old, adv, mask, ref_logp=old, kl_coef=kl_coef, clip_low=clip,
+                                  temperature=temperature)[0]
+
+    def log_probs(x, ignore_index, temperature):
+        return ops.logprobs(x, y, ignore_index=ignore_index, temperature=temperature)
+
+    for fn, calls in ((actor, [(0.1, 0.2, 1.0), (0.05, 0.25, 0.9), (0.02, 0.3, 0.8)]),
+                      (log_probs, [(-100, 1.0), (3, 0.7)])):
+        for dynamic in (None, True):
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+            for args in calls:
+                torch.testing.assert_close(compiled(x, *args), fn(x, *args), rtol=1e-6, atol=1e-7)
+
+
 def test_inductor_end_to_end():
     """The real compiler on the trainer's two losses in one graph: Dynamo, AOTAutograd, inductor."""
     torch._dynamo.reset()

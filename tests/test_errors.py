@@ -380,3 +380,51 @@ def test_empty_entropy_and_topk(backend):
     assert ops.entropy(torch.randn(0, T, V)).shape == (0, T)
     logp, ent = ops.logprobs(torch.randn(0, T, V), torch.zeros(0, T, 3, dtype=torch.long), return_entropy=True)
     assert logp.shape == (0, T, 3) and ent.shape == (0, T)
+
+
+@pytest.mark.parametrize("shape", [(0, T), (B, 0)])
+def test_empty_actor_loss(backend, shape):
+    """An empty batch gives loss 0 and a zero-size gradient on both paths (the torch path once
+    reshaped [0] labels to [0, -1])."""
+    x = torch.randn(*shape, V, requires_grad=True)
+    z = torch.zeros(shape)
+    loss, stats = ops.ppo_actor_loss(x, torch.zeros(shape, dtype=torch.long), z, z, z.bool())
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == x.shape
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("name", ["old_logp", "advantages"])
+def test_actor_loss_requires_old_logp_and_advantages(name):
+    kw = {"old_logp": _lp(), "advantages": _lp(), "mask": _mask(), name: None}
+    labels = torch.zeros(B, T, dtype=torch.long)
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got NoneType"):
+        ops.ppo_actor_loss(torch.randn(B, T, V), labels, **kw)
+    with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got NoneType"):
+        ops.linear_ppo_actor_loss(torch.randn(B, T, 4), torch.randn(V, 4), labels, **kw)
+
+
+def test_kl_coef_without_ref_logp():
+    """A KL coefficient with no reference log-probs is an error, not a run without the KL term."""
+    with pytest.raises(ValueError, match="kl_coef is 0.1 but ref_logp is None"):
+        ops.ppo_actor_loss(torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long), _lp(), _lp(), _mask(),
+                           kl_coef=0.1)
+
+
+def test_zero_dim_per_token_tensors():
+    scalar = torch.tensor(0.5)
+    for name, call in (("loss_mat", lambda: ops.agg_loss(scalar, torch.tensor(True))),
+                       ("logp", lambda: ops.policy_loss(scalar, scalar, scalar, torch.tensor(True))),
+                       ("values", lambda: ops.value_loss(scalar, scalar, scalar, torch.tensor(True))),
+                       ("x", lambda: ops.whiten(scalar, torch.tensor(True)))):
+        with pytest.raises(ValueError, match=f"{name} must be a per-token tensor"):
+            call()
+
+
+@pytest.mark.parametrize("value", ["a", -100.5, True])
+def test_ignore_index_must_be_an_integer(value):
+    labels = torch.zeros(B, T, dtype=torch.long)
+    with pytest.raises(TypeError, match="ignore_index must be an integer"):
+        ops.logprobs(torch.randn(B, T, V), labels, ignore_index=value)
+    with pytest.raises(TypeError, match="ignore_index must be an integer"):
+        ops.linear_logprobs(torch.randn(B, T, 4), torch.randn(V, 4), labels, ignore_index=value)

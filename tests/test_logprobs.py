@@ -11,6 +11,7 @@ from helpers import assert_close_to_ref, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
+from fastrlhf.ops.logprobs import writable_in_place
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)]  # (dtype, atol)
 
@@ -393,3 +394,26 @@ def test_small_odd_vocab_at_odd_offsets(backend, dtype, atol, V):
         same = _fwd_bwd(ref.logprobs, logits, k_labels, g_k, g_ent, temperature=0.9)
         for what, o, r, s in zip(("logp", "entropy", "d_logits"), out, r64, same):
             assert_close_to_ref(o, r, s, atol=atol, name=f"{name}, K labels: {what}")
+
+
+@pytest.mark.parametrize("case", ["4d-unmergeable-view", "expanded"])
+def test_inplace_backward_on_logits_it_cannot_overwrite(backend, case):
+    """Logits whose storage cannot take d(logits) get the out-of-place backward, with the same numbers:
+    a 4-d view whose leading dims do not merge (as_3d copies it) and expanded logits (positions share
+    memory). Before, the first wrote d(logits) into as_3d's copy and handed autograd the logits."""
+    torch.manual_seed(0)
+    if case == "4d-unmergeable-view":
+        leaf = torch.randn(3, 4, 5, 7, dtype=torch.float64, requires_grad=True)
+        make = lambda: (leaf * 1.0)[:, :-1]  # noqa: E731
+        labels = torch.randint(0, 7, (3, 3, 5))
+    else:
+        leaf = torch.randn(1, 3, 5, dtype=torch.float64, requires_grad=True)
+        make = lambda: (leaf * 1.0).expand(4, 3, 5)  # noqa: E731
+        labels = torch.randint(0, 5, (4, 3))
+    assert not writable_in_place(make())
+    g = torch.randn(labels.shape, dtype=torch.float64)
+    (want,) = torch.autograd.grad(ref.logprobs(make(), labels), leaf, g)
+    out_of_place, in_place = (torch.autograd.grad(ops.logprobs(make(), labels, inplace_backward=inplace), leaf, g)[0]
+                              for inplace in (False, True))
+    assert torch.equal(in_place, out_of_place)
+    torch.testing.assert_close(out_of_place, want, rtol=0, atol=1e-6)  # the Triton path computes in fp32

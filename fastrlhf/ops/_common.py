@@ -104,7 +104,9 @@ def check_same(first: str, x: torch.Tensor, **others) -> None:
 
 
 def check_number(name: str, value, *, positive=False, nonnegative=False, above=None) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    # `abs(value) < inf`, not math.isfinite: under torch.compile a float argument whose value changed
+    # between calls is a SymFloat, and math.isfinite of one breaks the graph (an error with fullgraph)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not abs(value) < math.inf:
         raise TypeError(f"{name} must be a finite real number, got {value!r}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
@@ -113,6 +115,18 @@ def check_number(name: str, value, *, positive=False, nonnegative=False, above=N
     if above is not None and value <= above:
         raise ValueError(f"{name} must be > {above}, got {value}")
     return float(value)
+
+
+def check_integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def check_rows(name: str, x: torch.Tensor) -> None:
+    """A per-token tensor has at least one dim: [B, T], [T] or [..., T]."""
+    if x.dim() == 0:
+        raise ValueError(f"{name} must be a per-token tensor [B, T], [T] or [..., T], got a 0-d tensor")
 
 
 def check_choice(name: str, value, choices) -> None:

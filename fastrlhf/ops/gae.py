@@ -18,6 +18,7 @@ from fastrlhf.ops._common import (
     check_float,
     check_mask,
     check_number,
+    check_rows,
     check_same,
     out_dtype,
     use_triton,
@@ -78,6 +79,7 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True):
         float64 x). No gradient.
     """
     check_float("x", x)
+    check_rows("x", x)
     check_mask(mask, x, "x")
     return _whiten_op(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
 

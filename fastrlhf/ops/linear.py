@@ -43,7 +43,16 @@ import torch
 from torch import Tensor
 
 from fastrlhf.constants import CHUNK_BUDGET_BYTES, CHUNK_BUDGET_BYTES_CUDA, IGNORE_INDEX, KL_ESTIMATORS
-from fastrlhf.ops._common import as_rows, check_device, check_float, check_int, check_number, out_dtype, use_triton
+from fastrlhf.ops._common import (
+    as_rows,
+    check_device,
+    check_float,
+    check_int,
+    check_integer,
+    check_number,
+    out_dtype,
+    use_triton,
+)
 from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
     ACTOR_STATS,
@@ -427,7 +436,8 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
         chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size(), hidden.is_cuda)
     keep_logits = chunk_size >= h.shape[0] and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden, weight, bias))
-    logp, entropy, *_ = _linear_logprobs_op(h, weight, bias, y, temperature, int(ignore_index), bool(return_entropy),
+    ignore_index = check_integer("ignore_index", ignore_index)
+    logp, entropy, *_ = _linear_logprobs_op(h, weight, bias, y, temperature, ignore_index, bool(return_entropy),
                                             int(chunk_size), accum_dtype, keep_logits, use_triton(hidden))
     if return_entropy:
         return logp.view(labels.shape), entropy.view(labels.shape)

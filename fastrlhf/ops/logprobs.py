@@ -24,7 +24,15 @@ import torch
 from torch import Tensor
 
 from fastrlhf.constants import IGNORE_INDEX
-from fastrlhf.ops._common import check_device, check_float, check_int, check_number, out_dtype, use_triton
+from fastrlhf.ops._common import (
+    check_device,
+    check_float,
+    check_int,
+    check_integer,
+    check_number,
+    out_dtype,
+    use_triton,
+)
 
 # float32 (float64) work per block of rows on the torch path, per intra-op thread (a thread's share of a
 # block then stays in its core's L2). Measured on a 2-core Xeon (4 MiB L2 per core), fwd + bwd with
@@ -43,7 +51,8 @@ LOG_P_FLOOR = -1.0e4
 
 def as_3d(logits: Tensor) -> Tensor:
     """[B, T, V] view of logits[..., V] without copying (dims 0 and 1 may have any stride,
-    e.g. logits[:, :-1]); only a non-unit vocab stride forces a copy."""
+    e.g. logits[:, :-1]); a non-unit vocab stride forces a copy, and so does a view of 4 or more
+    dims whose leading dims cannot be merged into one (e.g. x[:, :-1] of a [A, B, T, V] x)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if logits.dim() == 1:
@@ -53,6 +62,19 @@ def as_3d(logits: Tensor) -> Tensor:
     if logits.dim() == 3:
         return logits
     return logits.flatten(0, -3)
+
+
+def writable_in_place(logits: Tensor) -> bool:
+    """True when d(logits) can be written over the logits' own storage: as_3d views them without a
+    copy, and no two positions share memory (an expand). From shapes and strides only (traceable)."""
+    if logits.stride(-1) != 1 or any(n > 1 and st == 0 for n, st in zip(logits.shape, logits.stride())):
+        return False
+    if logits.dim() > 3:
+        try:
+            logits.view(-1, *logits.shape[-2:])
+        except RuntimeError:
+            return False
+    return True
 
 
 def _row_blocks(x: Tensor, rows: int):
@@ -109,7 +131,7 @@ def _load_block(block: Tensor, temperature: float, out: Tensor) -> Tensor:
 def _forward_torch(x, y, temperature, ignore_index, return_entropy):
     B, T, V = x.shape
     dtype = out_dtype(x)
-    index = y.reshape(B * T, -1)
+    index = y.reshape(B * T, y.shape[-1] if y.dim() == 3 else 1)  # not -1: B * T may be 0
     logp = torch.empty(index.shape, dtype=dtype, device=x.device)
     lse = torch.empty(B * T, dtype=dtype, device=x.device)
     entropy = torch.empty_like(lse) if return_entropy else None
@@ -138,7 +160,8 @@ def _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index
     out_rows = None if inplace else out.view(-1, V)
     g_lp = None
     if g_logp is not None:  # [N, K]: K labels per row (K = 1 but for (..., K) labels)
-        g_lp, index = _label_grads(y.reshape(B * T, -1), g_logp, V, ignore_index, dtype)
+        g_lp, index = _label_grads(y.reshape(B * T, y.shape[-1] if y.dim() == 3 else 1), g_logp, V, ignore_index,
+                                   dtype)
         g_sum = g_lp.sum(-1)
     if g_ent is not None:
         g_ent = g_ent.reshape(-1).to(dtype)
@@ -261,11 +284,7 @@ def _logprobs_backward_inplace_op(logits: Tensor, labels: Tensor, lse: Tensor, e
                                   grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float,
                                   ignore_index: int, use_triton: bool) -> None:
     """d(logits) written over the logits (their version counter is bumped: a node that saved them
-    for its own backward then raises instead of reading gradients)."""
-    if logits.stride(-1) != 1:  # as_3d would copy: write the result back instead
-        logits.copy_(logprobs_backward_op(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature,
-                                           ignore_index, use_triton))
-        return
+    for its own backward then raises instead of reading gradients); logits writable_in_place."""
     x = as_3d(logits)
     logprobs_bwd(x, _labels_3d(labels, logits, x), lse, entropy, grad_logp, grad_entropy,
                  temperature=temperature, ignore_index=ignore_index, inplace=True, use_triton=use_triton)
@@ -293,7 +312,7 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     if not ctx.needs_input_grad[0] or (grad_logp is None and grad_entropy is None):
         return (None,) * 7
     args = (logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, triton)
-    if inplace_backward:
+    if inplace_backward and writable_in_place(logits):  # else out of place: same numbers, no saving
         _logprobs_backward_inplace_op(*args)
         return logits.detach(), None, None, None, None, None, None
     return logprobs_backward_op(*args), None, None, None, None, None, None
@@ -319,7 +338,9 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
         ignore_index: the label value that is ignored (-100, as PyTorch's cross-entropy).
         inplace_backward: the backward writes d(logits) into the logits' own storage and bumps
             their version counter; only when nothing reads the logits after the backward (any
-            other node that saved them then raises instead of using wrong values).
+            other node that saved them then raises instead of using wrong values). Logits that
+            cannot take it (expanded, a non-unit vocab stride, a 4-d+ view whose leading dims
+            do not merge) get an out-of-place backward instead.
 
     Returns:
         logp of labels' shape, float32 (float64 for float64 logits), and entropy [...] with
@@ -335,6 +356,7 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
                          f"got {tuple(labels.shape)}")
     check_device("labels", labels, "logits", logits)
     temperature = check_number("temperature", temperature, positive=True)
+    ignore_index = check_integer("ignore_index", ignore_index)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocab dimension, got V = 0")
     if labels.numel() == 0:
@@ -345,7 +367,7 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
         out = logprobs(logits, labels.squeeze(-1), temperature=temperature, return_entropy=return_entropy,
                        ignore_index=ignore_index, inplace_backward=inplace_backward)
         return (out[0].unsqueeze(-1), out[1]) if return_entropy else out.unsqueeze(-1)
-    logp, entropy_, _ = _logprobs_op(logits, labels, temperature, int(ignore_index), bool(return_entropy),
+    logp, entropy_, _ = _logprobs_op(logits, labels, temperature, ignore_index, bool(return_entropy),
                                      bool(inplace_backward), use_triton(logits))
     return (logp, entropy_) if return_entropy else logp
 

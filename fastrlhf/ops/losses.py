@@ -39,6 +39,7 @@ from fastrlhf.ops._common import (
     check_int,
     check_mask,
     check_number,
+    check_rows,
     check_same,
     out_dtype,
     safe_inverse,
@@ -194,6 +195,7 @@ def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global
         the loss, 0-dim float32 (float64 for float64 loss_mat); 0 for an empty local mask.
     """
     check_float("loss_mat", loss_mat)
+    check_rows("loss_mat", loss_mat)
     check_mask(mask, loss_mat, "loss_mat")
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     m = as_rows(mask)
@@ -397,6 +399,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
         (verl's ppo_kl) and approx_kl_unclamped = mean(old_logp - logp) (OpenRLHF's ppo_kl).
     """
     check_float("logp", logp)
+    check_rows("logp", logp)
     check_same("logp", logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
     check_mask(mask, logp, "logp")
     clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
@@ -463,6 +466,7 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
         masked fraction of tokens whose clipped term is larger.
     """
     check_float("values", values)
+    check_rows("values", values)
     check_same("values", values, old_values=old_values, returns=returns)
     check_mask(mask, values, "values")
     if clip is not None:
@@ -572,6 +576,8 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_wei
                      entropy_coef, clip_low, clip_high, dual_clip, agg: Agg, what):
     """The checks of the actor losses' per-token arguments against `shape` (what: its name); returns
     (kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip) as floats."""
+    check_float("old_logp", old_logp)  # required; ref_logp and is_weights may be None
+    check_float("advantages", advantages)
     for name, x in (("old_logp", old_logp), ("advantages", advantages), ("ref_logp", ref_logp),
                     ("is_weights", is_weights)):
         if x is None:
@@ -583,6 +589,9 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_wei
             raise ValueError(f"{name} is on {x.device} but the logits are on {device}; expected one device")
     check_mask(mask, old_logp, "old_logp")
     kl_coef = check_number("kl_coef", kl_coef)
+    if kl_coef != 0 and ref_logp is None:
+        raise ValueError(f"kl_coef is {kl_coef} but ref_logp is None: the KL term needs the reference log-probs "
+                         f"(pass ref_logp, or kl_coef=0.0 for no KL term)")
     entropy_coef = check_number("entropy_coef", entropy_coef)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     kl_clamp = None if kl_clamp is None else check_number("kl_clamp", kl_clamp, positive=True)
@@ -612,7 +621,7 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
         labels: logits.shape[:-1] integer; -100 is ignored (logp 0, no gradient).
         old_logp, advantages, mask, ref_logp, is_weights: logits.shape[:-1]; constants (no gradient).
         kl_coef, kl_estimator, kl_clamp, kl_straight_through: the KL term against ref_logp (see
-            `token_kl`: estimator, clamp, straight_through), none without ref_logp.
+            `token_kl`: estimator, clamp, straight_through); kl_coef != 0 needs ref_logp.
         is_weights: per-token importance weights of the policy term (see `policy_loss`).
         entropy_coef, temperature, clip_low, clip_high, dual_clip: as `logprobs` and `policy_loss`.
         agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`.
