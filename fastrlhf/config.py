@@ -243,7 +243,7 @@ class PPOConfig:
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
     max_grad_norm: float = 1.0
-    """Gradient-norm clip."""
+    """Gradient-norm clip: the gradient is scaled down to this norm when larger; inf = no clipping."""
     eval_prompts: int = 256
     """Built-in task only: held-out prompts to measure the true score before and after."""
     seed: int = 0

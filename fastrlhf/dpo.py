@@ -135,9 +135,7 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
     `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
     cfg = dataclasses.replace(cfg)
     check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs", "eval_prompts"),
-                 "dpo")
-    if cfg.lora_rank < 0:
-        raise ValueError(f"dpo: lora_rank must be >= 0, got {cfg.lora_rank}")
+                 "dpo", key_prefix)
     distributed.check_shard(cfg.shard, "dpo")
     distributed.check_global_batch("dpo", batch_size=cfg.batch_size)
     try:  # beta, loss_type and label_smoothing as the op checks them

@@ -44,6 +44,7 @@ from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
 from fastrlhf.rollout import ROLLOUT_CACHES, Rollout, generate, token_logprobs
 from fastrlhf.run import (
+    POSITIVE,
     StageRun,
     check_common,
     describe_data,
@@ -236,15 +237,14 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     by the time this stage runs."""
     cfg = dataclasses.replace(cfg)
     check_common(cfg, ("steps", "rollout_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs",
-                       "log_every", "save_every", "eval_prompts"), "ppo")
+                       "kl_horizon", "log_every", "save_every", "eval_prompts"), "ppo", key_prefix,
+                 ranges={"lr": POSITIVE})
     distributed.check_shard(cfg.shard, "ppo")
     distributed.check_global_batch("ppo", rollout_batch_size=cfg.rollout_batch_size,
                                    mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size)
     if cfg.rollout_batch_size % cfg.mini_batch_size or cfg.mini_batch_size % cfg.micro_batch_size:
         raise ValueError(f"ppo: rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of mini_batch_size "
                          f"({cfg.mini_batch_size}), itself a multiple of micro_batch_size ({cfg.micro_batch_size})")
-    if cfg.temperature <= 0:
-        raise ValueError(f"ppo: temperature must be > 0, got {cfg.temperature}")
     if cfg.rollout_cache not in ("auto", *ROLLOUT_CACHES):
         raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
                          f"got {cfg.rollout_cache!r}")

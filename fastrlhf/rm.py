@@ -137,9 +137,8 @@ class RMPlan:
 def prepare_pairs(cfg, model: ModelSource, stage: str, key_prefix: str = ""):
     """The preference pairs of the rm and dpo stages, checked and tokenized: resolves cfg.data and
     the lengths (cfg is changed in place). Returns (enc, train_idx, eval_idx): token ids of
-    "prompt", "chosen" and "rejected" per pair, and a seeded split holding out eval_fraction."""
-    if not 0 < cfg.eval_fraction < 1:
-        raise ValueError(f"{stage}: eval_fraction must be in (0, 1), got {cfg.eval_fraction}")
+    "prompt", "chosen" and "rejected" per pair, and a seeded split holding out eval_fraction
+    (in (0, 1): run.check_common)."""
     cfg.data = resolve_data(cfg.data, model, stage, f"--{key_prefix}data")
     builtin = cfg.data == BUILTIN
     if builtin:
@@ -180,7 +179,7 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     """Check the whole configuration and resolve its defaults, loading no model weights.
     `upstream`: the SFT model a pipeline will have written by the time this stage runs."""
     cfg = dataclasses.replace(cfg)
-    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm")
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "eval_every", "num_pairs"), "rm", key_prefix)
     distributed.check_shard(cfg.shard, "rm")
     distributed.check_global_batch("rm", batch_size=cfg.batch_size)
     model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")

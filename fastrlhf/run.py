@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
+import typing
 import warnings
 from pathlib import Path
 
@@ -49,13 +51,69 @@ EVAL_BATCH_SIZE = 256  # sequences per forward pass when evaluating (RM accuracy
 # ---------------------------------------------------------------- checks before a model loads
 
 
-def check_common(cfg, counts: tuple[str, ...], stage: str) -> None:
-    """What every stage's configuration needs: each key in `counts` an int >= 1, a device
-    that exists, TensorBoard installed when asked for."""
+class Range(typing.NamedTuple):
+    """The values a numeric key accepts: low <= value <= high (low < value with `low_open`,
+    value < high with `high_open`), finite unless `inf_ok`; `note` says what a boundary value means."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+    inf_ok: bool = False
+
+    def allows(self, value) -> bool:
+        if math.isnan(value) or (math.isinf(value) and not self.inf_ok):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+POSITIVE = Range(0, low_open=True)
+# The numeric keys of the stages (a stage checks those it has), as the code uses them. Counts
+# (steps, batch sizes, ...) are each stage's `counts`.
+RANGES = {
+    "lr": Range(0, note="0 = auto"),  # PPO: > 0 (its own argument to check_common)
+    "max_prompt_len": Range(0, note="0 = auto"),
+    "max_response_len": Range(0, note="0 = auto"),
+    "max_new_tokens": Range(0, note="0 = auto"),
+    "stop_after": Range(0, note="0 = run to the end"),
+    "eval_fraction": Range(0, 1, low_open=True, high_open=True),
+    "lora_rank": Range(0, note="0 = full fine-tuning"),
+    "lora_alpha": POSITIVE,
+    "temperature": POSITIVE,
+    "kl_coef": Range(0),
+    "kl_target": Range(0, note="0 = fixed kl_coef"),
+    "gamma": Range(0, 1),
+    "lam": Range(0, 1),
+    "clip": POSITIVE,
+    "value_clip": POSITIVE,
+    "vf_coef": Range(0),
+    "entropy_coef": Range(0),
+    "max_grad_norm": Range(0, low_open=True, note="inf = no clipping", inf_ok=True),
+}
+
+
+def check_common(cfg, counts: tuple[str, ...], stage: str, key_prefix: str = "", ranges: dict | None = None) -> None:
+    """What every stage's configuration needs: each key in `counts` an int >= 1, each numeric
+    key of RANGES (updated with `ranges`) that `cfg` has within its range, a device that exists,
+    TensorBoard installed when asked for. Errors name the key as given: `--{key_prefix}{name}`."""
     for name in counts:
         value = getattr(cfg, name)
         if value < 1:
-            raise ValueError(f"{stage}: {name} must be >= 1, got {value}")
+            raise ValueError(f"{stage}: --{key_prefix}{name} must be >= 1, got {value}")
+    for name, valid in {**RANGES, **(ranges or {})}.items():
+        value = getattr(cfg, name, None)
+        if value is not None and not valid.allows(value):
+            raise ValueError(f"{stage}: --{key_prefix}{name} must be {valid}, got {value}")
     resolve_device(cfg.device)
     if cfg.tensorboard:
         try:

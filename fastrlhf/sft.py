@@ -58,7 +58,7 @@ class SFTPlan:
 def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     """Check the whole configuration and resolve its defaults, loading no model weights."""
     cfg = dataclasses.replace(cfg)
-    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "num_examples"), "sft")
+    check_common(cfg, ("steps", "batch_size", "log_every", "save_every", "num_examples"), "sft", key_prefix)
     distributed.check_shard(cfg.shard, "sft")
     distributed.check_global_batch("sft", batch_size=cfg.batch_size)
     model = model_source(cfg.model, where="sft model")

@@ -157,8 +157,8 @@ def test_dpo_stage_calls_the_fused_ops_and_resumes(tmp_path, monkeypatch):
     (dict(loss_type="kto"), "dpo: loss_type must be one of"),
     (dict(loss_type="hinge", label_smoothing=0.1), "dpo: label_smoothing is used by loss_type"),
     (dict(ipo_per_token=True), "dpo: ipo_per_token applies to loss_type ipo only"),
-    (dict(eval_fraction=1.0), r"dpo: eval_fraction must be in \(0, 1\)"),
-    (dict(lora_rank=-1), "dpo: lora_rank must be >= 0"),
+    (dict(eval_fraction=1.0), r"dpo: --eval_fraction must be in \(0, 1\), got 1.0"),
+    (dict(lora_rank=-1), r"dpo: --lora_rank must be >= 0 \(0 = full fine-tuning\), got -1"),
 ])
 def test_bad_dpo_settings(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):

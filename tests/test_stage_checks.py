@@ -1,0 +1,100 @@
+"""A user-path review of the stages: every numeric key is checked before a model loads (and
+before config.json is written), naming the key as given; `--resume` compares paths as paths
+and follows a moved run folder; `--eval_every` does not wait for a logging step; the README's
+way of loading the reward model; no peft deprecation noise at a LoRA start."""
+
+import logging
+import math
+import re
+
+import pytest
+import torch
+
+from fastrlhf import cli, dpo, pipeline, ppo, rm, sft
+from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig
+
+TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", data="builtin", rollout_batch_size=4,
+                mini_batch_size=4, micro_batch_size=4, eval_prompts=4, max_new_tokens=4, steps=1)
+
+
+@pytest.fixture(autouse=True)
+def keep_threads_and_warnings():
+    """load_causal_lm drops to one thread for tiny CPU models; cli.main routes warnings into logging."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+    logging.captureWarnings(False)
+
+
+# ---------------------------------------------------------------- numeric keys, before a model loads
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("max_grad_norm", -1.0, "must be > 0 (inf = no clipping), got -1.0"),  # would negate the gradient
+    ("max_grad_norm", 0.0, "must be > 0 (inf = no clipping), got 0.0"),
+    ("vf_coef", -1.0, "must be >= 0, got -1.0"),
+    ("kl_coef", -1.0, "must be >= 0, got -1.0"),
+    ("kl_target", -1.0, "must be >= 0 (0 = fixed kl_coef), got -1.0"),
+    ("entropy_coef", -0.1, "must be >= 0, got -0.1"),
+    ("lr", -1.0, "must be > 0, got -1.0"),
+    ("lr", 0.0, "must be > 0, got 0.0"),  # PPO's lr has no auto
+    ("lr", math.nan, "must be > 0, got nan"),
+    ("clip", -1.0, "must be > 0, got -1.0"),
+    ("value_clip", -1.0, "must be > 0, got -1.0"),
+    ("lam", -1.0, "must be in [0, 1], got -1.0"),
+    ("lam", 1.5, "must be in [0, 1], got 1.5"),
+    ("gamma", 1.01, "must be in [0, 1], got 1.01"),
+    ("temperature", math.inf, "must be > 0, got inf"),
+    ("lora_rank", -2, "must be >= 0 (0 = full fine-tuning), got -2"),
+    ("lora_alpha", 0.0, "must be > 0, got 0.0"),
+    ("max_new_tokens", -1, "must be >= 0 (0 = auto), got -1"),
+    ("stop_after", -1, "must be >= 0 (0 = run to the end), got -1"),
+    ("kl_horizon", 0, "must be >= 1, got 0"),
+])
+def test_a_ppo_number_out_of_range_is_refused_naming_its_key(tmp_path, key, value, expected):
+    with pytest.raises(ValueError, match=re.escape(f"ppo: --{key} {expected}")):
+        ppo.prepare(PPOConfig(out=str(tmp_path), **dict(TINY_PPO, **{key: value})))
+    assert not (tmp_path / "ppo").exists()
+
+
+@pytest.mark.parametrize("stage,cfg", [
+    (sft, SFTConfig(lr=-1e-5)), (rm, RMConfig(model="tiny", lr=-1e-5)), (dpo, DPOConfig(model="tiny", lr=-1e-5)),
+    (sft, SFTConfig(max_response_len=-4)), (rm, RMConfig(model="tiny", eval_fraction=0.0)),
+])
+def test_every_stage_checks_its_numbers(tmp_path, stage, cfg):
+    cfg.out = str(tmp_path)
+    name = stage.__name__.rsplit(".", 1)[-1]
+    with pytest.raises(ValueError, match=rf"^{name}: --(lr|max_response_len|eval_fraction) must be"):
+        stage.prepare(cfg)
+
+
+def test_the_boundary_values_the_code_means_are_accepted(tmp_path):
+    """lr 0 = auto (sft, rm, dpo), inf = no gradient clipping, gamma/lam at 0 and 1, no KL."""
+    assert sft.prepare(SFTConfig(out=str(tmp_path), lr=0.0)).cfg.lr > 0
+    plan = ppo.prepare(PPOConfig(out=str(tmp_path), **dict(TINY_PPO, max_grad_norm=math.inf, gamma=0.0, lam=1.0,
+                                                           kl_coef=0.0, lora_rank=0)))
+    assert plan.cfg.max_grad_norm == math.inf
+    grad = torch.tensor([3.0, -4.0])
+    w = torch.nn.Parameter(torch.zeros(2))
+    w.grad = grad.clone()
+    torch.nn.utils.clip_grad_norm_([w], math.inf)  # what ppo_update calls with it: the gradient unchanged
+    assert torch.equal(w.grad, grad)
+
+
+def test_a_bad_lr_leaves_no_config_json_behind_so_the_corrected_rerun_starts(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["sft", "--out", str(out), "--steps", "1", "--lr", "-1"]) == 2
+    assert "fastrlhf sft: error: sft: --lr must be >= 0 (0 = auto), got -1.0" in capsys.readouterr().err
+    assert not (out / "sft").exists()
+    sft.prepare(SFTConfig(out=str(out), steps=1, lr=1e-3))  # not refused as "already holds a run"
+
+
+def test_in_the_pipeline_the_error_names_the_stage_key(tmp_path):
+    cfg = PipelineConfig(out=str(tmp_path / "run"))
+    cfg.ppo.max_grad_norm = -1.0
+    with pytest.raises(ValueError, match=re.escape("ppo: --ppo.max_grad_norm must be > 0")):
+        pipeline.prepare(cfg)
+    cfg = PipelineConfig(out=str(tmp_path / "run"))
+    cfg.sft.lr = math.inf
+    with pytest.raises(ValueError, match=re.escape("sft: --sft.lr must be >= 0 (0 = auto), got inf")):
+        pipeline.prepare(cfg)
