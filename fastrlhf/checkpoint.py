@@ -9,8 +9,9 @@ A stage's folder, OUT/<stage>/:
 
 Resume safety (`check_run_dir`, before any model loads): a fresh run in a folder that holds a
 run is refused unless `--overwrite` (which deletes it) or `--resume`; `--resume` refuses a
-configuration that differs from the recorded one (apart from `RESUME_FREE_KEYS`) and says so
-when there is no checkpoint to resume from.
+configuration that differs from the recorded one (apart from `RESUME_FREE_KEYS`; the paths of
+`PATH_KEYS` compared as paths, inside the run folder relative to it, so a moved folder resumes)
+and says so when there is no checkpoint to resume from.
 
 Every folder and JSON file is first written under a temporary name beside its destination
 and then moved into place with `os.replace`, so a crash never leaves half a checkpoint and
@@ -45,8 +46,10 @@ log = logging.getLogger("fastrlhf")
 
 LATEST = "latest"
 CONFIG_FILE = "config.json"
-RESUME_FREE_KEYS = ("steps", "stop_after", "resume", "overwrite", "log_every", "save_every", "eval_every",
-                    "tensorboard", "shard")  # keys a resumed run may change (sharded checkpoints reshard)
+RESUME_FREE_KEYS = ("out", "steps", "stop_after", "resume", "overwrite", "log_every", "save_every", "eval_every",
+                    "tensorboard", "shard")  # keys a resumed run may change (the run folder may move; sharded
+# checkpoints reshard)
+PATH_KEYS = ("model", "data", "reward")  # compared on resume as the paths they name, not as spelled
 
 
 # ---------------------------------------------------------------- atomic writes
@@ -285,11 +288,41 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _as_path(value: str, out: str | None) -> str:
+    """What a path-valued key names, comparable across spellings: inside the run folder `out`
+    (as spelled, or once both are resolved) relative to it, so that a moved run folder still
+    matches; elsewhere the resolved path when it exists. Anything else (a built-in model,
+    `builtin`, a rule `module:function`) as it is."""
+    path = Path(value)
+    if out:
+        for p, o in ((path, Path(out)), (path.resolve(), Path(out).resolve())):
+            if p.is_relative_to(o):
+                return f"OUT/{p.relative_to(o).as_posix()}"
+    return str(path.resolve()) if path.exists() else value
+
+
+def _paths(d: dict, out: str | None = None, prefix: str = "") -> dict:
+    """The PATH_KEYS of a (nested) configuration, flattened as `_flat` does, each `_as_path` against
+    the nearest `out`."""
+    out = d.get("out", out)
+    paths = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            paths.update(_paths(v, out, f"{prefix}{k}."))
+        elif k in PATH_KEYS and isinstance(v, str) and v:
+            paths[f"{prefix}{k}"] = _as_path(v, out)
+    return paths
+
+
 def config_changes(recorded: dict, current: dict, free=RESUME_FREE_KEYS) -> list[str]:
-    """'key: recorded -> current' for every key that differs, keys in `free` (at any depth) aside."""
+    """'key: recorded -> current' for every key that differs, keys in `free` (at any depth) aside.
+    Path-valued keys (PATH_KEYS) differ only when they name other paths (`_as_path`): `m` and
+    `/abs/m` are the same model, and OUT/sft/final is the same in a run folder that moved."""
     a, b = _flat(recorded), _flat(current)
+    pa, pb = _paths(recorded), _paths(current)
     keys = [k for k in sorted(set(a) | set(b)) if k.rsplit(".", 1)[-1] not in free]
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys
+            if a.get(k) != b.get(k) and (k not in pa or k not in pb or pa[k] != pb[k])]
 
 
 def describe_run(folder: Path) -> str | None:

@@ -73,7 +73,9 @@ class SFTConfig:
     Used to test `--resume` and for time-boxed jobs."""
     resume: bool = False
     """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from steps, stop_after, log_every, save_every, tensorboard and shard)."""
+    recorded one, apart from out, steps, stop_after, log_every, save_every, tensorboard and
+    shard; model, data and reward are compared as the paths they name, inside the run folder
+    relative to it, so a moved run folder resumes)."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over (without it, a fresh run
     in a folder that holds a run is refused)."""
@@ -139,7 +141,9 @@ class RMConfig:
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
     resume: bool = False
     """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from steps, stop_after, log_every, save_every, eval_every, tensorboard and shard)."""
+    recorded one, apart from out, steps, stop_after, log_every, save_every, eval_every, tensorboard and
+    shard; model, data and reward are compared as the paths they name, inside the run folder
+    relative to it, so a moved run folder resumes)."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over."""
     tensorboard: bool = False
@@ -256,7 +260,9 @@ class PPOConfig:
     """Stop (with a checkpoint) after this many iterations of this invocation; 0 = run to the end."""
     resume: bool = False
     """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from steps, stop_after, log_every, save_every, tensorboard and shard)."""
+    recorded one, apart from out, steps, stop_after, log_every, save_every, tensorboard and
+    shard; model, data and reward are compared as the paths they name, inside the run folder
+    relative to it, so a moved run folder resumes)."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over."""
     tensorboard: bool = False
@@ -345,7 +351,9 @@ class DPOConfig:
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
     resume: bool = False
     """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from steps, stop_after, log_every, save_every, eval_every, tensorboard and shard)."""
+    recorded one, apart from out, steps, stop_after, log_every, save_every, eval_every, tensorboard and
+    shard; model, data and reward are compared as the paths they name, inside the run folder
+    relative to it, so a moved run folder resumes)."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over."""
     tensorboard: bool = False

@@ -3,14 +3,18 @@ before config.json is written), naming the key as given; `--resume` compares pat
 and follows a moved run folder; `--eval_every` does not wait for a logging step; the README's
 way of loading the reward model; no peft deprecation noise at a LoRA start."""
 
+import json
 import logging
 import math
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from fastrlhf import cli, dpo, pipeline, ppo, rm, sft
+from fastrlhf.checkpoint import config_changes
 from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig
 
 TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", data="builtin", rollout_batch_size=4,
@@ -24,6 +28,10 @@ def keep_threads_and_warnings():
     yield
     torch.set_num_threads(n)
     logging.captureWarnings(False)
+
+
+def _rows(out: Path, stage: str) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["stage"] == stage]
 
 
 # ---------------------------------------------------------------- numeric keys, before a model loads
@@ -98,3 +106,35 @@ def test_in_the_pipeline_the_error_names_the_stage_key(tmp_path):
     cfg.sft.lr = math.inf
     with pytest.raises(ValueError, match=re.escape("sft: --sft.lr must be >= 0 (0 = auto), got inf")):
         pipeline.prepare(cfg)
+
+
+# ---------------------------------------------------------------- resume: paths as paths, a moved folder
+
+
+def test_resume_compares_the_paths_keys_name_not_their_spelling(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("m", "m2", "data.jsonl"):
+        (tmp_path / name).mkdir() if name.startswith("m") else (tmp_path / name).write_text("")
+    recorded = {"out": "run", "model": "m", "data": "data.jsonl", "reward": "run/rm/final", "lr": 0.1}
+    same = {"out": str(tmp_path / "moved"), "model": str(tmp_path / "m"), "data": "./data.jsonl",
+            "reward": str(tmp_path / "moved" / "rm" / "final"), "lr": 0.1}
+    assert config_changes(recorded, same) == []
+    nested = {"out": "run", "rm": {"out": "run", "model": "run/sft/final"}, "ppo": {"reward": "rule:score"}}
+    moved = {"out": "/elsewhere/run2", "rm": {"out": "/elsewhere/run2", "model": "/elsewhere/run2/sft/final"},
+             "ppo": {"reward": "rule:score"}}
+    assert config_changes(nested, moved) == []
+    other = dict(same, model=str(tmp_path / "m2"), reward="rule:score")
+    assert config_changes(recorded, other) == [f"model: 'm' -> '{tmp_path / 'm2'}'",
+                                               "reward: 'run/rm/final' -> 'rule:score'"]
+    assert config_changes({"model": "tiny"}, {"model": "qwen2-0.5b"}) == ["model: 'tiny' -> 'qwen2-0.5b'"]
+
+
+def test_a_run_resumes_under_another_spelling_of_out_and_after_its_folder_moved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["sft", "--steps", "3", "--batch_size", "4", "--num_examples", "40"]
+    assert cli.main([*args, "--out", "run", "--stop_after", "1"]) == 0
+    assert cli.main([*args, "--out", str(tmp_path / "run"), "--stop_after", "1", "--resume"]) == 0
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    assert cli.main([*args, "--out", "moved", "--resume"]) == 0
+    assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [1, 2, 3]
+    assert (tmp_path / "moved" / "sft" / "final").is_dir()
