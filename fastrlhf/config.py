@@ -130,7 +130,8 @@ class RMConfig:
     eval_fraction: float = 0.1
     """Fraction of the pairs held out to measure pairwise accuracy."""
     eval_every: int = 50
-    """Measure the held-out accuracy every this many steps (and at the end)."""
+    """Measure the held-out accuracy every this many steps (and at the end), independently of
+    log_every: an evaluation step writes its metrics.jsonl row too."""
     seed: int = 0
     """Seed for data, initialisation and shuffling."""
     log_every: int = 10
@@ -335,7 +336,8 @@ class DPOConfig:
     eval_fraction: float = 0.1
     """Fraction of the pairs held out to measure the implicit reward's pairwise accuracy."""
     eval_every: int = 50
-    """Measure the held-out accuracy every this many steps (and at the end)."""
+    """Measure the held-out accuracy every this many steps (and at the end), independently of
+    log_every: an evaluation step writes its metrics.jsonl row too."""
     eval_prompts: int = 256
     """Built-in task only: held-out prompts to measure the true score of sampled responses before and
     after."""

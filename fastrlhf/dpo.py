@@ -208,11 +208,12 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
         step += 1
         window.append(dict(to_floats(stats), loss=loss.item()))
         run.advance(loss=f"{loss.item():.3f}", margin=f"{stats['reward_margin'].item():.3f}")
-        # 5. log (with the held-out accuracy every eval_every steps) and checkpoint
-        if run.due(step, cfg.log_every):
+        # 5. log every log_every steps, and with the held-out accuracy every eval_every steps; checkpoint
+        evaluate = run.due(step, cfg.eval_every)
+        if evaluate or run.due(step, cfg.log_every):
             row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
             row["skipped_nonfinite"] = skipped
-            if run.due(step, cfg.eval_every):
+            if evaluate:
                 row["accuracy"] = heldout_accuracy(model, data, eval_idx, pad_id, device)
             run.log(step, row)
             window = []

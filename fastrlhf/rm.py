@@ -227,11 +227,12 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
         step += 1
         window.append((loss.item(), (chosen > rejected).float().mean().item()))
         run.advance(loss=f"{loss.item():.3f}")
-        # 4. log (with the held-out accuracy every eval_every steps) and checkpoint
-        if run.due(step, cfg.log_every):
+        # 4. log every log_every steps, and with the held-out accuracy every eval_every steps; checkpoint
+        evaluate = run.due(step, cfg.eval_every)
+        if evaluate or run.due(step, cfg.log_every):
             stats = {"loss": sum(w[0] for w in window) / len(window),
                      "train_accuracy": sum(w[1] for w in window) / len(window), "skipped_nonfinite": skipped}
-            if run.due(step, cfg.eval_every):
+            if evaluate:
                 stats["accuracy"] = accuracy(sharded, data, eval_idx, pad_id, device)
             run.log(step, stats)
             window = []

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastrlhf import cli, dpo, pipeline, ppo, rm, sft
+from fastrlhf import cli, dpo, pipeline, ppo, rm, sft, task
 from fastrlhf.checkpoint import config_changes
 from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", data="builtin", rollout_batch_size=4,
                 mini_batch_size=4, micro_batch_size=4, eval_prompts=4, max_new_tokens=4, steps=1)
 
@@ -138,3 +139,45 @@ def test_a_run_resumes_under_another_spelling_of_out_and_after_its_folder_moved(
     assert cli.main([*args, "--out", "moved", "--resume"]) == 0
     assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [1, 2, 3]
     assert (tmp_path / "moved" / "sft" / "final").is_dir()
+
+
+# ---------------------------------------------------------------- eval_every, independent of log_every
+
+
+def _readme_reward_snippet() -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return next(b for b in blocks if "RewardModel.from_pretrained" in b)
+
+
+def test_rm_evaluates_every_eval_every_steps_and_loads_as_the_readme_says(tmp_path):
+    out = tmp_path / "run"
+    rm.train(RMConfig(out=str(out), model="tiny", data="builtin", num_pairs=40, steps=6, batch_size=4,
+                      log_every=2, eval_every=3, device="cpu"))
+    rows = _rows(out, "rm")
+    assert [r["step"] for r in rows] == [2, 3, 4, 6]
+    assert [r["step"] for r in rows if "accuracy" in r] == [3, 6]
+    # the README's snippet: batched scores equal one row at a time (read at each row's EOS)
+    prompts = [r["prompt"] for r in task.synthetic_prompt_rows(3, 0)]
+    responses = ["a", "bcd", "ab"]
+    snippet = _readme_reward_snippet().replace("runs/demo/rm/final", str(out / "rm" / "final"))
+    batched = {"prompts": prompts, "responses": responses}
+    exec(snippet, batched)
+    alone = []
+    for p, r in zip(prompts, responses):
+        scope = {"prompts": [p], "responses": [r]}
+        exec(snippet, scope)
+        alone.append(scope["scores"].item())
+    assert batched["scores"].shape == (3,)
+    torch.testing.assert_close(batched["scores"], torch.tensor(alone), rtol=1e-5, atol=1e-5)
+
+
+def test_dpo_evaluates_every_eval_every_steps(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in task.synthetic_pairs(40, 0)))
+    out = tmp_path / "run"
+    dpo.train(DPOConfig(out=str(out), model="tiny", data=str(pairs), steps=4, batch_size=4, log_every=4,
+                        eval_every=3, lora_rank=4, device="cpu"))
+    rows = _rows(out, "dpo")
+    assert [r["step"] for r in rows] == [3, 4]
+    assert all("accuracy" in r and "loss" in r for r in rows)
