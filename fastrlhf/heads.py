@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,7 +50,11 @@ class ActorCritic(nn.Module):
             from peft import LoraConfig, get_peft_model
 
             config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear")
-            self.policy = get_peft_model(lm, config)
+            # peft itself reads transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                        category=FutureWarning)
+                self.policy = get_peft_model(lm, config)
             self.reference = None
         else:
             self.reference = copy.deepcopy(lm).eval().requires_grad_(False)

@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,17 @@ def test_dpo_evaluates_every_eval_every_steps(tmp_path):
     rows = _rows(out, "dpo")
     assert [r["step"] for r in rows] == [3, 4]
     assert all("accuracy" in r and "loss" in r for r in rows)
+
+
+# ---------------------------------------------------------------- no deprecation noise at a LoRA start
+
+
+def test_a_lora_actor_critic_starts_without_peft_deprecation_warnings():
+    from fastrlhf.heads import ActorCritic
+    from fastrlhf.models import load_causal_lm, model_source
+
+    lm, _ = load_causal_lm(model_source("tiny", where="test"), device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ActorCritic(lm, lora_rank=4)
+    assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == []
