@@ -8,10 +8,21 @@ text, not null.
 How a prompt and a response become one token sequence (`Encoder`):
 
 - Plain (the tokenizer has no chat template, or `--chat_template false`): the prompt is
-  tokenized with the tokenizer's own special tokens (e.g. BOS), the response without them,
-  and EOS is appended to the response. The sequence is the prompt's tokens followed by the
-  response's: nothing is inserted between them, so a separator (a space, a newline,
-  "Answer:") belongs in the data.
+  tokenized alone, with the tokenizer's own special tokens (e.g. BOS): these are the tokens
+  PPO's rollout conditions on. The response is what follows them when prompt + response is
+  tokenized as one text, and EOS is appended. The sequence is thus the tokenization of
+  prompt + response: nothing is inserted between them (a normalizer that prepends "▁" to
+  every text, as legacy Llama-2 tokenizers do, applies once), so a separator (a space, a
+  newline, "Answer:") belongs in the data. When the prompt's tokens are not a prefix of the
+  joint tokens (tokens merge across the boundary, e.g. a prompt ending in a space), the
+  response is tokenized alone and follows the prompt's own tokens, with one warning that
+  counts such rows: the prompt stays what generation sees. (TRL's prompt-completion SFT
+  starts the completion where the two tokenizations diverge and warns, training on a
+  prompt cut short; OpenRLHF's SFT splits the joint tokens at the prompt's length unchecked.)
+- A prompt that encodes to no tokens (an empty prompt with a tokenizer that adds no BOS)
+  is an error in every stage's data (`Encoder.prompts(..., where=...)`), naming its row:
+  its first response token would be predicted from a padding column. (OpenRLHF drops such
+  rows silently.)
 - Chat template: the prompt is the user turn rendered with the generation prompt
   (`apply_chat_template(..., add_generation_prompt=True)`); the response is the tokens the
   template adds after it when the assistant's answer is rendered too (TRL's prompt-completion
@@ -60,6 +71,27 @@ def _first_bad_json_line(path: Path) -> str:
     return f"{path}: not a JSON-lines file"
 
 
+def _blank(path: Path) -> bool:
+    """Whether the file holds nothing but whitespace (read until the first other byte)."""
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _saved_without_rows(path: Path) -> bool:
+    """Whether a `save_to_disk` folder (or its 'train' split) records no data files, as an
+    empty Dataset is saved (datasets cannot load it back: an IndexError deep inside)."""
+    for state in (path / "state.json", path / "train" / "state.json"):
+        if state.is_file():
+            try:
+                return not json.loads(state.read_text()).get("_data_files", [None])
+            except (OSError, ValueError):
+                return False
+    return False
+
+
 def _read(path: Path, where: str):
     import datasets
 
@@ -67,8 +99,11 @@ def _read(path: Path, where: str):
     if path.is_dir():
         try:
             table = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"{where}: {path} is not a folder written by Dataset.save_to_disk ({e})") from None
+        except Exception as e:  # noqa: BLE001 - an empty folder fails inside datasets with an IndexError
+            if _saved_without_rows(path):
+                raise ValueError(f"{where}: {path} has no rows") from None
+            raise ValueError(f"{where}: {path} is not a folder written by Dataset.save_to_disk "
+                             f"({type(e).__name__}: {e})") from None
         if isinstance(table, datasets.DatasetDict):
             if "train" not in table:
                 raise ValueError(f"{where}: {path} holds splits {list(table)} but no 'train' split")
@@ -78,11 +113,15 @@ def _read(path: Path, where: str):
     if fmt is None:
         raise ValueError(f"{where}: cannot read {path}: expected a file ending in "
                          f"{', '.join(TABLE_FORMATS)} or a Dataset.save_to_disk folder")
+    if _blank(path):
+        raise ValueError(f"{where}: {path} has no rows (the file is empty or blank)")
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity_error()
     try:
         return datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in its own types
+        if "corresponds to no data" in str(e):  # datasets' error for a split of 0 rows (a header-only CSV, ...)
+            raise ValueError(f"{where}: {path} has no rows") from None
         if fmt == "json":
             raise ValueError(f"{where}: {_first_bad_json_line(path)}") from None
         raise ValueError(f"{where}: cannot read {path} as {fmt} ({type(e).__name__}: {e})") from None
@@ -90,18 +129,21 @@ def _read(path: Path, where: str):
         datasets.logging.set_verbosity(verbosity)
 
 
-def load_table(path: str, columns: dict[str, str], *, where: str):
+def load_table(path: str, columns: dict[str, str], *, where: str, key_prefix: str = ""):
     """A `datasets.Dataset` with exactly the columns `columns` names (canonical name -> the
-    user's column), each a non-null string in every row. Any problem is a ValueError that
-    names `where` (e.g. "sft data"), the file and, for a bad value, the row."""
+    user's column), each a non-null string in every row. Any problem (no rows included) is a
+    ValueError that names `where` (e.g. "sft data"), the file and, for a bad value, the row. A
+    missing column names the flag that maps it, `--{key_prefix}{name}_key` (key_prefix "rm."
+    in the pipeline)."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{where}: {path!r} does not exist")
     table = _read(p, where)
-    missing = [f"{user!r} (for the {name})" for name, user in columns.items() if user not in table.column_names]
-    if missing:
-        keys = ", ".join(f"--{name}_key" for name, user in columns.items() if user not in table.column_names)
-        raise ValueError(f"{where}: {path} has no column {', '.join(missing)}; its columns are "
+    absent = [name for name, user in columns.items() if user not in table.column_names]
+    if absent:
+        missing = ", ".join(f"{columns[name]!r} (for the {name})" for name in absent)
+        keys = ", ".join(f"--{key_prefix}{name}_key" for name in absent)
+        raise ValueError(f"{where}: {path} has no column {missing}; its columns are "
                          f"{table.column_names} (map yours with {keys})")
     if len(table) == 0:
         raise ValueError(f"{where}: {path} has no rows")
@@ -148,16 +190,30 @@ class Encoder:
                                                  tokenize=True, return_dict=True)
         return list(out["input_ids"])
 
-    def prompt(self, text: str) -> list[int]:
-        if self.uses_template:
-            return self._render([{"role": "user", "content": text}], True)
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def _tokenize(self, texts: list[str], special: bool) -> list[list[int]]:
+        """Plain token ids of many texts in one (batched) tokenizer call."""
+        if not texts:
+            return []
+        return [list(x) for x in self.tokenizer(list(texts), add_special_tokens=special)["input_ids"]]
 
-    def response(self, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
-        """The response's tokens, EOS last (unless the template put one earlier and text after it)."""
+    def prompts(self, texts: list[str], *, where: str | None = None) -> list[list[int]]:
+        """Token ids per prompt. With `where` (the data, e.g. "sft data: q.jsonl"), a prompt that
+        encodes to no tokens is an error naming it and its row: its first response token would be
+        predicted from a padding column (an empty prompt with a tokenizer that adds no BOS)."""
+        if self.uses_template:
+            ids = [self._render([{"role": "user", "content": t}], True) for t in texts]
+        else:
+            ids = self._tokenize(texts, True)
+        empty = [i for i, x in enumerate(ids) if not x]
+        if where is not None and empty:
+            raise ValueError(f"{where}: {len(empty)} of {len(ids)} prompts encode to no tokens (first: row "
+                             f"{empty[0]}, prompt {texts[empty[0]]!r:.60}) and the tokenizer adds no BOS token: "
+                             "the first response token would be predicted from a padding column; give every row "
+                             "a non-empty prompt")
+        return ids
+
+    def _template_response(self, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
         eos = self.tokenizer.eos_token_id
-        if not self.uses_template:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
         full = self._render([{"role": "user", "content": prompt_text}, {"role": "assistant", "content": text}], False)
         if full[:len(prompt_ids)] != prompt_ids:
             raise ValueError(f"the tokenizer's chat template renders the prompt {prompt_text!r:.60} differently "
@@ -167,13 +223,39 @@ class Encoder:
             return ids[:len(ids) - ids[::-1].index(eos)]
         return ids + [eos]
 
-    def prompts(self, texts: list[str]) -> list[list[int]]:
-        return [self.prompt(t) for t in texts]
+    def _plain_responses(self, prompt_texts: list[str], prompt_ids: list[list[int]],
+                         texts: list[str], what: str) -> list[list[int]]:
+        """The tokens that follow each prompt's in the tokenized prompt + response, EOS appended.
+        Where the prompt's tokens are not a prefix of those (tokens merge across the boundary),
+        the response is tokenized alone, after the prompt's own tokens: one warning counts them."""
+        eos = self.tokenizer.eos_token_id
+        joint = self._tokenize([p + t for p, t in zip(prompt_texts, texts)], True)
+        merged = [i for i, (p, j) in enumerate(zip(prompt_ids, joint)) if j[:len(p)] != p]
+        out = [j[len(p):] for p, j in zip(prompt_ids, joint)]
+        for i, ids in zip(merged, self._tokenize([texts[i] for i in merged], False)):
+            out[i] = ids
+        if merged:
+            i = merged[0]
+            decode = self.tokenizer.decode
+            changed = sum(decode(prompt_ids[k] + out[k]) != decode(joint[k]) for k in merged)
+            note = (f"; in {changed} of them the text reads differently (the tokenizer adds to every text it "
+                    "encodes, e.g. a leading '▁'): check the tokenizer" if changed else "")
+            warnings.warn(f"{len(merged)} of {len(texts)} {what}: tokenized after their prompt, the tokens merge "
+                          f"across the boundary (first: prompt {prompt_texts[i]!r:.40}, response {texts[i]!r:.40}); "
+                          "those responses are tokenized alone after the prompt's own tokens, the context "
+                          "generation sees. A prompt that ends on a token boundary (no trailing space) avoids "
+                          f"it{note}",
+                          stacklevel=3)
+        return [ids + [eos] for ids in out]
 
     def responses(self, prompt_texts: list[str], prompt_ids: list[list[int]], texts: list[str],
                   *, what: str = "responses", warn_empty: bool = True) -> list[list[int]]:
-        """Token ids per response (EOS included); warns with a count when some are empty."""
-        ids = [self.response(p, pi, t) for p, pi, t in zip(prompt_texts, prompt_ids, texts)]
+        """Token ids per response (EOS included), given each prompt's text and its untruncated ids
+        from `prompts`; warns with a count when some are empty."""
+        if self.uses_template:
+            ids = [self._template_response(p, pi, t) for p, pi, t in zip(prompt_texts, prompt_ids, texts)]
+        else:
+            ids = self._plain_responses(prompt_texts, prompt_ids, texts, what)
         empty = sum(not t.strip() for t in texts)
         if empty and warn_empty:
             warnings.warn(f"{empty} of {len(texts)} {what} are empty: the model is trained to answer with "

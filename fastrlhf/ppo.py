@@ -283,10 +283,11 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
         cfg.max_new_tokens = cfg.max_new_tokens or task.MAX_NEW_TOKENS
     else:
-        prompts = list(load_table(cfg.data, {"prompt": cfg.prompt_key}, where="ppo data")["prompt"])
+        prompts = list(load_table(cfg.data, {"prompt": cfg.prompt_key}, where="ppo data",
+                                        key_prefix=key_prefix)["prompt"])
         eval_prompts = []
     encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    prompt_ids = encoder.prompts(prompts)
+    prompt_ids = encoder.prompts(prompts, where=None if builtin else f"ppo data: {cfg.data}")
     cfg.max_prompt_len, cfg.max_new_tokens = auto_lengths(
         max(map(len, prompt_ids)), None, model.max_positions, max_prompt_len=cfg.max_prompt_len,
         max_response_len=cfg.max_new_tokens, where="ppo")

@@ -145,7 +145,7 @@ def prepare_pairs(cfg, model: ModelSource, stage: str, key_prefix: str = ""):
         table = builtin_table(task.synthetic_pairs(cfg.num_pairs, cfg.seed))
     else:
         columns = {"prompt": cfg.prompt_key, "chosen": cfg.chosen_key, "rejected": cfg.rejected_key}
-        table = load_table(cfg.data, columns, where=f"{stage} data")
+        table = load_table(cfg.data, columns, where=f"{stage} data", key_prefix=key_prefix)
     rows = {k: list(table[k]) for k in ("prompt", "chosen", "rejected")}
     ties = [i for i, (c, r) in enumerate(zip(rows["chosen"], rows["rejected"])) if c == r]
     if ties:
@@ -158,7 +158,7 @@ def prepare_pairs(cfg, model: ModelSource, stage: str, key_prefix: str = ""):
     if n_eval >= n:
         raise ValueError(f"{stage}: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
     encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    enc = {"prompt": encoder.prompts(rows["prompt"])}
+    enc = {"prompt": encoder.prompts(rows["prompt"], where=None if builtin else f"{stage} data: {cfg.data}")}
     for k in ("chosen", "rejected"):
         enc[k] = encoder.responses(rows["prompt"], enc["prompt"], rows[k], what=f"{k} responses",
                                    warn_empty=not builtin)

@@ -67,10 +67,11 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     if builtin:
         table = builtin_table(task.synthetic_sft(cfg.num_examples, cfg.seed))
     else:
-        table = load_table(cfg.data, {"prompt": cfg.prompt_key, "response": cfg.response_key}, where="sft data")
+        table = load_table(cfg.data, {"prompt": cfg.prompt_key, "response": cfg.response_key}, where="sft data",
+                           key_prefix=key_prefix)
     prompts, responses = list(table["prompt"]), list(table["response"])
     encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    prompt_ids = encoder.prompts(prompts)
+    prompt_ids = encoder.prompts(prompts, where=None if builtin else f"sft data: {cfg.data}")
     response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin)
     if builtin:
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN

@@ -118,7 +118,8 @@ def test_empty_responses_are_counted_in_a_warning():
 
 def test_char_tokenizer_roundtrip_and_eos():
     tok = build_char_tokenizer()
-    (ids,) = Encoder(tok).responses(["x"], [[1]], ["cab ba"])
+    enc = Encoder(tok)
+    (ids,) = enc.responses(["x"], enc.prompts(["x"]), ["cab ba"])
     assert ids[-1] == tok.eos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == "cab ba"
 
@@ -195,3 +196,106 @@ def test_pack_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         pack([[1], [2]], [[3]], pad_id=0)
     assert torch.is_tensor(pack([[1]], [[3]], pad_id=0).input_ids)
+
+
+# ---------------------------------------------------------------- a user's own tokenizers and data files
+
+
+def _tokenizer(texts, *, prepend_space_marker: bool = False, vocab_size: int = 100):
+    """A BPE tokenizer trained on `texts`. With `prepend_space_marker`, the legacy Llama-2
+    `tokenizer.json` layout: a normalizer that prepends "▁" to every encoded text and turns spaces
+    into "▁", split before each "▁"; else byte-level, as GPT-2 and Qwen. Neither adds BOS."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    if prepend_space_marker:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        alphabet = []
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet,
+                                                           special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+WORD_TEXTS = ["sigma alpha -> alpha", "alpha omega -> omega", "omega sigma -> sigma", "alpha sigma -> sigma"] * 8
+
+
+def test_a_tokenizer_that_prepends_a_space_marker_inserts_nothing_between_prompt_and_response():
+    tok = _tokenizer(WORD_TEXTS, prepend_space_marker=True)
+    assert tok.convert_ids_to_tokens(tok(" omega")["input_ids"]) == ["▁", "▁omega"]  # the marker, alone
+    enc = Encoder(tok)
+    prompts, responses = ["sigma alpha ->", "alpha sigma ->"], [" omega", " sigma"]
+    prompt_ids = enc.prompts(prompts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the prompts' tokens are a prefix of the joint tokens: no warning
+        response_ids = enc.responses(prompts, prompt_ids, responses)
+    for p, r, pi, ri in zip(prompts, responses, prompt_ids, response_ids):
+        assert pi + ri == tok(p + r)["input_ids"] + [tok.eos_token_id]  # the text tokenized as one
+        assert tok.convert_ids_to_tokens(ri)[0] == "▁" + r.strip()
+        assert tok.decode(pi + ri, skip_special_tokens=True) == p + r
+
+
+def test_tokens_merged_across_the_boundary_keep_the_prompts_own_tokens_with_a_warning():
+    tok = _tokenizer(WORD_TEXTS, vocab_size=300)  # byte-level, " omega" is one token
+    enc = Encoder(tok)
+    prompts, responses = ["sigma alpha -> ", "alpha omega ->"], ["omega", " omega"]
+    prompt_ids = enc.prompts(prompts)
+    assert tok.convert_ids_to_tokens(prompt_ids[0])[-1] == "Ġ"  # the trailing space is a token of its own
+    with pytest.warns(UserWarning, match=r"1 of 2 responses: tokenized after their prompt, the tokens merge across "
+                                         r"the boundary \(first: prompt 'sigma alpha -> '"):
+        response_ids = enc.responses(prompts, prompt_ids, responses)
+    eos = tok.eos_token_id
+    # row 0: the prompt stays the tokens generation conditions on; the response follows them
+    assert response_ids[0] == tok("omega")["input_ids"] + [eos]
+    assert tok.decode(prompt_ids[0] + response_ids[0], skip_special_tokens=True) == "sigma alpha -> omega"
+    assert prompt_ids[1] + response_ids[1] == tok("alpha omega -> omega")["input_ids"] + [eos]
+
+
+def test_prompts_that_encode_to_no_tokens_are_refused_with_their_row():
+    tok = _tokenizer(WORD_TEXTS)
+    assert tok("")["input_ids"] == []  # no BOS
+    enc = Encoder(tok)
+    with pytest.raises(ValueError, match=r"sft data: q\.jsonl: 1 of 3 prompts encode to no tokens \(first: row 1, "
+                                         r"prompt ''\) and the tokenizer adds no BOS token"):
+        enc.prompts(["sigma ->", "", "alpha ->"], where="sft data: q.jsonl")
+    assert enc.prompts(["sigma ->", ""])[1] == []  # without `where` (re-tokenizing for a reward model): allowed
+
+
+def _empty_data_files(folder):
+    import datasets
+
+    empty = datasets.Dataset.from_dict({"prompt": [], "response": []})
+    empty.save_to_disk(str(folder / "saved"))
+    datasets.DatasetDict({"train": empty}).save_to_disk(str(folder / "saved_dict"))
+    (folder / "empty.jsonl").write_text("")
+    (folder / "blank.jsonl").write_text("\n  \n")
+    (folder / "empty.json").write_text("[]")
+    datasets.Dataset.from_dict({"prompt": ["a"], "response": ["b"]}).select([]).to_parquet(str(folder / "e.parquet"))
+    (folder / "empty.parquet").write_bytes(b"")
+    (folder / "header.csv").write_text("prompt,response\n")
+    (folder / "empty.csv").write_text("")
+    return ["saved", "saved_dict", "empty.jsonl", "blank.jsonl", "empty.json", "e.parquet", "empty.parquet",
+            "header.csv", "empty.csv"]
+
+
+def test_empty_data_of_every_format_says_it_has_no_rows(tmp_path):
+    for name in _empty_data_files(tmp_path):
+        with pytest.raises(ValueError, match=rf"^sft data: {tmp_path / name} has no rows"):
+            load_table(str(tmp_path / name), {"prompt": "prompt", "response": "response"}, where="sft data")
+
+
+def test_a_missing_column_names_the_flag_with_its_prefix(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"q": "a", "good": "b", "bad": "c"}\n')
+    with pytest.raises(ValueError, match=r"has no column 'prompt' \(for the prompt\), 'chosen' \(for the chosen\); "
+                                         r"its columns are \['q', 'good', 'bad'\] \(map yours with --rm\.prompt_key, "
+                                         r"--rm\.chosen_key\)"):
+        load_table(str(path), {"prompt": "prompt", "chosen": "chosen", "rejected": "bad"}, where="rm data",
+                   key_prefix="rm.")

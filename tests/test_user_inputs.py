@@ -384,3 +384,29 @@ def test_acceptance_user_model_user_data_rule_reward_from_the_working_directory(
         ids = tok("alpha beta ->", return_tensors="pt")
         out = lm.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
         assert out.shape[1] > ids["input_ids"].shape[1], final
+
+
+def test_8_a_prompt_that_encodes_to_no_tokens_is_refused_in_every_stage(user_model, tmp_path):
+    model, _ = user_model  # its BPE tokenizer adds no BOS: "" encodes to no tokens
+    sft_path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a ->", "response": " a"},
+                                                    {"prompt": "", "response": " b"}])
+    with pytest.raises(ValueError, match=rf"sft data: {sft_path}: 1 of 2 prompts encode to no tokens \(first: row 1"):
+        sft.prepare(SFTConfig(model=str(model), data=str(sft_path), out=str(tmp_path)))
+    rows = [{"prompt": p, "chosen": " a", "rejected": " b"} for p in ("a ->", "b ->", "", "c ->")]
+    rm_path = write_jsonl(tmp_path / "rm.jsonl", rows)
+    with pytest.raises(ValueError, match=rf"rm data: {rm_path}: 1 of 4 prompts encode to no tokens \(first: row 2"):
+        rm.prepare(RMConfig(model=str(model), data=str(rm_path), out=str(tmp_path)))
+    ppo_path = write_jsonl(tmp_path / "ppo.jsonl", [{"prompt": ""}, {"prompt": "a ->"}])
+    with pytest.raises(ValueError, match=rf"ppo data: {ppo_path}: 1 of 2 prompts encode to no tokens \(first: row 0"):
+        ppo.prepare(PPOConfig(model=str(model), data=str(ppo_path), reward="fastrlhf.task:true_score",
+                              out=str(tmp_path)))
+
+
+def test_8_the_pipeline_names_its_own_flags_for_a_missing_column(user_model, tmp_path):
+    model, data = user_model
+    with pytest.raises(ValueError, match=r"rm data: .*rm\.jsonl has no column 'q' \(for the prompt\).* \(map yours "
+                                         r"with --rm\.prompt_key\)"):
+        pipeline.prepare(PipelineConfig(out=str(tmp_path / "run"),
+                                        sft=SFTConfig(model=str(model), data=str(data["sft"])),
+                                        rm=RMConfig(data=str(data["rm"]), prompt_key="q"),
+                                        ppo=PPOConfig(data=str(data["ppo"]))))
