@@ -6,7 +6,10 @@ A model is a local Hugging Face directory (config.json, weights, tokenizer files
 built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
 `llama-0.5b`: 0.5B-class models for GPU timing runs) and the built-in task's char tokenizer.
 Model directories written by the stages carry `fastrlhf.json`: the model they descend from
-(`origin`) and the data they were last trained on (`trained_on`).
+(`origin`: a built-in config name, or the resolved path of the user's directory) and the data
+they were last trained on (`trained_on`). A directory without that file is its own origin, by
+its resolved path, whatever its name: only a built-in config, or a model a stage trained from
+one, counts as built-in.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class ModelSource:
     config: Any
     """Its transformers config (vocab_size, max_position_embeddings, ...)."""
     origin: str
-    """The built-in config name or user directory the weights descend from."""
+    """The built-in config name or the user directory (resolved path) the weights descend from."""
     trained_on: str | None = None
     """The data a fastrlhf stage last trained it on (`builtin` or a path); None if not known."""
 
@@ -143,7 +146,7 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{where}: cannot load the tokenizer of {spec!r} ({str(e).splitlines()[0]})") from None
         lineage = json.loads((path / LINEAGE_FILE).read_text()) if (path / LINEAGE_FILE).is_file() else {}
-        source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", spec),
+        source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", str(path.resolve())),
                              trained_on=lineage.get("trained_on"))
     else:
         raise ValueError(f"{where}: model {spec!r}: no such directory, and not a built-in config "
