@@ -7,9 +7,10 @@ built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
 `llama-0.5b`: 0.5B-class models for GPU timing runs) and the built-in task's char tokenizer.
 Model directories written by the stages carry `fastrlhf.json`: the model they descend from
 (`origin`: a built-in config name, or the resolved path of the user's directory) and the data
-they were last trained on (`trained_on`). A directory without that file is its own origin, by
-its resolved path, whatever its name: only a built-in config, or a model a stage trained from
-one, counts as built-in.
+they were last trained on (`trained_on`); a reward model also records how its texts were
+encoded (`max_prompt_len`, `max_response_len`, `chat_template`). A directory without that file
+is its own origin, by its resolved path, whatever its name: only a built-in config, or a model a
+stage trained from one, counts as built-in.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastrlhf.data import ensure_pad_token
+from fastrlhf.data import Encoder, ensure_pad_token
 from fastrlhf.devices import attention_backend, cpu_threads_for
 from fastrlhf.task import build_char_tokenizer
 
@@ -155,10 +156,23 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
     return source
 
 
-def same_tokenizer(a, b) -> bool:
-    """Whether two tokenizers map text to the same ids (same vocabulary and special ids)."""
+PROBE = ("Question: what is two plus two?", " Four.")  # a (prompt, response) that `same_encoding` encodes
+
+
+def same_encoding(a: Encoder, b: Encoder, probe: tuple[str, str] = PROBE) -> bool:
+    """Whether two Encoders turn a (prompt, response) into the same ids: the same vocabulary and
+    special ids, and the same tokens for `probe` (so the same chat template or none, the same
+    BOS/EOS rule). A template that cannot render the probe counts as different."""
+    ta, tb = a.tokenizer, b.tokenizer
     ids = ("pad_token_id", "eos_token_id", "bos_token_id")
-    return a.get_vocab() == b.get_vocab() and all(getattr(a, i) == getattr(b, i) for i in ids)
+    if ta.get_vocab() != tb.get_vocab() or any(getattr(ta, i) != getattr(tb, i) for i in ids):
+        return False
+    prompt, response = probe
+    try:
+        pa, pb = a.prompt(prompt), b.prompt(prompt)
+        return pa == pb and a.response(prompt, pa, response) == b.response(prompt, pb, response)
+    except ValueError:  # a chat template that renders the prompt differently alone and with an answer
+        return False
 
 
 # ---------------------------------------------------------------- loading
