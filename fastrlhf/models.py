@@ -6,7 +6,11 @@ A model is a local Hugging Face directory (config.json, weights, tokenizer files
 built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
 `llama-0.5b`: 0.5B-class models for GPU timing runs) and the built-in task's char tokenizer.
 Model directories written by the stages carry `fastrlhf.json`: the model they descend from
-(`origin`) and the data they were last trained on (`trained_on`).
+(`origin`: a built-in config name, or the resolved path of the user's directory) and the data
+they were last trained on (`trained_on`); a reward model also records how its texts were
+encoded (`max_prompt_len`, `max_response_len`, `chat_template`). A directory without that file
+is its own origin, by its resolved path, whatever its name: only a built-in config, or a model a
+stage trained from one, counts as built-in.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastrlhf.data import ensure_pad_token
+from fastrlhf.data import Encoder, ensure_pad_token
 from fastrlhf.devices import attention_backend, cpu_threads_for
 from fastrlhf.task import build_char_tokenizer
 
@@ -79,7 +83,7 @@ class ModelSource:
     config: Any
     """Its transformers config (vocab_size, max_position_embeddings, ...)."""
     origin: str
-    """The built-in config name or user directory the weights descend from."""
+    """The built-in config name or the user directory (resolved path) the weights descend from."""
     trained_on: str | None = None
     """The data a fastrlhf stage last trained it on (`builtin` or a path); None if not known."""
 
@@ -143,7 +147,7 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{where}: cannot load the tokenizer of {spec!r} ({str(e).splitlines()[0]})") from None
         lineage = json.loads((path / LINEAGE_FILE).read_text()) if (path / LINEAGE_FILE).is_file() else {}
-        source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", spec),
+        source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", str(path.resolve())),
                              trained_on=lineage.get("trained_on"))
     else:
         raise ValueError(f"{where}: model {spec!r}: no such directory, and not a built-in config "
@@ -152,10 +156,24 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
     return source
 
 
-def same_tokenizer(a, b) -> bool:
-    """Whether two tokenizers map text to the same ids (same vocabulary and special ids)."""
+PROBE = ("Question: what is two plus two?", " Four.")  # a (prompt, response) that `same_encoding` encodes
+
+
+def same_encoding(a: Encoder, b: Encoder, probe: tuple[str, str] = PROBE) -> bool:
+    """Whether two Encoders turn a (prompt, response) into the same ids: the same vocabulary and
+    special ids, and the same tokens for `probe` (so the same chat template or none, the same
+    BOS/EOS rule). A template that cannot render the probe counts as different."""
+    ta, tb = a.tokenizer, b.tokenizer
     ids = ("pad_token_id", "eos_token_id", "bos_token_id")
-    return a.get_vocab() == b.get_vocab() and all(getattr(a, i) == getattr(b, i) for i in ids)
+    if ta.get_vocab() != tb.get_vocab() or any(getattr(ta, i) != getattr(tb, i) for i in ids):
+        return False
+    prompt, response = probe
+    try:
+        pa, pb = a.prompts([prompt]), b.prompts([prompt])
+        return pa == pb and (a.responses([prompt], pa, [response], warn_empty=False)
+                             == b.responses([prompt], pb, [response], warn_empty=False))
+    except ValueError:  # a chat template that renders the prompt differently alone and with an answer
+        return False
 
 
 # ---------------------------------------------------------------- loading

@@ -38,10 +38,10 @@ from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_p
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
 from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
-from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_tokenizer
+from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_encoding
 from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
-from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward
+from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward, reward_encoder
 from fastrlhf.rollout import ROLLOUT_CACHES, Rollout, generate, token_logprobs
 from fastrlhf.run import (
     POSITIVE,
@@ -270,8 +270,10 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         reward_desc = f"reward model {cfg.reward} (trained by the pipeline's rm stage)"
     elif Path(cfg.reward).is_dir():
         rm_source = check_reward_model_dir(cfg.reward)
-        same = same_tokenizer(model.tokenizer, rm_source.tokenizer)
-        reward_desc = f"reward model {cfg.reward}" + ("" if same else " (another tokenizer: it re-tokenizes the text)")
+        same = same_encoding(Encoder(model.tokenizer, chat_template=cfg.chat_template),
+                             reward_encoder(cfg.reward, rm_source.tokenizer, cfg.chat_template))
+        reward_desc = f"reward model {cfg.reward}" + ("" if same else " (it encodes text differently: it re-tokenizes "
+                                                      "the text)")
     else:
         raise ValueError(f"ppo: reward {cfg.reward!r} is neither a reward-model directory (train one with "
                          "`fastrlhf rm`) nor a rule 'module:function'")

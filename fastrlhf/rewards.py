@@ -2,8 +2,13 @@
 Rollout -> scores [B] float32, every score checked.
 
 - a reward-model directory written by `fastrlhf rm` (`RewardModel`, scored at the last
-  response token). When its tokenizer differs from the policy's, it is given the texts and
-  re-tokenizes them (the rule of fastrlhf.data, with EOS after each response).
+  response token). It scores the policy's token ids only when both encode text the same way
+  (`same_encoding`: vocabulary, special ids, chat template, BOS/EOS rule, checked on a probe).
+  Otherwise it is given the texts and re-tokenizes them with its own Encoder (the rule of
+  fastrlhf.data, with EOS after each response, its recorded chat_template setting), truncated
+  as `fastrlhf rm` truncated its training texts: prompts to their last max_prompt_len tokens,
+  responses to their first max_response_len, the lengths it recorded (else what fits its
+  max_position_embeddings, split as the stages split it), with one warning counting them.
 - a rule `module:function`, imported with the current directory on the path (so
   `--reward myreward:score` finds ./myreward.py), called as function(prompts, responses)
   with two lists of B strings. It returns one real number per response: a list/tuple of
@@ -20,6 +25,7 @@ The reward-model *training* stage is `fastrlhf rm` (fastrlhf/rm.py).
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import numbers
 import os
@@ -30,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from fastrlhf.data import Encoder, pack
+from fastrlhf.checkpoint import CONFIG_FILE
+from fastrlhf.data import Encoder, auto_lengths, pack
 from fastrlhf.devices import autocast
 from fastrlhf.heads import SCORE_HEAD_FILE, RewardModel
-from fastrlhf.models import model_source, same_tokenizer
+from fastrlhf.models import LINEAGE_FILE, model_source, same_encoding
 from fastrlhf.rollout import Rollout
 
 log = logging.getLogger("fastrlhf")
@@ -141,23 +148,75 @@ def check_reward_model_dir(spec: str, *, where: str = "ppo reward"):
     return model_source(spec, where=where)
 
 
+RM_ENCODING_KEYS = ("max_prompt_len", "max_response_len", "chat_template")
+
+
+def recorded_encoding(spec) -> dict:
+    """How `fastrlhf rm` encoded the reward model's training texts ({max_prompt_len,
+    max_response_len, chat_template}): from its fastrlhf.json, else from the run's config.json
+    when `spec` is OUT/rm/final; {} when neither records them."""
+    path = Path(spec)
+    for f in (path / LINEAGE_FILE, path.parent / CONFIG_FILE if path.name == "final" else None):
+        record = json.loads(f.read_text()) if f is not None and f.is_file() else {}
+        if all(k in record for k in RM_ENCODING_KEYS):
+            return {k: record[k] for k in RM_ENCODING_KEYS}
+    return {}
+
+
+def reward_encoder(spec, tokenizer, chat_template: bool) -> Encoder:
+    """The Encoder the reward model at `spec` was trained with: its tokenizer, and its recorded
+    chat_template setting (else `chat_template`, the PPO stage's)."""
+    return Encoder(tokenizer, chat_template=recorded_encoding(spec).get("chat_template", chat_template))
+
+
+def _fit(prompt_ids, response_ids, lengths, max_positions, name: str, warned: list):
+    """Prompts cut to their last and responses to their first tokens, as the stages cut them:
+    to the reward model's training `lengths` (max_prompt_len, max_response_len) when recorded, else
+    to what fits `max_positions` (`auto_lengths`); one warning per run counting the cut rows."""
+    if lengths is None and max_positions is None:
+        return prompt_ids, response_ids
+    P, R = lengths or auto_lengths(max(map(len, prompt_ids)), max(map(len, response_ids)), max_positions,
+                                   max_prompt_len=0, max_response_len=0, where=f"reward {name}")
+    long_p, long_r = sum(len(x) > P for x in prompt_ids), sum(len(x) > R for x in response_ids)
+    if (long_p or long_r) and not warned:
+        warned.append(True)
+        why = "it was trained with" if lengths else f"fit its max_position_embeddings {max_positions}"
+        warnings.warn(f"reward {name}: {long_p} of {len(prompt_ids)} re-tokenized prompts are longer than "
+                      f"{P} tokens and {long_r} responses longer than {R} (EOS included), the lengths {why}; "
+                      "keeping the prompts' last tokens and the responses' first (warned once)", stacklevel=3)
+    return [x[-P:] for x in prompt_ids], [x[:R] for x in response_ids]
+
+
 def _model_reward(spec: str, device, policy_tokenizer, chat_template: bool) -> RewardFn:
     model, rm_tokenizer = RewardModel.from_pretrained(spec, device=device)
     name = f"model {spec}"
     scale = _ScaleWarning(name)
-    retokenize = policy_tokenizer is not None and not same_tokenizer(policy_tokenizer, rm_tokenizer)
-    encoder = Encoder(rm_tokenizer, chat_template=chat_template)
+    encoder = reward_encoder(spec, rm_tokenizer, chat_template)
+    recorded = recorded_encoding(spec)
+    lengths = (recorded["max_prompt_len"], recorded["max_response_len"]) if recorded else None
+    max_positions = getattr(model.lm.config, "max_position_embeddings", None)
+    retokenize = policy_tokenizer is not None and not same_encoding(
+        Encoder(policy_tokenizer, chat_template=chat_template), encoder)
     if retokenize:
-        log.info("ppo: the reward model's tokenizer differs from the policy's: it scores the re-tokenized text")
+        limits = (f"prompts <= {lengths[0]} tokens, responses <= {lengths[1]} (as it was trained)" if lengths else
+                  f"prompt + response <= {max_positions} tokens (its max_position_embeddings)" if max_positions
+                  else "untruncated")
+        log.info("ppo: the reward model encodes text differently from the policy (tokenizer, chat template or "
+                 "BOS/EOS rule): it scores the text re-tokenized by its own tokenizer, %s, %s", limits,
+                 "chat template" if encoder.uses_template else "plain prompt tokens")
+    else:
+        log.info("ppo: the reward model encodes text as the policy does: it scores the policy's token ids")
+    warned = []
 
     @torch.no_grad()
     def score_with_model(rollout: Rollout) -> torch.Tensor:
-        if retokenize:
+        b = rollout.batch
+        too_long = max_positions is not None and int(b.position_ids.max()) >= max_positions
+        if retokenize or too_long:
             prompt_ids = encoder.prompts(rollout.prompts)
-            response_ids = encoder.responses(rollout.prompts, prompt_ids, rollout.responses)
+            response_ids = encoder.responses(rollout.prompts, prompt_ids, rollout.responses, warn_empty=False)
+            prompt_ids, response_ids = _fit(prompt_ids, response_ids, lengths, max_positions, name, warned)
             b = pack(prompt_ids, response_ids, rm_tokenizer.pad_token_id).to(device)
-        else:
-            b = rollout.batch
         with autocast(device):
             scores = model(b.input_ids, b.attention_mask, b.position_ids).float()
         scores = check_scores(scores, rollout, name, device=device)

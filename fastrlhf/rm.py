@@ -249,7 +249,9 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     model.normalize_(mean, std)
     # 6. final model (written by rank 0), held-out accuracy, summary, plot
     distributed.export(model, lambda: RewardModel(empty_copy(lm)), lambda m: m.save_pretrained(
-        run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data)))
+        run.dir / "final", tokenizer, lineage=dict(plan.model.lineage(cfg.data), max_prompt_len=cfg.max_prompt_len,
+                                                   max_response_len=cfg.max_response_len,
+                                                   chat_template=cfg.chat_template)))
     logged = run.rows()
     summary = {"accuracy": logged[-1]["accuracy"], "eval_pairs": len(eval_idx),
                "loss_final": logged[-1]["loss"] if logged else None, "steps": step,

@@ -1,7 +1,16 @@
-"""Generation: prompts -> a `Rollout` of sampled responses; log-probs of response tokens."""
+"""Generation: prompts -> a `Rollout` of sampled responses; log-probs of response tokens.
+
+Sampling draws from softmax(logits / temperature), the distribution `token_logprobs` scores,
+and nothing else: `generate` samples with a complete GenerationConfig of its own (`sampling_config`)
+and the model's `generation_config.json` (repetition_penalty, min_new_tokens, no_repeat_ngram_size,
+suppress_tokens, bad_words_ids, top_k, top_p, min_p, ...) takes no part, as TRL's GRPO trainer
+builds its own. Processors asked for there are named once in the log.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import NamedTuple
 
 import torch
@@ -9,7 +18,9 @@ import torch
 from fastrlhf import ops
 from fastrlhf.data import IGNORE_INDEX, Batch, left_pad, position_ids_from_mask
 from fastrlhf.devices import autocast
-from fastrlhf.models import lm_head
+from fastrlhf.models import lm_head, unwrap
+
+log = logging.getLogger("fastrlhf")
 
 
 class Rollout(NamedTuple):
@@ -36,13 +47,62 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int) -> torch.Tenso
 
 
 ROLLOUT_CACHES = ("dynamic", "static")
+# GenerationConfig fields that change the sampled distribution, at the value that leaves it
+# softmax(logits / temperature) (None: the processor is off)
+NEUTRAL_SAMPLING = {
+    "top_k": 0, "top_p": 1.0, "min_p": None, "top_h": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": None, "bad_words_ids": None,
+    "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "guidance_scale": None,
+    "num_beams": 1, "watermarking_config": None,
+}
+_NOTED: set[str] = set()  # what `generate` has said about a model's own generation_config
+
+
+def sampling_config(tokenizer, *, temperature: float, max_new_tokens: int, cache: str = "dynamic"):
+    """The complete GenerationConfig a rollout samples with: softmax(logits / temperature), one
+    sample per prompt, the tokenizer's EOS and pad, every other processor at its neutral value."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens, num_return_sequences=1,
+        use_cache=True, cache_implementation="static" if cache == "static" else None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, **NEUTRAL_SAMPLING)
+
+
+def _note_ignored(own) -> None:
+    """Log once per setting which sampling processors the model's own generation_config asks for."""
+    asked = {k: getattr(own, k, None) for k in NEUTRAL_SAMPLING}
+    asked = {k: v for k, v in asked.items() if v is not None and v != NEUTRAL_SAMPLING[k]}
+    said = ", ".join(f"{k}={v!r}" for k, v in asked.items())
+    if said and said not in _NOTED:
+        _NOTED.add(said)
+        log.info("rollout: the model's generation_config asks for %s; ignored: PPO's log-probs, ratios and KL are "
+                 "those of softmax(logits / temperature), so responses are sampled from exactly that", said)
+
+
+@contextlib.contextmanager
+def _own_generation_config(lm, config):
+    """`lm` generates with `config` alone: transformers fills a passed config's unset (None)
+    fields from the model's generation_config, so that is `config` too for the call."""
+    base = unwrap(lm)
+    own = base.generation_config
+    _note_ignored(own)
+    base.generation_config = config
+    try:
+        yield
+    finally:
+        base.generation_config = own
 
 
 @torch.no_grad()
 def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, max_new_tokens: int,
              temperature: float, device: torch.device, cache: str = "dynamic") -> Rollout:
     """Sample one response per prompt (KV cache, left-padded prompts, position_ids from the
-    attention mask); tokens after the first EOS are replaced by padding and masked out.
+    attention mask) from softmax(logits / temperature) alone (`sampling_config`; the model's own
+    generation_config is ignored); tokens after the first EOS are replaced by padding and masked out.
     cache: `dynamic` or `static` (PPOConfig.rollout_cache)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -50,15 +110,12 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
         raise ValueError(f"cache must be one of {', '.join(ROLLOUT_CACHES)}, got {cache!r}")
     input_ids, attention_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    config = sampling_config(tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, cache=cache)
     was_training = lm.training
     lm.eval()
-    with autocast(device):
-        out = lm.generate(
-            input_ids=input_ids, attention_mask=attention_mask,  # position_ids = cumsum(mask) - 1, made by HF
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-            use_cache=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-            **({"cache_implementation": "static"} if cache == "static" else {}),
-        )
+    with autocast(device), _own_generation_config(lm, config):
+        # position_ids = cumsum(mask) - 1, made by HF
+        out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     lm.train(was_training)
     P = input_ids.shape[1]
     responses = out[:, P:]

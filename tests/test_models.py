@@ -142,6 +142,47 @@ def test_generate_masks_and_pads_after_eos(tiny):
                        torch.cat([torch.arange(int(m.sum())) for m in b.attention_mask]))
 
 
+def test_generation_ignores_the_models_own_generation_config(tmp_path, caplog):
+    """A model folder whose generation_config.json asks for processors (repetition_penalty,
+    min_new_tokens, suppress_tokens, top_k, ...) samples exactly what the same weights sample
+    without them: softmax(logits / T), the distribution the log-probs score; the log names them once."""
+    import json
+    import logging
+    import shutil
+
+    from local_model import make_local_model
+
+    clean = make_local_model(tmp_path / "clean")
+    asks = tmp_path / "asks"
+    shutil.copytree(clean, asks)
+    lm, tok = load_causal_lm(clean, device=CPU)
+    eos = tok.eos_token_id
+    with torch.no_grad():  # make EOS likely, so that min_new_tokens (which forbids it) changes the samples
+        lm.get_output_embeddings().weight[eos] += 2 * lm.get_output_embeddings().weight.norm(dim=1).max()
+    lm.save_pretrained(clean)
+    lm.save_pretrained(asks)
+    own = json.loads((asks / "generation_config.json").read_text())
+    own.update(repetition_penalty=5.0, min_new_tokens=6, no_repeat_ngram_size=1, top_k=3,
+               suppress_tokens=list(range(4, len(tok), 2)))
+    (asks / "generation_config.json").write_text(json.dumps(own))
+    prompt_ids = _random_seqs(6, 2, 5, len(tok))
+    runs = {}
+    with caplog.at_level(logging.INFO, logger="fastrlhf"):
+        for name in ("clean", "asks"):
+            lm, tok = load_causal_lm(tmp_path / name, device=CPU)
+            for _ in range(2):
+                torch.manual_seed(0)
+                runs[name] = generate(lm, tok, prompt_ids, ["x"] * 6, max_new_tokens=6, temperature=1.0,
+                                      device=CPU).batch
+    assert lm.generation_config.repetition_penalty == 5.0  # the model keeps its own config (for export)
+    assert (runs["clean"].responses == eos).any()  # EOS is sampled: min_new_tokens would have forbidden it
+    assert torch.equal(runs["asks"].input_ids, runs["clean"].input_ids)
+    assert torch.equal(runs["asks"].response_mask, runs["clean"].response_mask)
+    said = [r.getMessage() for r in caplog.records if "generation_config asks for" in r.getMessage()]
+    assert len(said) == 1 and "repetition_penalty=5.0" in said[0] and "min_new_tokens=6" in said[0]
+    assert "ignored" in said[0] and "softmax(logits / temperature)" in said[0]
+
+
 def test_static_cache_samples_what_the_dynamic_cache_samples(tiny):
     """rollout_cache=static (preallocated KV cache; compiled decoding on CUDA) draws the same tokens
     from the same seed as the default dynamic cache, LoRA adapters included; a wrong name is refused."""

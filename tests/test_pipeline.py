@@ -82,8 +82,13 @@ def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):
              "--rollout_batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "4",
              "--max_new_tokens", "4", "--kl_target", "1.0", "--gradient_checkpointing")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "the reward model encodes text as the policy does: it scores the policy's token ids" in r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rm"]["eval_pairs"] == 5
+    # the reward model records how it encoded its texts (what PPO re-tokenizes by when the policy differs)
+    rm_config, lineage = (json.loads((out / "rm" / f).read_text()) for f in ("config.json", "final/fastrlhf.json"))
+    for key in ("max_prompt_len", "max_response_len", "chat_template"):
+        assert lineage[key] == rm_config[key], key
     assert "true_score_after" not in summary["ppo"]  # no rule for user data: only the reward is reported
     assert summary["ppo"]["lora_rank"] == 0 and (out / "ppo" / "final" / "value_head.safetensors").is_file()
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -410,3 +411,131 @@ def test_8_the_pipeline_names_its_own_flags_for_a_missing_column(user_model, tmp
                                         sft=SFTConfig(model=str(model), data=str(data["sft"])),
                                         rm=RMConfig(data=str(data["rm"]), prompt_key="q"),
                                         ppo=PPOConfig(data=str(data["ppo"]))))
+
+
+# ---------------------------------------------------------------- review of the user path
+
+
+def test_a_user_folder_named_like_a_builtin_config_is_a_user_model(user_model, tmp_path, monkeypatch):
+    """./tiny holding the user's model is the user's model (no built-in task, no tiny lr); a folder
+    that a stage trained from the built-in config keeps that lineage."""
+    model, data = user_model
+    shutil.copytree(model, tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"sft: no data given \(--data auto\), and the model tiny is neither"):
+        sft.prepare(SFTConfig(model="tiny", out=str(tmp_path / "o")))
+    plan = sft.prepare(SFTConfig(model="tiny", data=str(data["sft"]), out=str(tmp_path / "o")))
+    assert plan.model.origin == str((tmp_path / "tiny").resolve()) and plan.cfg.lr == 5e-6
+    (tmp_path / "tiny" / "fastrlhf.json").write_text(json.dumps({"origin": "tiny", "trained_on": None}))
+    plan = sft.prepare(SFTConfig(model="tiny", out=str(tmp_path / "o")))
+    assert plan.cfg.data == "builtin" and plan.cfg.lr == 3e-3
+
+
+def _reward_model(path: Path, tok, *, config=None) -> Path:
+    """A RewardModel (random head) on a 2-layer model over `tok`, saved at `path`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from fastrlhf.heads import RewardModel
+
+    config = config or Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    RewardModel(AutoModelForCausalLM.from_config(config)).save_pretrained(path, tok)
+    return path
+
+
+def _policy_rollout(tok, prompts, responses):
+    from fastrlhf.data import Encoder, pack
+
+    enc = Encoder(tok)
+    p_ids = enc.prompts(prompts)
+    return Rollout(pack(p_ids, enc.responses(prompts, p_ids, responses), tok.pad_token_id), prompts, responses)
+
+
+def _scores_of(rm_dir, tok, prompt_ids, response_ids):
+    from fastrlhf.data import pack
+    from fastrlhf.heads import RewardModel
+
+    model, _ = RewardModel.from_pretrained(rm_dir, device=torch.device("cpu"))
+    b = pack(prompt_ids, response_ids, tok.pad_token_id)
+    with torch.no_grad():
+        return model(b.input_ids, b.attention_mask, b.position_ids)
+
+
+CHAT = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n{% else %}A:{{ m['content'] }}"
+        "</s>{% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+
+
+def test_a_reward_model_with_the_same_vocabulary_but_another_chat_template_re_tokenizes(tmp_path, caplog):
+    """Same vocabulary and special ids, but the RM renders a chat template the policy does not:
+    it scores the text as it was trained to read it (its own Encoder), and the log says which path."""
+    from fastrlhf.data import Encoder
+    from fastrlhf.models import same_encoding
+
+    policy_tok = bpe_tokenizer([r["prompt"] + r["response"] for r in task_rows(50)])
+    rm_tok = bpe_tokenizer([r["prompt"] + r["response"] for r in task_rows(50)])
+    rm_tok.chat_template = CHAT
+    assert policy_tok.get_vocab() == rm_tok.get_vocab()
+    assert not same_encoding(Encoder(policy_tok), Encoder(rm_tok))
+    assert same_encoding(Encoder(policy_tok), Encoder(rm_tok, chat_template=False))
+    rm_dir = _reward_model(tmp_path / "rm", rm_tok)
+    prompts, responses = ["alpha beta ->", "gamma delta omega ->"], [" beta", " omega kappa"]
+    rollout = _policy_rollout(policy_tok, prompts, responses)
+    with caplog.at_level(logging.INFO, logger="fastrlhf"):
+        scores = load_reward(str(rm_dir), device=torch.device("cpu"), policy_tokenizer=policy_tok)(rollout)
+    assert "it scores the text re-tokenized by its own tokenizer" in caplog.text and "chat template" in caplog.text
+    rm_enc = Encoder(rm_tok)
+    rp = rm_enc.prompts(prompts)
+    expected = _scores_of(rm_dir, rm_tok, rp, rm_enc.responses(prompts, rp, responses))
+    torch.testing.assert_close(scores, expected)
+    # the same encoding on both sides: the policy's ids are scored as they are
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastrlhf"):
+        scores = load_reward(str(rm_dir), device=torch.device("cpu"), policy_tokenizer=policy_tok,
+                             chat_template=False)(rollout)
+    assert "it scores the policy's token ids" in caplog.text
+    p_ids = Encoder(policy_tok).prompts(prompts)
+    expected = _scores_of(rm_dir, rm_tok, p_ids, Encoder(policy_tok).responses(prompts, p_ids, responses))
+    torch.testing.assert_close(scores, expected)
+
+
+def test_re_tokenized_texts_are_cut_to_the_reward_models_lengths(tmp_path):
+    """Re-tokenized prompts longer than the RM's positions (learned positions: an IndexError in
+    torch before) are cut as the stages cut them: to the lengths `fastrlhf rm` recorded, else
+    to what fits max_position_embeddings; one warning counts the cut rows."""
+    from transformers import GPT2Config
+
+    from fastrlhf.data import Encoder, auto_lengths
+
+    policy_tok = bpe_tokenizer([r["prompt"] + r["response"] for r in task_rows(50)])
+    rm_tok = bpe_tokenizer([r["prompt"] + r["response"] for r in task_rows(50)])
+    rm_tok.chat_template = CHAT
+    config = GPT2Config(vocab_size=len(rm_tok), n_positions=24, n_embd=32, n_layer=2, n_head=2)
+    prompts = [" ".join(["alpha beta gamma"] * 12) + " ->", "gamma ->"]
+    responses = [" gamma delta omega kappa", " gamma"]
+    rollout = _policy_rollout(policy_tok, prompts, responses)
+    rm_enc = Encoder(rm_tok)
+    rp = rm_enc.prompts(prompts)
+    rr = rm_enc.responses(prompts, rp, responses)
+    assert len(rp[0]) + len(rr[0]) > 24
+    for recorded in (True, False):
+        rm_dir = _reward_model(tmp_path / f"rm_{recorded}", rm_tok, config=config)
+        if recorded:  # as `fastrlhf rm` records them
+            lineage = json.loads((rm_dir / "fastrlhf.json").read_text()) if (rm_dir / "fastrlhf.json").is_file() else {}
+            lineage.update(max_prompt_len=10, max_response_len=3, chat_template=True)
+            (rm_dir / "fastrlhf.json").write_text(json.dumps(lineage))
+            P, R = 10, 3
+        else:
+            P, R = auto_lengths(max(map(len, rp)), max(map(len, rr)), 24, max_prompt_len=0, max_response_len=0,
+                                where="test")
+        long_p, long_r = sum(len(x) > P for x in rp), sum(len(x) > R for x in rr)
+        assert long_p >= 1 and P + R <= 24
+        fn = load_reward(str(rm_dir), device=torch.device("cpu"), policy_tokenizer=policy_tok)
+        with pytest.warns(UserWarning, match=rf"{long_p} of 2 re-tokenized prompts are longer than {P} tokens and "
+                                             rf"{long_r} responses longer than {R} \(EOS included\), the lengths "
+                                             f"{'it was trained with' if recorded else 'fit its max_position'}"):
+            scores = fn(rollout)
+        expected = _scores_of(rm_dir, rm_tok, [x[-P:] for x in rp], [x[:R] for x in rr])
+        torch.testing.assert_close(scores, expected)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fn(rollout)  # warned once per run
