@@ -46,14 +46,22 @@ def check_like_peer(got, peer, peer64, *, atol, name="output"):
     assert_close_to_peer(got, peer64, peer, atol=atol, name=name)
 
 
+def relative_rounding(dtype: torch.dtype) -> float:
+    """The relative rounding allowed for an output of this dtype: 2 eps(float64) for float64 (a
+    float64 result is held to float64's precision), else at least 2 eps32 as in
+    helpers.assert_close_to_ref (eps of the dtype itself for bf16 / fp16)."""
+    if dtype == torch.float64:
+        return 2 * torch.finfo(torch.float64).eps
+    return max(2 * torch.finfo(torch.float32).eps, torch.finfo(dtype).eps)
+
+
 def assert_close_to_peer(out, peer64, peer, *, atol, name):
     """DESIGN.md's rule with the peer as the reference: |out - peer64| <= 2 max|peer - peer64|
-    + atol + the rounding of the output's own dtype (eps * |peer64|, at least 2 eps32 as in
-    helpers.assert_close_to_ref): a bf16 result cannot be closer than its last bit, and the
-    Triton interpreter rounds float32 -> bf16 stores toward zero (up to 1 ulp), where a GPU
-    rounds to nearest. Non-finite values are conventions, not rounding: NaN must match NaN and
-    +-inf the same inf, element for element."""
-    rounding = max(2 * torch.finfo(torch.float32).eps, torch.finfo(out.dtype).eps)
+    + atol + the rounding of the output's own dtype (`rounding(out.dtype)` * |peer64|): a bf16
+    result cannot be closer than its last bit, and the Triton interpreter rounds float32 -> bf16
+    stores toward zero (up to 1 ulp), where a GPU rounds to nearest. Non-finite values are
+    conventions, not rounding: NaN must match NaN and +-inf the same inf, element for element."""
+    rounding = relative_rounding(out.dtype)
     out, ref64, same = (x.detach().double().cpu() for x in (out, peer64, peer))
     nan_out, nan_ref = torch.isnan(out), torch.isnan(ref64)
     assert torch.equal(nan_out, nan_ref), f"{name}: NaN pattern differs ({int(nan_out.sum())} vs {int(nan_ref.sum())})"
@@ -143,3 +151,26 @@ def gradient_only(fn):
         return out - out.detach()
 
     return run
+
+
+def assert_float64_as_peer(patched, original, args, *, diff, kwargs=None, rtol=1e-15):
+    """`patched` gives `original`'s float64 output (the first, for a tuple) and its gradient
+    w.r.t. args[diff] to `rtol` relative, element for element: for float64 inputs whose results
+    are sums of one sign, where float64 rounding is all that may differ. Returns (got, peer)."""
+    kwargs = kwargs or {}
+
+    def run(fn):
+        a = [x.detach().clone().requires_grad_(i == diff) if isinstance(x, torch.Tensor) else x
+             for i, x in enumerate(args)]
+        out = fn(*a, **kwargs)
+        head = out[0] if isinstance(out, (tuple, list)) else out
+        (g,) = torch.autograd.grad(head, a[diff])
+        return head.detach(), g
+
+    (got, g_got), (peer, g_peer) = run(patched), run(original)
+    assert got.dtype == peer.dtype == torch.float64
+    for name, x, ref in (("output", got, peer), ("gradient", g_got, g_peer)):
+        err = ((x - ref).abs() / ref.abs().clamp_min(torch.finfo(torch.float64).tiny)).max().item()
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e} ({worst(x, ref)})"
+    return got, peer
+

@@ -10,7 +10,7 @@ from helpers import make_mask
 
 from fastrlhf import reference
 
-from .peer_checks import assert_close_to_peer, compare, gradient_only, unpatched
+from .peer_checks import assert_close_to_peer, assert_float64_as_peer, compare, gradient_only, unpatched
 
 B, T, V = 6, 13, 37
 
@@ -269,6 +269,28 @@ def test_aggregate_loss_empty_mask_non_finite_values_and_small_weights(orl, back
     assert op_calls["agg_loss"] == len(cases)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64], ids=str)
+def test_per_sample_mean_of_float64_losses_divides_as_openrlhf(orl, backend, mask_dtype):
+    """token_level_loss=False divides row b by mask.sum(-1) + 1e-8 in the MASK's arithmetic:
+    float32 for a bool, int or float32 mask (where n + 1e-8 == n), float64 for a float64 mask. A
+    float64 loss gets OpenRLHF's number to float64 precision, value and gradient, in
+    aggregate_loss, PolicyLoss and ValueLoss (losses of one sign: nothing cancels in the means)."""
+    originals, patched, loss = orl
+    mask = make_mask(B, T).to(mask_dtype)
+    per_token = torch.rand(B, T, dtype=torch.float64) + 0.5
+    assert_float64_as_peer(patched["aggregate_loss"], originals["aggregate_loss"], [per_token, mask, False], diff=0)
+    policy = loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, token_level_loss=False)
+    logp, old, adv, _, _ = (t.double() for t in _policy_inputs())
+    assert_float64_as_peer(lambda *a: patched["PolicyLoss.forward"](policy, *a),
+                           lambda *a: originals["PolicyLoss.forward"](policy, *a),
+                           [logp, old, adv.abs() + 0.1, mask], diff=0)
+    value = loss.ValueLoss(clip_eps=0.2, token_level_loss=False)
+    values, old_values, returns = (torch.randn(B, T, dtype=torch.float64) for _ in range(3))
+    assert_float64_as_peer(lambda *a: patched["ValueLoss.forward"](value, *a),
+                           lambda *a: originals["ValueLoss.forward"](value, *a),
+                           [values, old_values, returns, mask], diff=0)
+
+
 def test_aggregate_loss_bad_counts_run_openrlhfs(orl, op_calls):
     originals, patched, _ = orl
     loss, mask = torch.randn(B, T).abs(), make_mask(B, T)
@@ -399,8 +421,9 @@ def test_value_loss(orl, backend, clip_eps, token_level, info, op_calls):
 @pytest.mark.parametrize("token_level", [True, False])
 def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(orl, backend, token_level, op_calls):
     """bf16 / float64 inputs and int / float masks in OpenRLHF's dtypes; per sample where
-    n_b + 1e-8 != n_b (float64, small weights) and with non-finite inputs (OpenRLHF's NaN
-    gradients), OpenRLHF's own runs."""
+    mask.sum(-1) + 1e-8 != n_b (small float32 weights; an int mask's sum + 1e-8 is float32, n_b
+    exactly, even for float64 values) and with non-finite inputs (OpenRLHF's NaN gradients),
+    OpenRLHF's own runs."""
     originals, patched, loss = orl
     module = loss.ValueLoss(clip_eps=0.2, token_level_loss=token_level)
     cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
@@ -415,7 +438,7 @@ def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(orl, backend, t
     compare(lambda *a, **k: patched["ValueLoss.forward"](module, *a, **k),
             lambda *a, **k: originals["ValueLoss.forward"](module, *a, **k),
             [values, old, returns, mask], diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
-    expected = 3 - (not token_level) - (not token_level or backend == "triton")
+    expected = 3 - (not token_level) - (backend == "triton")
     assert op_calls["value_loss"] == expected
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_mask
 
-from .peer_checks import compare, unpatched
+from .peer_checks import assert_float64_as_peer, compare, unpatched
 
 B, T, V = 6, 13, 37
 KL_NAMES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+", "k2+", "mse+"]
@@ -307,6 +307,41 @@ def test_agg_loss_seq_mean_token_mean_divides_by_n_plus_eps(verl, backend, dtype
     assert op_calls["agg_loss"] == 2
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64, torch.bfloat16],
+                         ids=str)
+def test_seq_mean_token_mean_of_float64_losses_divides_as_verl(verl, backend, mask_dtype):
+    """verl divides row b by mask.sum(-1) + 1e-8 in the MASK's arithmetic: float32 for a bool, int
+    or float32 mask (where n + 1e-8 == n), float64 for a float64 mask (which keeps the 1e-8). A
+    float64 loss gets verl's number to float64 precision, value and gradient, in agg_loss, the
+    vanilla policy loss and the value loss (losses of one sign: nothing cancels in the means)."""
+    originals, patched, _, _ = verl
+    mode = "seq-mean-token-mean"
+    mask = make_mask(B, T).to(mask_dtype)
+    loss_mat = torch.rand(B, T, dtype=torch.float64) + 0.5
+    assert_float64_as_peer(patched["agg_loss"], originals["agg_loss"], [loss_mat, mask, mode], diff=0)
+    old, logp, adv, _ = (t.double() for t in _loss_inputs())
+    assert_float64_as_peer(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
+                           [old, logp, adv.abs() + 0.1, mask, mode, _actor_config(loss_agg_mode=mode)], diff=1)
+    vpreds, values, returns = (torch.randn(B, T, dtype=torch.float64) for _ in range(3))
+    assert_float64_as_peer(patched["compute_value_loss"], originals["compute_value_loss"],
+                           [vpreds, returns, values, mask, 0.3, mode], diff=0)
+
+
+def test_seq_mean_token_mean_with_float64_as_default_dtype_divides_as_verl(verl, backend):
+    """With torch's default dtype float64 a bool mask's sum + 1e-8 is float64 and keeps the 1e-8."""
+    originals, patched, _, _ = verl
+    loss_mat, mask = torch.rand(B, T, dtype=torch.float64) + 0.5, make_mask(B, T)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got, _ = assert_float64_as_peer(patched["agg_loss"], originals["agg_loss"],
+                                        [loss_mat, mask, "seq-mean-token-mean"], diff=0)
+    finally:
+        torch.set_default_dtype(default)
+    n = mask.sum(-1).double()
+    assert got.item() != ((loss_mat * mask).sum(-1)[n > 0] / n[n > 0]).mean().item()  # the 1e-8 is visible
+
+
 def test_agg_loss_bad_arguments_run_verls(verl, op_calls):
     originals, patched, _, _ = verl
     loss_mat, mask = torch.randn(B, T), make_mask(B, T)
@@ -428,8 +463,9 @@ def test_value_loss_every_agg_mode(verl, backend, mode, info, op_calls):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(verl, backend, mode, op_calls):
     """bf16 / float64 inputs and int / float masks in verl's dtypes; seq-mean-token-mean where
-    n_b + 1e-8 != n_b (float64, a mask of small weights; fastrlhf's value_loss takes no per-token
-    weights to fold it into) and non-finite inputs (verl's NaN gradients) run verl's own."""
+    verl's mask.sum(-1) + 1e-8 != n_b (a mask of small float32 weights; fastrlhf's value_loss takes
+    no per-token weights to fold it into; an int mask's sum + 1e-8 is float32, n_b exactly, even
+    for float64 values) and non-finite inputs (verl's NaN gradients) run verl's own."""
     originals, patched, _, _ = verl
     cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
              (torch.float32, make_mask(B, T) * torch.rand(B, T) * 1e-3)]  # rows of weights summing below 0.2
@@ -439,7 +475,7 @@ def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(verl, backend, 
                 kwargs=dict(loss_agg_mode=mode, batch_num_tokens=40, global_batch_size=9), diff=(0,),
                 upstream=torch.tensor(0.8, dtype=torch.float64))
     # float64 on the Triton kernels (float32 inside) and seq-mean-token-mean's n_b + 1e-8 run verl's
-    expected = 3 - (mode == "seq-mean-token-mean") - (mode == "seq-mean-token-mean" or backend == "triton")
+    expected = 3 - (mode == "seq-mean-token-mean") - (backend == "triton")
     assert op_calls["value_loss"] == expected
     vpreds, values, returns, mask = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), make_mask(B, T)
     returns[0, -1] = float("nan")  # off the mask
