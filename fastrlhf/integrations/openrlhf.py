@@ -44,6 +44,16 @@ mask); GAE runs through masked positions with rewards and values zeroed there, a
 values it produces off the mask. Non-finite policy / value loss inputs run OpenRLHF's own
 function, whose gradients are NaN where fastrlhf's are 0.
 
+Not kept (fastrlhf's op conventions, docs/ops.md), so not OpenRLHF's gradients or errors there:
+- Exact ties of a clipped and an unclipped term: fastrlhf gives the unclipped term the whole
+  gradient, where OpenRLHF's torch.min / torch.max split a tie in half and its torch.clamp
+  passes 0 at a bound from torch 2.14 on. At ratio == dual_clip with A < 0 the patched gradient
+  is 2x OpenRLHF's; from torch 2.14 also at ratio == 1 +- clip_eps and at values == old_values
+  +- clip_eps (the log-ratio clamp's +-20 bound: OpenRLHF's is 0 there). Values are equal; a tie
+  needs inputs exactly at a bound.
+- Labels of -100 give log-prob 0 and labels outside [0, V) NaN, where OpenRLHF's torch path
+  raises an index error; -inf logits give a finite entropy with finite gradients, where
+  compute_entropy is NaN in both. A caller's bad label is not caught.
 """
 
 from __future__ import annotations

@@ -41,6 +41,16 @@ too; GAE leaves each masked position with the advantage carried from the next re
 are Python floats under verl's keys, masked means over mask.sum() + 1e-8. Non-finite policy /
 value loss inputs run verl's own function, whose gradients are NaN where fastrlhf's are 0.
 
+Not kept (fastrlhf's op conventions, docs/ops.md), so not verl's gradients or errors there:
+- Exact ties of a clipped and an unclipped term: fastrlhf gives the unclipped term the whole
+  gradient, where verl's torch.min / torch.max split a tie in half and its torch.clamp passes 0
+  at a bound from torch 2.14 on. At ratio == clip_ratio_c with A < 0 the patched gradient is 2x
+  verl's, at vpreds == values +- cliprange_value 4/3x (verl's clip_by_value splits too), and from
+  torch 2.14 2x at ratio == 1 +- clip_ratio (the log-ratio clamp's +-20 bound: verl's is 0
+  there). Values are equal; a tie needs inputs exactly at a bound.
+- Labels of -100 give log-prob 0 and labels outside [0, V) NaN, where verl's torch path raises
+  an index error; -inf logits give a finite entropy with finite gradients, where verl's
+  entropy_from_logits is NaN in both. A caller's bad label is not caught.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from helpers import worst
 
@@ -174,3 +175,57 @@ def assert_float64_as_peer(patched, original, args, *, diff, kwargs=None, rtol=1
         assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e} ({worst(x, ref)})"
     return got, peer
 
+
+def ratio_tie_inputs():
+    """float32 policy-loss inputs (old, logp, adv, ratio, (clip_low, clip_high, dual_clip c))
+    whose ratios exp(logp - old), as torch computes them, are exactly the clip bounds: 1 +
+    clip_high (token 0, A > 0 in row 0), 1 - clip_low (token 1) and c (token 4, A < 0); the other
+    tokens are inside, past the +-20 log-ratio clamp and at ratio 1."""
+    old = torch.full((2, 8), -1.0)
+    logp = old + torch.tensor([0.25, -0.3, 0.1, -0.1, 1.2, 20.0, -20.0, 0.0])
+    ratio = (logp - old).exp()
+    clip_high, clip_low, c = ratio[0, 0].item() - 1, 1 - ratio[0, 1].item(), ratio[0, 4].item()
+    assert (1 + clip_high, 1 - clip_low) == (ratio[0, 0].item(), ratio[0, 1].item())  # exact ties
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, -2.0, 1.0, -1.0, 0.5], [-1.0, 1.0, -1.0, 1.0, -2.0, -1.0, 1.0, -0.5]])
+    return old, logp, adv, ratio, (clip_low, clip_high, c)
+
+
+def grad_of(fn, args, i):
+    """d(sum of the first output of fn(*args)) / d(args[i])."""
+    a = [x.clone().requires_grad_(j == i) if isinstance(x, torch.Tensor) else x for j, x in enumerate(args)]
+    out = fn(*a)
+    return torch.autograd.grad((out[0] if isinstance(out, tuple) else out).sum(), a[i])[0]
+
+
+def clamp_gradient_at_bound() -> float:
+    """torch.clamp's gradient at exactly its bound in the installed torch: 1.0 through 2.13, 0.0
+    from 2.14 on. The peers' gradients at clip bounds follow it; fastrlhf's rule passes it (1)."""
+    x = torch.tensor(1.0, requires_grad=True)
+    (g,) = torch.autograd.grad(x.clamp(max=1.0), x)
+    return g.item()
+
+
+def check_inputs_the_peer_rejects(patched_logprobs, original_logprobs, patched_entropy, original_entropy):
+    """The documented answers (each integration's "Not kept") where the peer raises or gives NaN:
+    a label of -100 gives log-prob 0 and a label of V gives NaN where the peer's gather raises;
+    a -inf logit gives a finite entropy and finite gradients (p = 0 adds nothing) where the
+    peer's are NaN. The other positions are the peer's."""
+    logits = torch.randn(2, 3, 5)
+    for bad in (-100, 5):
+        labels = torch.randint(0, 5, (2, 3))
+        with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
+            original_logprobs(logits.clone(), labels.clone().index_fill_(1, torch.tensor([1]), bad))
+        want = original_logprobs(logits.clone(), labels)
+        labels[:, 1] = bad
+        got = patched_logprobs(logits.clone(), labels)
+        assert bool((got[:, 1] == 0).all() if bad == -100 else got[:, 1].isnan().all())
+        torch.testing.assert_close(got[:, [0, 2]], want[:, [0, 2]], rtol=1e-6, atol=1e-6)
+    x = torch.randn(2, 5)
+    x[0, 1] = -float("inf")
+    got, peer = (grad_of(fn, [x], 0) for fn in (patched_entropy, original_entropy))
+    assert bool(peer.isnan().any()) and bool(got.isfinite().all())
+    torch.testing.assert_close(got[1], peer[1], rtol=1e-5, atol=1e-6)
+    value = patched_entropy(x)
+    finite = x[0, [0, 2, 3, 4]]
+    torch.testing.assert_close(value[0], torch.special.entr(finite.softmax(-1)).sum(), rtol=1e-6, atol=1e-6)
+    assert bool(original_entropy(x)[0].isnan())
