@@ -10,7 +10,11 @@ name (aliases included), registries such as verl's `POLICY_LOSS_REGISTRY`, and c
 attributes (OpenRLHF's `PolicyLoss.forward`). Modules of the peer imported later pick up the
 patched function from the defining module. Each adapter returns what the original returns
 (shapes, dtypes, metric keys, gradients, the peer's conventions off the mask); where an
-argument has no fused path it calls the original for that call. Both functions are
+argument has no fused path it calls the original for that call. Two exceptions, listed under
+"Not kept" in each module: at an exact tie of a clipped and an unclipped loss term the
+gradient is fastrlhf's (the unclipped term takes all of it; the peers split it), and inputs
+the peers reject or turn into NaN (labels of -100 or outside [0, V), -inf logits in the
+entropy) get fastrlhf's documented answers instead. Both functions are
 idempotent; `unpatch()` restores every original.
 
 The peers are never dependencies of fastrlhf: each module imports its peer inside `patch()`.

@@ -103,16 +103,38 @@ def floats(*tensors, optional=()) -> bool:
     return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in given)
 
 
-def row_mean_factor(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """n_b / (n_b + 1e-8) per row, [..., 1], n_b = sum_t mask: the peers' per-sequence token mean
-    divides by n_b + 1e-8 where fastrlhf's divides by n_b. In float32 with a 0/1 mask the two are
-    the same number (1e-8 is below half an ulp of any n_b >= 1); in float64, or with a weighting
-    mask whose rows sum below 1, they are not, and this factor, multiplied into the per-token loss,
-    gives the peers' mean exactly."""
-    n = mask.to(dtype).sum(-1, keepdim=True)
-    return n / (n + 1e-8)
+def row_mean_weights(loss_dtype: torch.dtype, mask: torch.Tensor) -> torch.Tensor | None:
+    """The peers' per-sequence token mean (verl's seq-mean-token-mean, OpenRLHF's
+    token_level_loss=False) as a per-row factor [..., 1] for fastrlhf's, or None where it is 1.
+
+    Both peers divide row b by `mask.sum(-1) + 1e-8`, computed in the MASK's arithmetic: for a
+    bool / integer mask the sum is an integer and `+ 1e-8` gives torch's default float dtype
+    (float32 unless changed), where n + 1e-8 rounds back to n; for a float mask it is the mask's
+    dtype (float64 keeps the 1e-8; float32 keeps it for rows of weights summing below ~0.2; bf16
+    rounds the sum itself). fastrlhf divides by n_b = sum of the mask in its compute dtype (float64
+    when the loss or the mask is, else float32). The factor is n_b / (the peer's divisor), both
+    taken as computed and divided in float64; multiplied into the per-token loss it gives the
+    peer's mean. It is None where the two divisors are provably equal (a bool mask with at most
+    2^24 tokens a row against a float32 count), or where they differ only past the loss's own
+    rounding (an integer mask's count in float32 against a float32 loss)."""
+    dtype = torch.float64 if torch.float64 in (loss_dtype, mask.dtype) else torch.float32
+    if not _row_divisor_may_differ(dtype, mask):
+        return None
+    n = mask.to(dtype).sum(-1, keepdim=True)  # fastrlhf's count (ops.losses.row_scale)
+    divisor = mask.sum(-1, keepdim=True) + 1e-8  # the peers' own expression, in its own dtype
+    return (n.double() / divisor.double()).to(dtype)
 
 
-def row_mean_differs(loss_dtype: torch.dtype, mask: torch.Tensor) -> bool:
-    """Whether `row_mean_factor` can differ from 1 (see there)."""
-    return mask.is_floating_point() or torch.float64 in (loss_dtype, mask.dtype)
+def _row_divisor_may_differ(dtype: torch.dtype, mask: torch.Tensor) -> bool:
+    """Whether the peers' `mask.sum(-1) + 1e-8` can differ from fastrlhf's count in `dtype`
+    (see row_mean_weights). No host sync."""
+    if mask.is_floating_point():
+        return True
+    count = torch.get_default_dtype()  # the dtype of an integer sum + 1e-8
+    if count == torch.float64:
+        return True  # the 1e-8 is kept
+    if torch.finfo(count).eps <= torch.finfo(dtype).eps:
+        return False  # n + 1e-8 == n; rounding n itself (past 2^24) is the loss's own rounding
+    # a float64 loss (or a narrower default dtype): the count is exact up to 2 / eps (2^24 in
+    # float32), which bounds a bool mask's rows by their length; an integer mask's sums are not bounded
+    return mask.dtype != torch.bool or mask.shape[-1] > 2 / torch.finfo(count).eps

@@ -14,8 +14,9 @@ models.loss.aggregate_loss                    agg_loss                  counts <
 models.loss.PolicyLoss.forward                policy_loss               gspo (a per-sequence ratio); non-finite
                                                                         inputs; old_log_probs or advantages that
                                                                         need a gradient; the agg cases above
-models.loss.ValueLoss.forward                 value_loss                the same; per sample where n_b + 1e-8 != n_b
-                                                                        (float64, rows of weights summing below ~0.2)
+models.loss.ValueLoss.forward                 value_loss                the same; per sample where mask.sum(-1) +
+                                                                        1e-8 != n_b (a float64 mask, rows of
+                                                                        weights summing below ~0.2)
 trainer.ppo_utils.experience_maker            gae                       -
   .RemoteExperienceMaker.get_advantages_and_returns
 
@@ -37,9 +38,22 @@ when it is installed, for float32/float64 logits); losses and metrics in OpenRLH
 by running its own aggregate_loss / masked_mean on meta tensors); without global counts the
 losses divide by the local count, so an empty mask gives NaN (and NaN gradients); every mode
 sums loss * mask, so a non-finite value at a mask = 0 token makes the loss NaN; the per-sample
-mean divides by n_b + 1e-8; GAE runs through masked positions with rewards and values zeroed
-there, and keeps the values it produces off the mask. Non-finite policy / value loss inputs run
-OpenRLHF's own function, whose gradients are NaN where fastrlhf's are 0.
+mean divides by mask.sum(-1) + 1e-8 computed as OpenRLHF computes it, in the mask's arithmetic
+(float32 for a bool or integer mask, where it is n_b exactly; the mask's dtype for a float
+mask); GAE runs through masked positions with rewards and values zeroed there, and keeps the
+values it produces off the mask. Non-finite policy / value loss inputs run OpenRLHF's own
+function, whose gradients are NaN where fastrlhf's are 0.
+
+Not kept (fastrlhf's op conventions, docs/ops.md), so not OpenRLHF's gradients or errors there:
+- Exact ties of a clipped and an unclipped term: fastrlhf gives the unclipped term the whole
+  gradient, where OpenRLHF's torch.min / torch.max split a tie in half and its torch.clamp
+  passes 0 at a bound from torch 2.14 on. At ratio == dual_clip with A < 0 the patched gradient
+  is 2x OpenRLHF's; from torch 2.14 also at ratio == 1 +- clip_eps and at values == old_values
+  +- clip_eps (the log-ratio clamp's +-20 bound: OpenRLHF's is 0 there). Values are equal; a tie
+  needs inputs exactly at a bound.
+- Labels of -100 give log-prob 0 and labels outside [0, V) NaN, where OpenRLHF's torch path
+  raises an index error; -inf logits give a finite entropy with finite gradients, where
+  compute_entropy is NaN in both. A caller's bad label is not caught.
 """
 
 from __future__ import annotations
@@ -59,8 +73,7 @@ from fastrlhf.integrations._conventions import (
     like,
     needs_grad,
     promoted,
-    row_mean_differs,
-    row_mean_factor,
+    row_mean_weights,
     same_shape,
     scalar,
 )
@@ -151,10 +164,8 @@ def _as_openrlhf(loss: torch.Tensor, loss_mat, mask: torch.Tensor, keywords: dic
 
 
 def _row_mean_weights(keywords: dict, loss_dtype: torch.dtype, mask: torch.Tensor):
-    """OpenRLHF's per-sample mean (sum_t / (n_b + 1e-8)) as per-token weights for fastrlhf's (None: 1)."""
-    if keywords["agg"] != "seq-mean-token-mean" or not row_mean_differs(loss_dtype, mask):
-        return None
-    return row_mean_factor(mask, torch.float64 if torch.float64 in (loss_dtype, mask.dtype) else torch.float32)
+    """OpenRLHF's per-sample mean (sum_t / (n_b + 1e-8)) as per-row weights for fastrlhf's (None: 1)."""
+    return row_mean_weights(loss_dtype, mask) if keywords["agg"] == "seq-mean-token-mean" else None
 
 
 def _aggregate_loss(original):

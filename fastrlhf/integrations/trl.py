@@ -24,6 +24,11 @@ float32 where TRL itself would use its Triton kernel (CUDA); `row_mask == 0` row
 `temperature <= 0` raises TRL's ValueError; `entropy_requires_grad=False` gives a detached
 entropy; the fused LM head computes in the autocast dtype when autocast is on, as TRL does,
 and returns float32 (log_probs, entropy or None, None, None, None).
+
+Not kept (fastrlhf's op conventions, docs/ops.md): indices of -100 give log-prob 0 and indices
+outside [0, V) NaN, where TRL's selective_log_softmax raises an index error; -inf logits give
+a finite entropy with finite gradients, where TRL's entropy_from_logits is NaN in both. A
+caller's bad index is not caught.
 """
 
 from __future__ import annotations

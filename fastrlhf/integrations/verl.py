@@ -18,9 +18,9 @@ core_algos.compute_gae_advantage_return       gae                       a non-bi
 core_algos.compute_policy_loss_vanilla        policy_loss               non-finite inputs; old_log_prob, advantages
   and POLICY_LOSS_REGISTRY["vanilla"]                                   or weights that need a gradient; the agg
                                                                         cases above
-core_algos.compute_value_loss                 value_loss                the same; seq-mean-token-mean where n_b + 1e-8
-                                                                        != n_b (float64, rows of weights summing
-                                                                        below ~0.2)
+core_algos.compute_value_loss                 value_loss                the same; seq-mean-token-mean where verl's
+                                                                        mask.sum(-1) + 1e-8 != n_b (a float64
+                                                                        mask, rows of weights summing below ~0.2)
 
 Every agg mode (token-mean, token-sum, seq-mean-token-sum(-norm), seq-mean-token-mean), dp_size,
 batch_num_tokens, global_batch_size and loss_scale_factor, the straight-through names ("k1+",
@@ -33,12 +33,24 @@ agg_loss on meta tensors; `kl_penalty` and `entropy_from_logits` in the input dt
 gives float32); without a global count an empty mask gives a NaN loss (0 / 0, zero gradients);
 the seq-mean modes multiply the loss by the mask, so a non-finite value at a mask = 0 token of a
 non-empty row makes the loss NaN (the token modes drop it); seq-mean-token-mean divides by
-n_b + 1e-8; a "+" KL is NaN where logprob - ref_logprob is not finite; low_var_kl clamps the
-log-ratio in its linear term too; GAE leaves each masked position with the advantage carried
-from the next response token (and returns = that + values), whitened with verl's own
-`masked_whiten`; policy-loss metrics are Python floats under verl's keys, masked means over
-mask.sum() + 1e-8. Non-finite policy / value loss inputs run verl's own function, whose
-gradients are NaN where fastrlhf's are 0.
+mask.sum(-1) + 1e-8 computed as verl computes it, in the mask's arithmetic (float32 for a bool
+or integer mask, where it is n_b exactly; the mask's dtype for a float mask); a "+" KL is NaN
+where logprob - ref_logprob is not finite; low_var_kl clamps the log-ratio in its linear term
+too; GAE leaves each masked position with the advantage carried from the next response token
+(and returns = that + values), whitened with verl's own `masked_whiten`; policy-loss metrics
+are Python floats under verl's keys, masked means over mask.sum() + 1e-8. Non-finite policy /
+value loss inputs run verl's own function, whose gradients are NaN where fastrlhf's are 0.
+
+Not kept (fastrlhf's op conventions, docs/ops.md), so not verl's gradients or errors there:
+- Exact ties of a clipped and an unclipped term: fastrlhf gives the unclipped term the whole
+  gradient, where verl's torch.min / torch.max split a tie in half and its torch.clamp passes 0
+  at a bound from torch 2.14 on. At ratio == clip_ratio_c with A < 0 the patched gradient is 2x
+  verl's, at vpreds == values +- cliprange_value 4/3x (verl's clip_by_value splits too), and from
+  torch 2.14 2x at ratio == 1 +- clip_ratio (the log-ratio clamp's +-20 bound: verl's is 0
+  there). Values are equal; a tie needs inputs exactly at a bound.
+- Labels of -100 give log-prob 0 and labels outside [0, V) NaN, where verl's torch path raises
+  an index error; -inf logits give a finite entropy with finite gradients, where verl's
+  entropy_from_logits is NaN in both. A caller's bad label is not caught.
 """
 
 from __future__ import annotations
@@ -58,8 +70,7 @@ from fastrlhf.integrations._conventions import (
     like,
     needs_grad,
     promoted,
-    row_mean_differs,
-    row_mean_factor,
+    row_mean_weights,
     same_shape,
     scalar,
 )
@@ -166,11 +177,8 @@ def _nan_if_hidden(loss: torch.Tensor, loss_mat: torch.Tensor, mask: torch.Tenso
 
 
 def _row_mean_weights(mode: str, loss_dtype: torch.dtype, mask: torch.Tensor):
-    """verl's seq-mean-token-mean as a per-token weight for fastrlhf's (None where it is 1)."""
-    if mode != "seq-mean-token-mean" or not row_mean_differs(loss_dtype, mask):
-        return None
-    dtype = torch.float64 if torch.float64 in (loss_dtype, mask.dtype) else torch.float32
-    return row_mean_factor(mask, dtype)
+    """verl's seq-mean-token-mean as a per-row weight for fastrlhf's (None where it is 1)."""
+    return row_mean_weights(loss_dtype, mask) if mode == "seq-mean-token-mean" else None
 
 
 def _agg_loss(original):

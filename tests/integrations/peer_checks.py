@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from helpers import worst
 
@@ -46,14 +47,22 @@ def check_like_peer(got, peer, peer64, *, atol, name="output"):
     assert_close_to_peer(got, peer64, peer, atol=atol, name=name)
 
 
+def relative_rounding(dtype: torch.dtype) -> float:
+    """The relative rounding allowed for an output of this dtype: 2 eps(float64) for float64 (a
+    float64 result is held to float64's precision), else at least 2 eps32 as in
+    helpers.assert_close_to_ref (eps of the dtype itself for bf16 / fp16)."""
+    if dtype == torch.float64:
+        return 2 * torch.finfo(torch.float64).eps
+    return max(2 * torch.finfo(torch.float32).eps, torch.finfo(dtype).eps)
+
+
 def assert_close_to_peer(out, peer64, peer, *, atol, name):
     """DESIGN.md's rule with the peer as the reference: |out - peer64| <= 2 max|peer - peer64|
-    + atol + the rounding of the output's own dtype (eps * |peer64|, at least 2 eps32 as in
-    helpers.assert_close_to_ref): a bf16 result cannot be closer than its last bit, and the
-    Triton interpreter rounds float32 -> bf16 stores toward zero (up to 1 ulp), where a GPU
-    rounds to nearest. Non-finite values are conventions, not rounding: NaN must match NaN and
-    +-inf the same inf, element for element."""
-    rounding = max(2 * torch.finfo(torch.float32).eps, torch.finfo(out.dtype).eps)
+    + atol + the rounding of the output's own dtype (`rounding(out.dtype)` * |peer64|): a bf16
+    result cannot be closer than its last bit, and the Triton interpreter rounds float32 -> bf16
+    stores toward zero (up to 1 ulp), where a GPU rounds to nearest. Non-finite values are
+    conventions, not rounding: NaN must match NaN and +-inf the same inf, element for element."""
+    rounding = relative_rounding(out.dtype)
     out, ref64, same = (x.detach().double().cpu() for x in (out, peer64, peer))
     nan_out, nan_ref = torch.isnan(out), torch.isnan(ref64)
     assert torch.equal(nan_out, nan_ref), f"{name}: NaN pattern differs ({int(nan_out.sum())} vs {int(nan_ref.sum())})"
@@ -143,3 +152,80 @@ def gradient_only(fn):
         return out - out.detach()
 
     return run
+
+
+def assert_float64_as_peer(patched, original, args, *, diff, kwargs=None, rtol=1e-15):
+    """`patched` gives `original`'s float64 output (the first, for a tuple) and its gradient
+    w.r.t. args[diff] to `rtol` relative, element for element: for float64 inputs whose results
+    are sums of one sign, where float64 rounding is all that may differ. Returns (got, peer)."""
+    kwargs = kwargs or {}
+
+    def run(fn):
+        a = [x.detach().clone().requires_grad_(i == diff) if isinstance(x, torch.Tensor) else x
+             for i, x in enumerate(args)]
+        out = fn(*a, **kwargs)
+        head = out[0] if isinstance(out, (tuple, list)) else out
+        (g,) = torch.autograd.grad(head, a[diff])
+        return head.detach(), g
+
+    (got, g_got), (peer, g_peer) = run(patched), run(original)
+    assert got.dtype == peer.dtype == torch.float64
+    for name, x, ref in (("output", got, peer), ("gradient", g_got, g_peer)):
+        err = ((x - ref).abs() / ref.abs().clamp_min(torch.finfo(torch.float64).tiny)).max().item()
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e} ({worst(x, ref)})"
+    return got, peer
+
+
+def ratio_tie_inputs():
+    """float32 policy-loss inputs (old, logp, adv, ratio, (clip_low, clip_high, dual_clip c))
+    whose ratios exp(logp - old), as torch computes them, are exactly the clip bounds: 1 +
+    clip_high (token 0, A > 0 in row 0), 1 - clip_low (token 1) and c (token 4, A < 0); the other
+    tokens are inside, past the +-20 log-ratio clamp and at ratio 1."""
+    old = torch.full((2, 8), -1.0)
+    logp = old + torch.tensor([0.25, -0.3, 0.1, -0.1, 1.2, 20.0, -20.0, 0.0])
+    ratio = (logp - old).exp()
+    clip_high, clip_low, c = ratio[0, 0].item() - 1, 1 - ratio[0, 1].item(), ratio[0, 4].item()
+    assert (1 + clip_high, 1 - clip_low) == (ratio[0, 0].item(), ratio[0, 1].item())  # exact ties
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, -2.0, 1.0, -1.0, 0.5], [-1.0, 1.0, -1.0, 1.0, -2.0, -1.0, 1.0, -0.5]])
+    return old, logp, adv, ratio, (clip_low, clip_high, c)
+
+
+def grad_of(fn, args, i):
+    """d(sum of the first output of fn(*args)) / d(args[i])."""
+    a = [x.clone().requires_grad_(j == i) if isinstance(x, torch.Tensor) else x for j, x in enumerate(args)]
+    out = fn(*a)
+    return torch.autograd.grad((out[0] if isinstance(out, tuple) else out).sum(), a[i])[0]
+
+
+def clamp_gradient_at_bound() -> float:
+    """torch.clamp's gradient at exactly its bound in the installed torch: 1.0 through 2.13, 0.0
+    from 2.14 on. The peers' gradients at clip bounds follow it; fastrlhf's rule passes it (1)."""
+    x = torch.tensor(1.0, requires_grad=True)
+    (g,) = torch.autograd.grad(x.clamp(max=1.0), x)
+    return g.item()
+
+
+def check_inputs_the_peer_rejects(patched_logprobs, original_logprobs, patched_entropy, original_entropy):
+    """The documented answers (each integration's "Not kept") where the peer raises or gives NaN:
+    a label of -100 gives log-prob 0 and a label of V gives NaN where the peer's gather raises;
+    a -inf logit gives a finite entropy and finite gradients (p = 0 adds nothing) where the
+    peer's are NaN. The other positions are the peer's."""
+    logits = torch.randn(2, 3, 5)
+    for bad in (-100, 5):
+        labels = torch.randint(0, 5, (2, 3))
+        with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
+            original_logprobs(logits.clone(), labels.clone().index_fill_(1, torch.tensor([1]), bad))
+        want = original_logprobs(logits.clone(), labels)
+        labels[:, 1] = bad
+        got = patched_logprobs(logits.clone(), labels)
+        assert bool((got[:, 1] == 0).all() if bad == -100 else got[:, 1].isnan().all())
+        torch.testing.assert_close(got[:, [0, 2]], want[:, [0, 2]], rtol=1e-6, atol=1e-6)
+    x = torch.randn(2, 5)
+    x[0, 1] = -float("inf")
+    got, peer = (grad_of(fn, [x], 0) for fn in (patched_entropy, original_entropy))
+    assert bool(peer.isnan().any()) and bool(got.isfinite().all())
+    torch.testing.assert_close(got[1], peer[1], rtol=1e-5, atol=1e-6)
+    value = patched_entropy(x)
+    finite = x[0, [0, 2, 3, 4]]
+    torch.testing.assert_close(value[0], torch.special.entr(finite.softmax(-1)).sum(), rtol=1e-6, atol=1e-6)
+    assert bool(original_entropy(x)[0].isnan())

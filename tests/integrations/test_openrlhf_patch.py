@@ -1,6 +1,7 @@
 """fastrlhf.integrations.openrlhf against the installed OpenRLHF: patched == original (forward
 and gradients, both backends), OpenRLHF's conventions kept, patch()/unpatch() bookkeeping."""
 
+import functools
 import importlib.metadata
 import math
 
@@ -10,7 +11,17 @@ from helpers import make_mask
 
 from fastrlhf import reference
 
-from .peer_checks import assert_close_to_peer, compare, gradient_only, unpatched
+from .peer_checks import (
+    assert_close_to_peer,
+    assert_float64_as_peer,
+    check_inputs_the_peer_rejects,
+    clamp_gradient_at_bound,
+    compare,
+    grad_of,
+    gradient_only,
+    ratio_tie_inputs,
+    unpatched,
+)
 
 B, T, V = 6, 13, 37
 
@@ -97,6 +108,13 @@ def test_log_probs_from_logits(orl, backend, dtype, op_calls):
     labels = torch.roll(torch.randint(0, V, (B, T)), -1, 1)
     compare(patched["log_probs_from_logits"], originals["log_probs_from_logits"], [logits, labels], diff=(0,))
     assert op_calls["logprobs"] == 1
+
+
+def test_labels_and_logits_openrlhf_rejects_get_fastrlhfs_answers(orl, backend):
+    """Documented under "Not kept" in fastrlhf.integrations.openrlhf."""
+    originals, patched, _ = orl
+    check_inputs_the_peer_rejects(patched["log_probs_from_logits"], originals["log_probs_from_logits"],
+                                  patched["compute_entropy"], originals["compute_entropy"])
 
 
 def test_log_probs_from_logits_temperature_divides_in_place(orl, backend):
@@ -269,6 +287,28 @@ def test_aggregate_loss_empty_mask_non_finite_values_and_small_weights(orl, back
     assert op_calls["agg_loss"] == len(cases)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64], ids=str)
+def test_per_sample_mean_of_float64_losses_divides_as_openrlhf(orl, backend, mask_dtype):
+    """token_level_loss=False divides row b by mask.sum(-1) + 1e-8 in the MASK's arithmetic:
+    float32 for a bool, int or float32 mask (where n + 1e-8 == n), float64 for a float64 mask. A
+    float64 loss gets OpenRLHF's number to float64 precision, value and gradient, in
+    aggregate_loss, PolicyLoss and ValueLoss (losses of one sign: nothing cancels in the means)."""
+    originals, patched, loss = orl
+    mask = make_mask(B, T).to(mask_dtype)
+    per_token = torch.rand(B, T, dtype=torch.float64) + 0.5
+    assert_float64_as_peer(patched["aggregate_loss"], originals["aggregate_loss"], [per_token, mask, False], diff=0)
+    policy = loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0, token_level_loss=False)
+    logp, old, adv, _, _ = (t.double() for t in _policy_inputs())
+    assert_float64_as_peer(lambda *a: patched["PolicyLoss.forward"](policy, *a),
+                           lambda *a: originals["PolicyLoss.forward"](policy, *a),
+                           [logp, old, adv.abs() + 0.1, mask], diff=0)
+    value = loss.ValueLoss(clip_eps=0.2, token_level_loss=False)
+    values, old_values, returns = (torch.randn(B, T, dtype=torch.float64) for _ in range(3))
+    assert_float64_as_peer(lambda *a: patched["ValueLoss.forward"](value, *a),
+                           lambda *a: originals["ValueLoss.forward"](value, *a),
+                           [values, old_values, returns, mask], diff=0)
+
+
 def test_aggregate_loss_bad_counts_run_openrlhfs(orl, op_calls):
     originals, patched, _ = orl
     loss, mask = torch.randn(B, T).abs(), make_mask(B, T)
@@ -304,6 +344,32 @@ def test_policy_loss_dtypes_and_weighting_masks(orl, backend, token_level, op_ca
                 [logp, old, adv, mask], kwargs={"dp_size": 2, "batch_num_tokens": 90.0, "global_batch_size": 11.0},
                 diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
     assert op_calls["policy_loss"] == len(cases) - _float64_on_kernels(backend, cases)
+
+
+def test_policy_loss_ties_give_the_unclipped_gradient(orl, monkeypatch):
+    """At a tie of the clipped and unclipped terms fastrlhf gives the unclipped term -A ratio the
+    whole gradient (docs/ops.md, "Gradient rules at ties"; the OpenRLHF module docstring says so).
+    OpenRLHF's torch.min / torch.max split a tie in half and its clamps follow torch's gradient at
+    the bound g (1 through torch 2.13, 0 from 2.14): at ratio == dual_clip (A < 0) its gradient is
+    half the unclipped one, at ratio == 1 +- eps (1 + g) / 2 of it, at the log-ratio clamp's -20
+    bound g times it. Every other token has OpenRLHF's gradient. The torch path only: the Triton
+    kernels' exp is not bit-for-bit torch's (see the verl test of the same name)."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
+    originals, patched, loss = orl
+    old, logp, adv, ratio, (clip_low, clip_high, c) = ratio_tie_inputs()
+    module = loss.PolicyLoss(clip_eps_low=clip_low, clip_eps_high=clip_high, dual_clip=c)
+    args = [logp, old, adv, torch.ones(2, 8, dtype=torch.bool)]
+    got = grad_of(lambda *a: patched["PolicyLoss.forward"](module, *a), args, 0)
+    peer = grad_of(lambda *a: originals["PolicyLoss.forward"](module, *a), args, 0)
+    unclipped = -adv * ratio / 16  # d(-A ratio) / d(log-prob); the token mean of 16 tokens
+    g = clamp_gradient_at_bound()
+    close = functools.partial(torch.testing.assert_close, rtol=1e-6, atol=0.0)
+    inside = [2, 3, 7]
+    torch.testing.assert_close(got[:, inside], peer[:, inside], rtol=1e-6, atol=1e-6)
+    close(got[:, [0, 1, 4]], unclipped[:, [0, 1, 4]])  # the ratio-clip bounds and the dual clip c
+    close(peer[:, [0, 1]], unclipped[:, [0, 1]] * (1 + g) / 2)
+    close(peer[:, 4], unclipped[:, 4] / 2)
+    close(peer[:, [5, 6]], got[:, [5, 6]] * g)  # log-ratio +-20: only [1, 6] is neither clipped nor 0
 
 
 def test_policy_loss_non_finite_inputs_run_openrlhfs(orl, backend, op_calls):
@@ -399,8 +465,9 @@ def test_value_loss(orl, backend, clip_eps, token_level, info, op_calls):
 @pytest.mark.parametrize("token_level", [True, False])
 def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(orl, backend, token_level, op_calls):
     """bf16 / float64 inputs and int / float masks in OpenRLHF's dtypes; per sample where
-    n_b + 1e-8 != n_b (float64, small weights) and with non-finite inputs (OpenRLHF's NaN
-    gradients), OpenRLHF's own runs."""
+    mask.sum(-1) + 1e-8 != n_b (small float32 weights; an int mask's sum + 1e-8 is float32, n_b
+    exactly, even for float64 values) and with non-finite inputs (OpenRLHF's NaN gradients),
+    OpenRLHF's own runs."""
     originals, patched, loss = orl
     module = loss.ValueLoss(clip_eps=0.2, token_level_loss=token_level)
     cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
@@ -415,8 +482,33 @@ def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(orl, backend, t
     compare(lambda *a, **k: patched["ValueLoss.forward"](module, *a, **k),
             lambda *a, **k: originals["ValueLoss.forward"](module, *a, **k),
             [values, old, returns, mask], diff=(0,), upstream=torch.tensor(0.7, dtype=torch.float64))
-    expected = 3 - (not token_level) - (not token_level or backend == "triton")
+    expected = 3 - (not token_level) - (backend == "triton")
     assert op_calls["value_loss"] == expected
+
+
+@pytest.mark.usefixtures("backend")
+def test_value_loss_clip_tie_gives_the_unclipped_gradient(orl):
+    """At values == old_values +- clip_eps exactly OpenRLHF's clamp follows torch's gradient at the
+    bound g (1 through torch 2.13, 0 from 2.14) and its torch.max of the two squared errors splits
+    the tie, so its gradient there is (1 + g) / 2 of d(0.5 (v - R)^2) (the same through 2.13);
+    fastrlhf gives the unclipped term the whole of it (docs/ops.md, "Gradient rules at ties").
+    Elsewhere it is OpenRLHF's gradient."""
+    originals, patched, loss = orl
+    module = loss.ValueLoss(clip_eps=0.25)
+    old = torch.randint(-8, 8, (2, 5)) / 4  # quarters: every sum below is exact in float32
+    values = old + torch.tensor([[0.25, 0.25, 0.25, 0.05, 0.05], [-0.25, -0.25, -0.25, 0.05, 0.05]])
+    returns = old + torch.tensor([3.0, -3.0, 3.0, 0.1, -0.1])
+    tie = torch.zeros(2, 5, dtype=torch.bool)
+    tie[:, :3] = True
+    assert bool(((values - old).abs()[tie] == 0.25).all())  # exact ties
+    args = [values, old, returns, torch.ones(2, 5, dtype=torch.bool)]
+    got = grad_of(lambda *a: patched["ValueLoss.forward"](module, *a), args, 0)
+    peer = grad_of(lambda *a: originals["ValueLoss.forward"](module, *a), args, 0)
+    unclipped = (values - returns) / 10  # d(0.5 (v - R)^2) / dv; the token mean of 10 tokens
+    close = functools.partial(torch.testing.assert_close, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(got[~tie], peer[~tie], rtol=1e-6, atol=1e-6)
+    close(got[tie], unclipped[tie])
+    close(peer[tie], unclipped[tie] * (1 + clamp_gradient_at_bound()) / 2)
 
 
 # ---------------------------------------------------------------- GAE

@@ -6,7 +6,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from .peer_checks import compare, unpatched
+from .peer_checks import check_inputs_the_peer_rejects, compare, unpatched
 
 B, T, V, H = 4, 11, 37, 16
 
@@ -23,6 +23,13 @@ def trl(trl_integration):
                                                                originals["selective_log_softmax_and_entropy"])
     trl_integration.patch()
     return originals, {n: getattr(utils, n) for n in names}, utils
+
+
+def test_indices_and_logits_trl_rejects_get_fastrlhfs_answers(trl, backend):
+    """Documented under "Not kept" in fastrlhf.integrations.trl."""
+    originals, patched, _ = trl
+    check_inputs_the_peer_rejects(patched["selective_log_softmax"], originals["selective_log_softmax"],
+                                  patched["entropy_from_logits"], originals["entropy_from_logits"])
 
 
 @pytest.mark.filterwarnings("ignore:You are importing from 'trl.experimental'")

@@ -1,6 +1,7 @@
 """fastrlhf.integrations.verl against the installed verl: patched == original (forward and
 gradients, on both backends), the peer's conventions kept, patch()/unpatch() bookkeeping."""
 
+import functools
 import importlib.metadata
 import math
 
@@ -8,7 +9,15 @@ import pytest
 import torch
 from helpers import make_mask
 
-from .peer_checks import compare, unpatched
+from .peer_checks import (
+    assert_float64_as_peer,
+    check_inputs_the_peer_rejects,
+    clamp_gradient_at_bound,
+    compare,
+    grad_of,
+    ratio_tie_inputs,
+    unpatched,
+)
 
 B, T, V = 6, 13, 37
 KL_NAMES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+", "k2+", "mse+"]
@@ -127,6 +136,13 @@ def test_entropy_from_logits(verl, backend, dtype, op_calls):
     logits = (torch.randn(B * T, V) * 3).to(dtype)
     compare(patched["entropy_from_logits"], originals["entropy_from_logits"], [logits], diff=(0,))
     assert op_calls["entropy"] == 1 and op_calls["logprobs"] == 0  # the entropy-only op: no label
+
+
+def test_labels_and_logits_verl_rejects_get_fastrlhfs_answers(verl, backend):
+    """Documented under "Not kept" in fastrlhf.integrations.verl."""
+    originals, patched, _, _ = verl
+    check_inputs_the_peer_rejects(patched["logprobs_from_logits"], originals["logprobs_from_logits"],
+                                  patched["entropy_from_logits"], originals["entropy_from_logits"])
 
 
 def test_logprobs_at_temperature_as_the_engine_scales(verl, backend):
@@ -307,6 +323,41 @@ def test_agg_loss_seq_mean_token_mean_divides_by_n_plus_eps(verl, backend, dtype
     assert op_calls["agg_loss"] == 2
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64, torch.bfloat16],
+                         ids=str)
+def test_seq_mean_token_mean_of_float64_losses_divides_as_verl(verl, backend, mask_dtype):
+    """verl divides row b by mask.sum(-1) + 1e-8 in the MASK's arithmetic: float32 for a bool, int
+    or float32 mask (where n + 1e-8 == n), float64 for a float64 mask (which keeps the 1e-8). A
+    float64 loss gets verl's number to float64 precision, value and gradient, in agg_loss, the
+    vanilla policy loss and the value loss (losses of one sign: nothing cancels in the means)."""
+    originals, patched, _, _ = verl
+    mode = "seq-mean-token-mean"
+    mask = make_mask(B, T).to(mask_dtype)
+    loss_mat = torch.rand(B, T, dtype=torch.float64) + 0.5
+    assert_float64_as_peer(patched["agg_loss"], originals["agg_loss"], [loss_mat, mask, mode], diff=0)
+    old, logp, adv, _ = (t.double() for t in _loss_inputs())
+    assert_float64_as_peer(patched["compute_policy_loss_vanilla"], originals["compute_policy_loss_vanilla"],
+                           [old, logp, adv.abs() + 0.1, mask, mode, _actor_config(loss_agg_mode=mode)], diff=1)
+    vpreds, values, returns = (torch.randn(B, T, dtype=torch.float64) for _ in range(3))
+    assert_float64_as_peer(patched["compute_value_loss"], originals["compute_value_loss"],
+                           [vpreds, returns, values, mask, 0.3, mode], diff=0)
+
+
+def test_seq_mean_token_mean_with_float64_as_default_dtype_divides_as_verl(verl, backend):
+    """With torch's default dtype float64 a bool mask's sum + 1e-8 is float64 and keeps the 1e-8."""
+    originals, patched, _, _ = verl
+    loss_mat, mask = torch.rand(B, T, dtype=torch.float64) + 0.5, make_mask(B, T)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got, _ = assert_float64_as_peer(patched["agg_loss"], originals["agg_loss"],
+                                        [loss_mat, mask, "seq-mean-token-mean"], diff=0)
+    finally:
+        torch.set_default_dtype(default)
+    n = mask.sum(-1).double()
+    assert got.item() != ((loss_mat * mask).sum(-1)[n > 0] / n[n > 0]).mean().item()  # the 1e-8 is visible
+
+
 def test_agg_loss_bad_arguments_run_verls(verl, op_calls):
     originals, patched, _, _ = verl
     loss_mat, mask = torch.randn(B, T), make_mask(B, T)
@@ -400,6 +451,33 @@ def test_policy_loss_vanilla_with_rollout_is_weights_and_dual_clip(verl, backend
     assert op_calls["policy_loss"] == 6  # rollout_is_weights -> policy_loss(is_weights=...)
 
 
+def test_policy_loss_vanilla_ties_give_the_unclipped_gradient(verl, monkeypatch):
+    """At a tie of the clipped and unclipped terms fastrlhf gives the unclipped term -A ratio the
+    whole gradient (docs/ops.md, "Gradient rules at ties"; the verl module docstring says so).
+    verl's torch.min / torch.max split a tie in half and its torch.clamp follows torch's gradient
+    at the bound g (1 through torch 2.13, 0 from 2.14): at ratio == clip_ratio_c (A < 0) verl's
+    gradient is half the unclipped one, at ratio == 1 +- eps (1 + g) / 2 of it, at the log-ratio
+    clamp's -20 bound g times it. Every other token has verl's gradient. The torch path only: the
+    Triton kernels' exp is not bit-for-bit torch's, so no log-ratio is known to give them a ratio
+    exactly at a bound (the same rule is written the same way there)."""
+    monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
+    originals, patched, _, _ = verl
+    old, logp, adv, ratio, (clip_low, clip_high, c) = ratio_tie_inputs()
+    config = _actor_config(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=c)
+    args = [old, logp, adv, torch.ones(2, 8, dtype=torch.bool), "token-sum", config]
+    got = grad_of(patched["compute_policy_loss_vanilla"], args, 1)
+    peer = grad_of(originals["compute_policy_loss_vanilla"], args, 1)
+    unclipped = -adv * ratio  # d(-A ratio) / d(log-prob); token-sum: weight 1
+    g = clamp_gradient_at_bound()
+    close = functools.partial(torch.testing.assert_close, rtol=1e-6, atol=0.0)
+    inside = [2, 3, 7]
+    torch.testing.assert_close(got[:, inside], peer[:, inside], rtol=1e-6, atol=1e-6)
+    close(got[:, [0, 1, 4]], unclipped[:, [0, 1, 4]])  # the ratio-clip bounds and the dual clip c
+    close(peer[:, [0, 1]], unclipped[:, [0, 1]] * (1 + g) / 2)
+    close(peer[:, 4], unclipped[:, 4] / 2)
+    close(peer[:, [5, 6]], got[:, [5, 6]] * g)  # log-ratio +-20: only [1, 6] is neither clipped nor 0
+
+
 def test_policy_loss_vanilla_metric_keys_and_types(verl):
     originals, patched, _, _ = verl
     old, logp, adv, mask = _loss_inputs()
@@ -428,8 +506,9 @@ def test_value_loss_every_agg_mode(verl, backend, mode, info, op_calls):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(verl, backend, mode, op_calls):
     """bf16 / float64 inputs and int / float masks in verl's dtypes; seq-mean-token-mean where
-    n_b + 1e-8 != n_b (float64, a mask of small weights; fastrlhf's value_loss takes no per-token
-    weights to fold it into) and non-finite inputs (verl's NaN gradients) run verl's own."""
+    verl's mask.sum(-1) + 1e-8 != n_b (a mask of small float32 weights; fastrlhf's value_loss takes
+    no per-token weights to fold it into; an int mask's sum + 1e-8 is float32, n_b exactly, even
+    for float64 values) and non-finite inputs (verl's NaN gradients) run verl's own."""
     originals, patched, _, _ = verl
     cases = [(torch.bfloat16, make_mask(B, T)), (torch.float64, make_mask(B, T).long()),
              (torch.float32, make_mask(B, T) * torch.rand(B, T) * 1e-3)]  # rows of weights summing below 0.2
@@ -439,7 +518,7 @@ def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(verl, backend, 
                 kwargs=dict(loss_agg_mode=mode, batch_num_tokens=40, global_batch_size=9), diff=(0,),
                 upstream=torch.tensor(0.8, dtype=torch.float64))
     # float64 on the Triton kernels (float32 inside) and seq-mean-token-mean's n_b + 1e-8 run verl's
-    expected = 3 - (mode == "seq-mean-token-mean") - (mode == "seq-mean-token-mean" or backend == "triton")
+    expected = 3 - (mode == "seq-mean-token-mean") - (backend == "triton")
     assert op_calls["value_loss"] == expected
     vpreds, values, returns, mask = torch.randn(B, T), torch.randn(B, T), torch.randn(B, T), make_mask(B, T)
     returns[0, -1] = float("nan")  # off the mask
@@ -449,6 +528,27 @@ def test_value_loss_dtypes_weighting_masks_and_non_finite_inputs(verl, backend, 
     compare(patched["compute_value_loss"], originals["compute_value_loss"], [vpreds, returns, values, mask, 0.3],
             kwargs=dict(loss_agg_mode=mode), diff=(0,), upstream=torch.tensor(0.8, dtype=torch.float64))
     assert op_calls["value_loss"] == expected
+
+
+def test_value_loss_clip_tie_gives_the_unclipped_gradient(verl, backend):
+    """At vpreds == values +- cliprange exactly verl's clip_by_value (a min then a max) and its
+    torch.max of the two squared errors each split the gradient, so its gradient there is 3/4 of
+    d(0.5 (v - R)^2); fastrlhf gives the unclipped term the whole of it (docs/ops.md, "Gradient
+    rules at ties"), as the verl module docstring states. Elsewhere it is verl's gradient."""
+    originals, patched, _, _ = verl
+    values = torch.randint(-8, 8, (2, 5)) / 4  # quarters: every sum below is exact in float32
+    vpreds = values + torch.tensor([[0.25, 0.25, 0.25, 0.05, 0.05], [-0.25, -0.25, -0.25, 0.05, 0.05]])
+    returns = values + torch.tensor([3.0, -3.0, 3.0, 0.1, -0.1])
+    tie = torch.zeros(2, 5, dtype=torch.bool)
+    tie[:, :3] = True
+    assert bool(((vpreds - values).abs()[tie] == 0.25).all())  # exact ties
+    args = [vpreds, returns, values, torch.ones(2, 5), 0.25, "token-sum"]
+    got = grad_of(patched["compute_value_loss"], args, 0)
+    peer = grad_of(originals["compute_value_loss"], args, 0)
+    unclipped = vpreds - returns  # d(0.5 (v - R)^2) / dv, token-sum: weight 1
+    torch.testing.assert_close(got[~tie], peer[~tie], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[tie], unclipped[tie], rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(peer[tie], unclipped[tie] * 0.75, rtol=1e-6, atol=0.0)
 
 
 def test_value_loss_empty_mask(verl, backend):
