@@ -196,7 +196,11 @@ def load_causal_lm(source, *, device: torch.device, dtype: torch.dtype = torch.f
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x on (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     n = sum(p.numel() for p in model.parameters())
     cpu_threads_for(n, device)
     log.info("model %s: %.2fM parameters, attention=%s, dtype=%s, device=%s",
