@@ -46,9 +46,9 @@ log = logging.getLogger("fastrlhf")
 
 LATEST = "latest"
 CONFIG_FILE = "config.json"
+# keys a resumed run may change (the run folder may move; sharded checkpoints reshard)
 RESUME_FREE_KEYS = ("out", "steps", "stop_after", "resume", "overwrite", "log_every", "save_every", "eval_every",
-                    "tensorboard", "shard")  # keys a resumed run may change (the run folder may move; sharded
-# checkpoints reshard)
+                    "tensorboard", "shard")
 PATH_KEYS = ("model", "data", "reward")  # compared on resume as the paths they name, not as spelled
 
 
