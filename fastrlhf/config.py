@@ -201,7 +201,8 @@ class PPOConfig:
     task, else the longest prompt in the data, within max_position_embeddings."""
     max_new_tokens: int = 0
     """Longest sampled response, EOS included; 0 = auto: 12 on the built-in task, else
-    max_position_embeddings - max_prompt_len (generation stops earlier at EOS)."""
+    max_position_embeddings - max_prompt_len, at most 512 (verl's and TRL's default); generation
+    stops earlier at EOS."""
     chat_template: bool = True
     """Render prompts with the tokenizer's chat template when it has one (a user turn, then the
     assistant's turn opened); false, or no template: the prompt's tokens as they are."""

@@ -56,6 +56,9 @@ from fastrlhf.run import (
 )
 
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
+# the auto max_new_tokens with your own data: at most this (verl's data.max_response_length and TRL's GRPO
+# max_completion_length default, read from verl 0.9.1 and TRL 1.16.0)
+AUTO_MAX_NEW_TOKENS = 512
 
 
 class KLController:
@@ -290,9 +293,12 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         eval_prompts = []
     encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
     prompt_ids = encoder.prompts(prompts, where=None if builtin else f"ppo data: {cfg.data}")
+    auto_new_tokens = not cfg.max_new_tokens
     cfg.max_prompt_len, cfg.max_new_tokens = auto_lengths(
         max(map(len, prompt_ids)), None, model.max_positions, max_prompt_len=cfg.max_prompt_len,
         max_response_len=cfg.max_new_tokens, where="ppo")
+    if auto_new_tokens:  # what the prompt leaves of a long-context model would be a rollout of 30k tokens
+        cfg.max_new_tokens = min(cfg.max_new_tokens, AUTO_MAX_NEW_TOKENS)
     prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
     eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
     check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="ppo")

@@ -104,6 +104,18 @@ def test_2_lengths_and_learning_rates_fit_the_model_and_the_data(user_model, tmp
     assert (plan.cfg.max_prompt_len, plan.cfg.max_response_len, plan.cfg.lr) == (32, 16, 3e-3)
 
 
+def test_2_auto_max_new_tokens_is_capped_on_a_long_context_model(user_model, tmp_path):
+    """What the prompt leaves of a 32k-context model would be a 32k-token rollout: the auto value is
+    at most 512, verl's and TRL's default; an explicit value is kept."""
+    model, data = user_model
+    long_context = shutil.copytree(model, tmp_path / "long")
+    config = json.loads((long_context / "config.json").read_text())
+    (long_context / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=32768)))
+    kw = dict(model=str(long_context), data=str(data["ppo"]), reward="fastrlhf.task:true_score", out=str(tmp_path))
+    assert ppo.prepare(PPOConfig(**kw)).cfg.max_new_tokens == ppo.AUTO_MAX_NEW_TOKENS == 512
+    assert ppo.prepare(PPOConfig(**kw, max_new_tokens=4096)).cfg.max_new_tokens == 4096
+
+
 def test_2_truncation_warns_with_counts_for_prompts_and_responses(user_model, tmp_path):
     model, _ = user_model
     rows = [{"prompt": "alpha " * 30 + "->", "response": " beta" * 30}, {"prompt": "beta ->", "response": " beta"}]
