@@ -268,7 +268,8 @@ def truncate_prompts(ids: list[list[int]], max_len: int, *, what: str = "prompts
     too_long = sum(len(x) > max_len for x in ids)
     if too_long:
         warnings.warn(f"{too_long} of {len(ids)} {what} are longer than max_prompt_len={max_len} tokens; "
-                      "keeping their last tokens", stacklevel=2)
+                      "keeping their last tokens (their start is lost: a BOS token or a chat template's header "
+                      "with it)", stacklevel=2)
     return [x[-max_len:] for x in ids]
 
 
