@@ -1,6 +1,7 @@
 """Shared fixtures. Without CUDA, Triton kernels run in the interpreter: the variable must
 be set before triton is first imported, which is why it is set here, at collection."""
 
+import logging
 import os
 import random
 import zlib
@@ -66,3 +67,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def keep_threads_and_warnings():
+    """load_causal_lm drops to one thread for tiny CPU models; cli.main routes warnings into logging:
+    both are put back after the test (a module opts in with `pytest.mark.usefixtures`)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+    logging.captureWarnings(False)

@@ -4,7 +4,6 @@ and follows a moved run folder; `--eval_every` does not wait for a logging step;
 way of loading the reward model; no peft deprecation noise at a LoRA start."""
 
 import json
-import logging
 import math
 import re
 import shutil
@@ -23,13 +22,7 @@ TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", data="builtin",
                 mini_batch_size=4, micro_batch_size=4, eval_prompts=4, max_new_tokens=4, steps=1)
 
 
-@pytest.fixture(autouse=True)
-def keep_threads_and_warnings():
-    """load_causal_lm drops to one thread for tiny CPU models; cli.main routes warnings into logging."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-    logging.captureWarnings(False)
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
 def _rows(out: Path, stage: str) -> list[dict]:

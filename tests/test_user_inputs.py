@@ -27,13 +27,7 @@ TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_s
                 micro_batch_size=4, eval_prompts=4, max_new_tokens=4, steps=1, data="builtin")
 
 
-@pytest.fixture(autouse=True)
-def keep_threads_and_warnings():
-    """load_causal_lm drops to one thread for tiny CPU models; cli.main routes warnings into logging."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-    logging.captureWarnings(False)
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Comparison helpers for the integration tests: patched peer function vs the peer's original."""
 
+import functools
 import math
 
 import pytest
@@ -203,6 +204,23 @@ def clamp_gradient_at_bound() -> float:
     x = torch.tensor(1.0, requires_grad=True)
     (g,) = torch.autograd.grad(x.clamp(max=1.0), x)
     return g.item()
+
+
+def check_ratio_tie_gradients(got, peer, unclipped) -> None:
+    """The gradients d/d(logp) at `ratio_tie_inputs`' tokens: fastrlhf's (`got`) and the peer's
+    (`peer`) agree inside the clip range (tokens 2, 3, 7); at the ratio-clip bounds and the dual
+    clip c (tokens 0, 1, 4) fastrlhf's is the whole unclipped gradient, where the peer's torch.min /
+    torch.max split the tie and its clamps pass torch's gradient at the bound g: (1 + g) / 2 of it
+    at 1 +- eps, half at c; at the log-ratio clamp's +-20 bounds (tokens 5, 6) the peer's is g
+    times fastrlhf's."""
+    g = clamp_gradient_at_bound()
+    close = functools.partial(torch.testing.assert_close, rtol=1e-6, atol=0.0)
+    inside = [2, 3, 7]
+    torch.testing.assert_close(got[:, inside], peer[:, inside], rtol=1e-6, atol=1e-6)
+    close(got[:, [0, 1, 4]], unclipped[:, [0, 1, 4]])  # the ratio-clip bounds and the dual clip c
+    close(peer[:, [0, 1]], unclipped[:, [0, 1]] * (1 + g) / 2)
+    close(peer[:, 4], unclipped[:, 4] / 2)
+    close(peer[:, [5, 6]], got[:, [5, 6]] * g)  # log-ratio +-20: only [1, 6] is neither clipped nor 0
 
 
 def check_inputs_the_peer_rejects(patched_logprobs, original_logprobs, patched_entropy, original_entropy):
