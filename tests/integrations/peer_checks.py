@@ -231,8 +231,12 @@ def check_inputs_the_peer_rejects(patched_logprobs, original_logprobs, patched_e
     logits = torch.randn(2, 3, 5)
     for bad in (-100, 5):
         labels = torch.randint(0, 5, (2, 3))
+        # The peer's gather is asked on CPU: on CUDA an index out of bounds is a device-side assert
+        # that leaves the process's CUDA context unusable for every later test.
+        peer_labels = labels.to("cpu", copy=True)
+        peer_labels[:, 1] = bad
         with pytest.raises((RuntimeError, IndexError), match="out of bounds"):
-            original_logprobs(logits.clone(), labels.clone().index_fill_(1, torch.tensor([1]), bad))
+            original_logprobs(logits.to("cpu", copy=True), peer_labels)
         want = original_logprobs(logits.clone(), labels)
         labels[:, 1] = bad
         got = patched_logprobs(logits.clone(), labels)
