@@ -41,9 +41,11 @@ GROUP = 2  # responses per prompt of the critic-free cases
 def dpo_config(folder: Path) -> DPOConfig:
     """3 DPO steps with LoRA on the tiny model, from a file of the built-in task's pairs (a file:
     no true-score sampling, whose randomness a rank spends on its share of the prompts only)."""
-    folder.mkdir(parents=True, exist_ok=True)
     pairs = folder / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(r) + "\n" for r in task.synthetic_pairs(40, 0)))
+    with distributed.main_first() as main:  # one writer: a rank reading the file while another rewrote
+        if main:  # it read it empty or half-written (datasets' reader then failed or aborted the process)
+            folder.mkdir(parents=True, exist_ok=True)
+            pairs.write_text("".join(json.dumps(r) + "\n" for r in task.synthetic_pairs(40, 0)))
     return DPOConfig(out=str(folder / "run"), model="tiny", data=str(pairs), steps=3, batch_size=4, log_every=1,
                      eval_every=3, save_every=10, lora_rank=4, device="cpu")
 
