@@ -522,10 +522,11 @@ def state_bytes(module: nn.Module, optimizer) -> dict[str, int]:
             "optimizer": nbytes(states)}
 
 
-def state_bytes_summary(module: nn.Module, optimizer) -> dict[str, dict[str, int]]:
+def state_bytes_summary(module: nn.Module, optimizer, held: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
     """`state_bytes` for a stage's summary: {"state_bytes": max over ranks} and, under torchrun,
-    {"state_bytes_mean": mean over ranks}."""
-    top, mean = max_and_mean(state_bytes(module, optimizer))
+    {"state_bytes_mean": mean over ranks}. `held`: this rank's `state_bytes` taken earlier (PPO's,
+    after an update, before it frees the gradients); None: taken now."""
+    top, mean = max_and_mean(held if held is not None else state_bytes(module, optimizer))
     out = {"state_bytes": {k: int(v) for k, v in top.items()}}
     if active():
         out["state_bytes_mean"] = {k: float(v) for k, v in mean.items()}

@@ -189,6 +189,7 @@ def test_pipeline_on_2_ranks_writes_one_run(pipeline_2):
         assert (final / "config.json").is_file() and (final / "model.safetensors").is_file(), stage
         assert set(summary[stage]["state_bytes"]) == {"params", "grads", "optimizer"}, stage
         assert summary[stage]["state_bytes_mean"]["params"] > 0, stage
+        assert summary[stage]["state_bytes"]["grads"] > 0, stage  # PPO's: read before it frees them
     assert (out / "ppo" / "final" / "value_head.safetensors").is_file()
     assert summary["ppo"]["phase_seconds_mean"].keys() == summary["ppo"]["phase_seconds"].keys()
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
