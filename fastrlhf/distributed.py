@@ -394,10 +394,12 @@ class ShardedModel(nn.Module):
     def forward(self, fn: Callable[[nn.Module], object]):
         return fn(self.module)
 
-    def run(self, fn: Callable, *args, gathered: bool = False, **kwargs):
-        """fn(module, *args, **kwargs). `gathered`: every parameter is gathered once before and
-        freed after, so fn may run any number of forwards, different on each rank (generation,
+    def run(self, fn: Callable, *args, gathered: bool | nn.Module = False, **kwargs):
+        """fn(module, *args, **kwargs). `gathered`: the parameters fn uses are gathered once before
+        and freed after, so fn may run any number of forwards, different on each rank (generation,
         evaluation loops); otherwise every rank must run the same forwards (training, scoring).
+        True gathers every parameter; a submodule (e.g. the policy, for generation) gathers its
+        layers and the root's parameters only, not those of the rest (e.g. a frozen reference).
         What fn returns must not be modified in place (FSDP hooks the backward on it)."""
 
         def call(module):  # the root's forward gets no tensor arguments (FSDP neither casts nor hooks them)
@@ -405,8 +407,8 @@ class ShardedModel(nn.Module):
 
         if not self.sharded:
             return call(self.module)
-        if gathered:
-            return self._run_gathered(call)
+        if gathered is not False:
+            return self._run_gathered(call, None if gathered is True else gathered)
         out = self(call)
         if not any(t.requires_grad for t in _tensors(out)):
             self._reshard()  # nothing to backward: free what stays gathered after a forward
@@ -417,10 +419,11 @@ class ShardedModel(nn.Module):
 
         return [m for m in self.modules() if isinstance(m, FSDPModule)]
 
-    def _run_gathered(self, fn):
-        modules = self._fsdp_modules()
-        for m in modules:
-            m.unshard()
+    def _run_gathered(self, fn, within: nn.Module | None):
+        inside = None if within is None else {id(m) for m in within.modules()}
+        for m in self._fsdp_modules():
+            if m is self or inside is None or id(m) in inside:
+                m.unshard()
         self.set_reshard_after_forward(False)
         try:
             return self(fn)

@@ -356,7 +356,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
             G = cfg.num_generations
             idx = distributed.draw(range(len(data)), cfg.rollout_batch_size // G)
             rows = distributed.local_rows(data, [i for i in idx for _ in range(G)])
-            rollout = model.run(sample, tokenizer, rows, cfg, device, gathered=True)
+            rollout = model.run(sample, tokenizer, rows, cfg, device, gathered=ac.policy)  # not the reference
         # 2. reward: one score per sequence
         with timer.phase("reward"):
             scores = reward_fn(rollout)

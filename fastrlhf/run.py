@@ -267,7 +267,9 @@ def evaluate_true_score(model, tokenizer, prompt_ids: list[list[int]], prompts: 
             scores += task.true_score(r.prompts, r.responses)
         return sum(scores)
 
-    return distributed.all_sum(distributed.as_sharded(model).run(total, gathered=True)).item() / len(prompts)
+    sharded = distributed.as_sharded(model)
+    policy = sharded.module.policy  # generation gathers the policy alone, not a frozen reference copy
+    return distributed.all_sum(sharded.run(total, gathered=policy)).item() / len(prompts)
 
 
 # ---------------------------------------------------------------- the optimizer step

@@ -96,6 +96,7 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
         here = ops.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
         advantages = distributed.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
     local_vs_global = (here - advantages).abs().max().item()
+    generation_gathers = model.run(gathered_layers, gathered=ac.policy)  # what the rollout's generate sees
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
     cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9)
@@ -114,7 +115,18 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
         torch.distributed.all_gather_object(per_rank, mine)
     else:
         per_rank = [mine]
-    return {"grads": grads, "stats": stats, "per_rank": per_rank}
+    return {"grads": grads, "stats": stats, "per_rank": per_rank, "generation_gathers": generation_gathers}
+
+
+def gathered_layers(ac: ActorCritic) -> dict[str, bool]:
+    """Whether the first decoder layer of the policy and of the frozen reference (full fine-tuning)
+    holds its whole parameters (under FSDP a sharded parameter is a DTensor)."""
+
+    def whole(module) -> bool:  # fully_shard renames a layer's class to FSDP<name>
+        layer = next(m for m in module.modules() if type(m).__name__.endswith("DecoderLayer"))
+        return not any(hasattr(p, "to_local") for p in layer.parameters())
+
+    return {"policy": whole(ac.policy), **({"reference": whole(ac.reference)} if ac.reference is not None else {})}
 
 
 def main(out: str) -> None:

@@ -129,6 +129,15 @@ def test_whitening_and_loss_normalisation_are_global(one_rank, two_ranks):
     assert torch.equal(distributed.whiten(x, mask), ops.whiten(x, mask))
 
 
+def test_generation_gathers_the_policy_and_not_the_frozen_reference(one_rank, two_ranks):
+    """The rollout's generate runs with the policy's layers gathered once (`run(gathered=policy)`);
+    the frozen reference copy of full fine-tuning stays sharded (it was gathered too: a second
+    whole model in the rollout's peak memory)."""
+    assert one_rank["full/float32"]["generation_gathers"] == {"policy": True, "reference": True}  # nothing sharded
+    assert two_ranks["runs"]["full/float32"]["generation_gathers"] == {"policy": True, "reference": False}
+    assert two_ranks["runs"]["lora_none/float32"]["generation_gathers"] == {"policy": True}
+
+
 @pytest.mark.parametrize("case", list(dist_worker.CASES))
 def test_sharding_saves_what_it_claims(case, one_rank, two_ranks):
     """--shard full: each rank holds half the bytes of parameters, gradients and optimizer

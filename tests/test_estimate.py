@@ -233,6 +233,19 @@ def test_fsdp2_engine_is_this_trainers_buffers():
         est.estimate(engine="fsdp2", zero=1)
 
 
+def test_fsdp2_rollout_holds_the_whole_policy_gathered_once():
+    """The trainer gathers the sharded policy once around HF generate (ShardedModel.run(gathered=policy)):
+    the rollout holds the whole policy in bf16, not the reference, and gathers it once, not every layer
+    at every decode step as ZeRO-3 under DeepSpeed (one all-gather of every layer per step)."""
+    base = dict(model="llama-2-7b", rollout_batch=64, seq_len=256, gen_len=256, gpu="h100", gpus=8, zero=3)
+    ours, ds = _ppo(**base, engine="fsdp2"), _ppo(**base, engine="deepspeed")
+    p = est.PRESETS["llama-2-7b"].params()
+    buffers = ours["phases"]["rollout"]["memory_per_gpu_bytes"]["buffers"]
+    assert buffers == pytest.approx(2 * p, rel=1e-6)
+    assert ds["phases"]["rollout"]["memory_per_gpu_bytes"]["buffers"] < p / 4
+    assert ours["phases"]["rollout"]["seconds"] < ds["phases"]["rollout"]["seconds"]
+
+
 def test_zero_per_model_and_cli_mapping(capsys):
     assert est.main(["--model", "opt-1.3b", "--critic", "opt-350m", "--reward", "opt-350m", "--gpus", "8",
                      "--engine", "deepspeed", "--zero", "actor=3,critic=2,all=0", "--json"]) == 0

@@ -113,6 +113,12 @@ def largest_layer_params(arch: Arch) -> int:
     return max(arch.layer_params(), arch.vocab * arch.embed)
 
 
+def shards_weights(engine: str, zero: int) -> bool:
+    """Are the weights sharded at rest? ZeRO-3; FSDP2 also under --zero 2 (reshard_after_forward=False
+    keeps them gathered only from forward to backward)."""
+    return zero == 3 or (engine == "fsdp2" and zero == 2)
+
+
 def fill_states(m: ModelState, *, engine: str, dtype: str, lora_rank: int, lora_targets: tuple[str, ...],
                 qlora: bool, offload: str, reward_fp32: bool = False) -> ModelState:
     """Weights / gradients / optimizer bytes per GPU of one model (see the module docstring)."""
@@ -138,8 +144,7 @@ def fill_states(m: ModelState, *, engine: str, dtype: str, lora_rank: int, lora_
     if lora and not m.shares_base:
         weights += adapters * (ADAPTER_BYTES["weights"] if engine == "fsdp2" else db)
     host = 0.0
-    sharded_weights = z == 3 or (engine == "fsdp2" and z == 2)
-    if sharded_weights:
+    if shards_weights(engine, z):
         weights /= n
         m.gathered = 2 * layer * db  # the running layer and the prefetched one
     if m.offloaded or (offload == "params" and m.trainable):

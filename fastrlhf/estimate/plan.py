@@ -16,7 +16,8 @@ critic, reference and reward their own pools (OpenRLHF's Ray layout): within a p
 work in parallel and the phase takes the slowest. Collectives are ring all-gathers / reduce-scatters
 at the node's link or the network's bandwidth (hardware.py), counted as exposed (not overlapped
 with compute; the low end of a time range takes them as fully overlapped): ZeRO-3 gathers the
-weights for every forward and backward (FSDP2 under HF generate: for every decode step) and
+weights for every forward and backward (DeepSpeed ZeRO-3 under HF generate: for every decode step;
+this trainer's FSDP2 gathers the whole policy once around generate) and
 reduce-scatters gradients per micro-batch; ZeRO-1/2 reduce-scatter gradients and gather weights per
 optimizer step; replicated training all-reduces gradients; vLLM receives the actor's weights once per
 iteration. Tensor parallelism's own all-reduces are not counted.
@@ -42,6 +43,7 @@ from fastrlhf.estimate.memory import (
     kv_cache_bytes,
     largest_layer_params,
     logit_bytes,
+    shards_weights,
 )
 
 STAGES = ("sft", "rm", "ppo", "grpo", "dpo")
@@ -565,7 +567,9 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
     def micro_exp(model: ModelState) -> float:
         return min(share(model), spec.micro_rollout_batch or share(model))
 
-    # 1. rollout
+    # 1. rollout. This trainer (engine fsdp2) gathers the sharded policy once around HF generate
+    # (ShardedModel.run(gathered=policy)) instead of every layer at every decode step.
+    fsdp2_gathers = spec.engine == "fsdp2" and spec.gen_engine == "hf" and shards_weights(spec.engine, actor.zero)
     gen_work, gen_mem, calls = generation(spec, actor, dev, pools[gen_pool],
                                           resident=_finish(base(gen_pool))["peak"])
     if spec.gen_engine == "vllm":  # the actor's new weights, to every engine, once per iteration
@@ -573,12 +577,15 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
             actor.gpus if spec.placement == "disaggregated" else 0)))
     elif actor.zero == 3 and spec.gen_engine == "ds-he":  # gathers the actor once per generate call
         gen_work.add(collective(dev, gather_bytes(actor, spec), actor.gpus, calls))
-    elif actor.zero == 3:  # FSDP2 / ZeRO-3 under HF generate: every decode step gathers every layer
+    elif fsdp2_gathers:
+        gen_work.add(collective(dev, gather_bytes(actor, spec), actor.gpus, 1))
+    elif actor.zero == 3:  # ZeRO-3 under HF generate: every decode step gathers every layer
         gen_work.add(collective(dev, gather_bytes(actor, spec), actor.gpus, calls * (spec.gen_len + 1)))
     mem = base(gen_pool)
     for k, v in gen_mem.items():
         mem[k] += v
-    mem["buffers"] += actor.gathered
+    # the whole policy in the compute dtype (not a frozen reference copy) while generate runs
+    mem["buffers"] += gather_bytes(actor, spec) if fsdp2_gathers else actor.gathered
     if spec.gen_engine == "ds-he" and actor.zero == 3:  # gathers the whole actor (or its TP shard)
         mem["buffers"] += actor.arch.params() * DTYPE_BYTES[spec.dtype] / spec.gen_tp
     if spec.gen_engine == "vllm":  # vLLM holds its own copy of the weights
