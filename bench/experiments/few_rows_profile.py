@@ -12,13 +12,16 @@ torch.library custom-op dispatch is ~45 us (a bare custom op with registered aut
 fwd+bwd; the same as a torch.autograd.Function: 56 us). This run splits the 0.80 ms: torch.profiler
 over a few calls of each provider (fastrlhf, torch, TRL's selective_log_softmax when installed)
 gives each one's CUDA kernel time (sum over kernels) beside its wall time per call, and the names
-and times of the fastrlhf kernels (split forward, combine, backward).
+and times of the fastrlhf kernels (split forward, combine, backward). With --cprofile, cProfile over
+the fastrlhf calls adds the Python functions with the most own time per call ("host_functions").
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -48,10 +51,31 @@ def _one(fn, logits, labels):
     fn(x, labels).float().sum().backward()
 
 
+def host_functions(fn, logits, labels, sync, top: int = 25) -> list[dict]:
+    """The `top` functions by own (not cumulative) time per fwd+bwd under cProfile."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(CALLS):
+        _one(fn, logits, labels)
+    sync()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = [{"function": f"{Path(file).name}:{line}:{name}", "calls_per_call": calls / CALLS,
+             "own_us_per_call": own / CALLS * 1e6, "cumulative_us_per_call": cum / CALLS * 1e6}
+            for (file, line, name), (_, calls, own, cum, _) in stats.items()]
+    rows.sort(key=lambda r: -r["own_us_per_call"])
+    print("cProfile, fastrlhf, per fwd+bwd (own / cumulative us):")
+    for r in rows[:top]:
+        print(f"  {r['own_us_per_call']:8.1f} {r['cumulative_us_per_call']:8.1f}  x{r['calls_per_call']:<5.0f} "
+              f"{r['function']}")
+    return rows[:top]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="JSON file to write")
     parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny shape")
+    parser.add_argument("--cprofile", action="store_true", help="also cProfile the fastrlhf calls")
     args = parser.parse_args(argv)
     cuda = not args.dry_run
     if cuda and not torch.cuda.is_available():
@@ -90,6 +114,9 @@ def main(argv=None) -> int:
               f"{sum(k['launches_per_call'] for k in kernels.values()):.0f} launches", flush=True)
         for kname, k in list(rows[name]["kernels"].items())[:6]:
             print(f"{'':12s}{k['us_per_call']:8.1f} us x{k['launches_per_call']:.0f}  {kname[:90]}")
+
+    if args.cprofile:
+        rows["fastrlhf"]["host_functions"] = host_functions(ops.logprobs, logits, labels, sync)
 
     record = {"experiment": "few_rows_profile",
               "command": "python bench/experiments/few_rows_profile.py " + " ".join(sys.argv[1:] if argv is None

@@ -69,8 +69,12 @@ from fastrlhf.ops.losses import (
 # V = 151936 in bf16, so 8 chunks at N = 16384. Every chunk re-reads W in two matmuls and adds its d(W) product
 # into the accumulator (a read and a write of V x H in the GEMM's epilogue: 2.5 GB in bf16, ~0.75 ms on an
 # H100, next to ~3.3 ms for that chunk's d(W) GEMM), so fewer, larger chunks cost less; 640 MiB keeps the
-# extra peak memory (the chunk's logits, which become d(logits) in place) well under 1 GiB. On CPU,
-# CHUNK_BUDGET_BYTES (64 MiB): the torch path's float32 temporaries are per block of rows inside ops.logprobs.
+# extra peak memory (the chunk's logits, which become d(logits) in place) well under 1 GiB. Measured on an
+# H100 (bench/results/experiments/2026-11-23-h100-linear_chunks.json, both ops, fp32 and bf16 d(W)):
+# 2048-row chunks are within 3% of the best size (3072 or 4096 rows) in all four cases, 1024 rows 4-11%
+# slower; a budget for 3072 rows balances to 2736-row chunks at N = 16384, slower than 2048 in all four.
+# On CPU, CHUNK_BUDGET_BYTES (64 MiB): the torch path's float32 temporaries are per block of rows inside
+# ops.logprobs.
 CHUNK_MULTIPLE = 16  # chunk rows are a multiple of this (tensor-core friendly), unless N is smaller
 
 
