@@ -2,11 +2,13 @@
 
 import dataclasses
 import json
+import logging
 import warnings
 
 import pytest
 import torch
 
+from fastrlhf import data
 from fastrlhf.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, field_docs, parse_args
 from fastrlhf.data import Encoder, ensure_pad_token, load_table, pack, truncate_prompts, truncate_responses
 from fastrlhf.task import build_char_tokenizer, synthetic_pairs, true_score
@@ -299,3 +301,27 @@ def test_a_missing_column_names_the_flag_with_its_prefix(tmp_path):
                                          r"--rm\.chosen_key\)"):
         load_table(str(path), {"prompt": "prompt", "chosen": "chosen", "rejected": "bad"}, where="rm data",
                    key_prefix="rm.")
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_encoding_many_texts_shows_progress_and_gives_the_same_ids(template, monkeypatch, caplog):
+    """From PROGRESS_TEXTS texts on, encoding logs its progress (log lines: no terminal here) and
+    the plain rule tokenizes in blocks of ENCODE_BLOCK; the ids are those of one call."""
+    tok = build_char_tokenizer()
+    if template:
+        tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}"
+                             "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                             "{% if add_generation_prompt %}a:{% endif %}")
+    prompts, responses = [f"ab{'c' * i}:" for i in range(10)], [f"{'d' * i}ba" for i in range(10)]
+    want_p = Encoder(tok).prompts(prompts)
+    want_r = Encoder(tok).responses(prompts, want_p, responses)
+    assert not caplog.records  # below the threshold: no progress
+    monkeypatch.setattr(data, "PROGRESS_TEXTS", 4)
+    monkeypatch.setattr(data, "ENCODE_BLOCK", 3)
+    with caplog.at_level(logging.INFO, logger="fastrlhf"):
+        got_p = Encoder(tok).prompts(prompts)
+        got_r = Encoder(tok).responses(prompts, got_p, responses)
+    assert (got_p, got_r) == (want_p, want_r)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("encoding prompts: 10/10 (100%)") for line in lines), lines
+    assert any(line.startswith("encoding responses: 10/10 (100%)") for line in lines), lines
