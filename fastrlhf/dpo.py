@@ -50,6 +50,7 @@ from fastrlhf.run import (
     guarded_step,
     stage_model,
     start_stage_dir,
+    warn_if_batch_exceeds_data,
 )
 
 TINY_LR = 1e-3  # a model grown from the built-in `tiny`
@@ -159,6 +160,7 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
     log.info("dpo: model %s; data %s; prompts <= %d tokens, responses <= %d; %s loss, beta %g; lr %g; "
              "%d pairs held out", model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)),
              cfg.max_prompt_len, cfg.max_response_len, cfg.loss_type, cfg.beta, cfg.lr, len(eval_idx))
+    warn_if_batch_exceeds_data("dpo", cfg.batch_size, len(train_idx), f"--{key_prefix}batch_size")
     return DPOPlan(cfg, model, enc, train_idx, eval_idx, eval_prompts, eval_ids)
 
 

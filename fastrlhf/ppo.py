@@ -53,6 +53,7 @@ from fastrlhf.run import (
     resolve_data,
     stage_model,
     start_stage_dir,
+    warn_if_batch_exceeds_data,
 )
 
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
@@ -305,6 +306,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     log.info("ppo: policy %s; %s; data %s; prompts <= %d tokens, responses <= %d; %s", model.spec, reward_desc,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_new_tokens,
              "chat template" if encoder.uses_template else "plain prompt tokens")
+    warn_if_batch_exceeds_data("ppo", cfg.rollout_batch_size // cfg.num_generations, len(prompts),
+                               f"--{key_prefix}rollout_batch_size / --{key_prefix}num_generations prompts")
     return PPOPlan(cfg, model, prompts, prompt_ids, eval_prompts, eval_ids)
 
 

@@ -49,6 +49,7 @@ from fastrlhf.run import (
     resolve_data,
     stage_model,
     start_stage_dir,
+    warn_if_batch_exceeds_data,
 )
 
 NORM_PAIRS = 1024  # training pairs whose scores set the normalisation
@@ -190,6 +191,7 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     log.info("rm: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %d pairs held out",
              model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)), cfg.max_prompt_len,
              cfg.max_response_len, cfg.lr, len(eval_idx))
+    warn_if_batch_exceeds_data("rm", cfg.batch_size, len(train_idx), f"--{key_prefix}batch_size")
     return RMPlan(cfg, model, enc, train_idx=train_idx, eval_idx=eval_idx)
 
 

@@ -159,6 +159,15 @@ def describe_data(data: str, rows: int) -> str:
     return f"{data}, {rows} rows"
 
 
+def warn_if_batch_exceeds_data(stage: str, batch: int, rows: int, flag: str) -> None:
+    """Batches are drawn uniformly with replacement (`distributed.draw`): one of more rows than the
+    training data holds repeats rows every time. A warning, not an error (a tiny data set is a fair test)."""
+    if batch > rows:
+        warnings.warn(f"{stage}: each batch draws {batch} rows ({flag}) from {rows} training rows, so every batch "
+                      "repeats rows (batches are drawn uniformly with replacement); give more data or a smaller "
+                      "batch", stacklevel=2)
+
+
 # ---------------------------------------------------------------- the run
 
 

@@ -33,7 +33,15 @@ from fastrlhf.devices import autocast
 from fastrlhf.metrics import log, setup_logging
 from fastrlhf.models import ModelSource, empty_copy, hidden_states, load_causal_lm, model_source
 from fastrlhf.rollout import token_logprobs
-from fastrlhf.run import StageRun, check_common, describe_data, guarded_step, resolve_data, start_stage_dir
+from fastrlhf.run import (
+    StageRun,
+    check_common,
+    describe_data,
+    guarded_step,
+    resolve_data,
+    start_stage_dir,
+    warn_if_batch_exceeds_data,
+)
 
 TINY_LR = 3e-3  # the built-in `tiny` model (random init, 0.9M parameters)
 MODEL_LR = 5e-6  # any other model: OpenRLHF 0.11's train_sft default (--adam.lr)
@@ -86,6 +94,7 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     log.info("sft: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %s", model.spec,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_response_len, cfg.lr,
              "chat template" if encoder.uses_template else "plain prompt + response tokens")
+    warn_if_batch_exceeds_data("sft", cfg.batch_size, len(prompts), f"--{key_prefix}batch_size")
     return SFTPlan(cfg, model, prompt_ids, response_ids)
 
 

@@ -189,3 +189,28 @@ def test_a_lora_actor_critic_starts_without_peft_deprecation_warnings():
         warnings.simplefilter("always")
         ActorCritic(lm, lora_rank=4)
     assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == []
+
+
+# ---------------------------------------------------------------- a batch larger than the data
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo"])
+def test_a_batch_of_more_rows_than_the_data_warns_that_rows_repeat(tmp_path, stage):
+    """Batches are drawn with replacement: more rows per batch than the training data holds is
+    allowed (a tiny data set is a fair test) but warned, naming the flag; the defaults do not warn."""
+    data = tmp_path / "data.jsonl"
+    rows = task.synthetic_pairs(12, 0) if stage in ("rm", "dpo") else task.synthetic_sft(6, 0)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module, make = {"sft": (sft, SFTConfig), "rm": (rm, RMConfig), "dpo": (dpo, DPOConfig),
+                    "ppo": (ppo, PPOConfig)}[stage]
+    base = dict(TINY_PPO, data=str(data)) if stage == "ppo" else dict(model="tiny", data=str(data))
+    big = (dict(rollout_batch_size=16, num_generations=1, mini_batch_size=16, micro_batch_size=4) if stage == "ppo"
+           else dict(batch_size=16))
+    flag = "--rollout_batch_size / --num_generations prompts" if stage == "ppo" else "--batch_size"
+    with pytest.warns(UserWarning, match=rf"{stage}: each batch draws 16 rows \({flag}\) from \d+ training rows, "
+                                         "so every batch repeats rows"):
+        module.prepare(make(out=str(tmp_path / "big"), **{**base, **big}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.prepare(make(out=str(tmp_path / "default"), **(TINY_PPO if stage == "ppo" else dict(model="tiny"))))
+    assert not [w for w in caught if "repeats rows" in str(w.message)]
