@@ -57,7 +57,7 @@ BUILTIN = "builtin"  # `--data builtin`: the built-in task
 AUTO = "auto"  # `--data auto`: the built-in task where it fits the model, else an error
 TABLE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Encoding this many texts or more shows progress on rank 0 (a chat template renders some 10k rows/s on
-# a CPU core: a million rows is minutes); the plain rule then tokenizes them in blocks of ENCODE_BLOCK.
+# a CPU core: a million rows is minutes); the plain rule tokenizes in blocks of ENCODE_BLOCK texts.
 PROGRESS_TEXTS = 20_000
 ENCODE_BLOCK = 4096
 
@@ -198,11 +198,8 @@ class Encoder:
         return list(out["input_ids"])
 
     def _tokenize(self, texts: list[str], special: bool, what: str) -> list[list[int]]:
-        """Plain token ids of many texts in batched tokenizer calls (blocks, with progress, when many)."""
-        texts = list(texts)
-        if len(texts) < PROGRESS_TEXTS:
-            return [list(x) for x in self.tokenizer(texts, add_special_tokens=special)["input_ids"]] if texts else []
-        out, bar = [], _progress(len(texts), what)
+        """Plain token ids of many texts, in batched tokenizer calls of ENCODE_BLOCK texts each."""
+        texts, out, bar = list(texts), [], _progress(len(texts), what)
         for i in range(0, len(texts), ENCODE_BLOCK):
             block = texts[i:i + ENCODE_BLOCK]
             out += [list(x) for x in self.tokenizer(block, add_special_tokens=special)["input_ids"]]

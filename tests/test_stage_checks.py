@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_model import write_jsonl
 
 from fastrlhf import cli, dpo, pipeline, ppo, rm, sft, task
 from fastrlhf.checkpoint import config_changes
@@ -198,9 +199,8 @@ def test_a_lora_actor_critic_starts_without_peft_deprecation_warnings():
 def test_a_batch_of_more_rows_than_the_data_warns_that_rows_repeat(tmp_path, stage):
     """Batches are drawn with replacement: more rows per batch than the training data holds is
     allowed (a tiny data set is a fair test) but warned, naming the flag; the defaults do not warn."""
-    data = tmp_path / "data.jsonl"
-    rows = task.synthetic_pairs(12, 0) if stage in ("rm", "dpo") else task.synthetic_sft(6, 0)
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "data.jsonl",
+                       task.synthetic_pairs(12, 0) if stage in ("rm", "dpo") else task.synthetic_sft(6, 0))
     module, make = {"sft": (sft, SFTConfig), "rm": (rm, RMConfig), "dpo": (dpo, DPOConfig),
                     "ppo": (ppo, PPOConfig)}[stage]
     base = dict(TINY_PPO, data=str(data)) if stage == "ppo" else dict(model="tiny", data=str(data))
