@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on a bare GPU machine without network, in under 9 minutes:
 #
-#   bash bench/gpu_run.sh OUT            # install, environment, tests on CUDA, bench at the target shapes, PPO run
-#   bash bench/gpu_run.sh OUT --dry-run  # the same steps on CPU (CUDA hidden) at small shapes (CI: tests/test_gpu_run.py)
-#   bash bench/gpu_run.sh OUT --experiments [--dry-run]   # install, environment, then the experiments below
-#                                          # instead of tests, bench and PPO (each a JSON file in OUT)
+#   bash bench/gpu_run.sh OUT                       # install, environment, then the parts tests, ops, ppo
+#   bash bench/gpu_run.sh OUT --only ops[,PART...]  # install, environment, then only the parts named
+#   bash bench/gpu_run.sh OUT --dry-run [...]       # the same steps on CPU (CUDA hidden) at small shapes
+#                                                   # (CI: tests/test_gpu_run.py)
+#   bash bench/gpu_run.sh OUT --experiments         # the same as --only experiments
 #
 # Steps, each with its own time limit (seconds, GPU / dry run), run in order and continue on
 # failure; a global deadline cuts the last ones short if earlier ones ran long:
@@ -15,44 +16,45 @@
 #                       the machine is bare and given back after the run, so its python takes them directly
 #                       (subprocesses of the tests and of torchrun see them too)
 #   env       25 / 30   nvidia-smi, torch / triton / CUDA versions, SM and memory clocks, commit, kernels tree
-#   tests    220 / 90   pytest tests/ on CUDA (xdist and per-test timeouts when installed; dry run: tests/test_kl.py)
-#   bench    130 / 90   fastrlhf bench --cases targets (dry run: --device cpu --cases tiny), with the tests'
-#                       peer_stubs standing in for the peers' unused ray / vllm / deepspeed imports
-#   ppo      140 / 90   fastrlhf ppo on qwen2-0.5b, LoRA, bf16 (dry run: the tiny model on CPU)
+# then each part, a file bench/parts/PART.sh sourced by this script (a new part is a new file; its header says
+# what it runs, its steps' limits and the files it leaves in OUT). It runs its steps with `step` (below) and
+# may read DRY (1 on a dry run), OUT, WORK (scratch, removed at the end), PY, REPO and START. The parts today:
+#   tests        pytest tests/ on CUDA                                   -> tests.log
+#   ops          fastrlhf bench --cases targets (the kernels)            -> bench.json, bench.png
+#   ppo          fastrlhf ppo on qwen2-0.5b, LoRA, bf16                  -> ppo.json
+#   experiments  the candidates in bench/experiments/, FSDP2 peak memory -> one JSON each
+# and always status.json (every step's rc, seconds and limit; commit, kernels tree hash; the environment) and
+# logs.tar.gz (every step's log, env.json and what the parts add to WORK). The device tool returns at most 8
+# files, 16 MiB each, and no folders: keep a call's parts within that.
 #
 # Wheels: `bash bench/gpu_wheels.sh` (here, with network) fills .whl/ with what the GPU image lacks (datasets,
 # the peers); pass `.whl` in the device call's carry. Without them the run still goes, but the tests that need
 # datasets fail and the bench has no peer columns.
-#
-# OUT receives 6 files, no folders (the device tool returns at most 8, 16 MiB each):
-#   status.json  every step's rc, seconds and limit; commit, kernels tree hash; the environment
-#   bench.json   the `fastrlhf bench` record (rewritten after every case) -> bench/results/<date>-<gpu>.json
-#   bench.png    its plot
-#   ppo.json     the PPO run: command, summary (phase seconds, peak memory), per-step rows, steady-state means
-#   tests.log    pytest's output
-#   logs.tar.gz  every step's log, env.json, junit.xml, the PPO run's metrics.jsonl, summary.json and plots
-# Experiments (--experiments), each with its own limit (GPU / dry run), its JSON in OUT:
-#   dist     200 / 120  bench/dist_peak_memory.py: a 1-rank NCCL --shard full PPO run's peak vs the planner
-#                       (issue 11)                                                       -> dist_peak_memory.json
-#   coop     150 / 90   bench/experiments/coop_actor_loss.py: the split-row actor loss vs the fused one  -> coop.json
-#   chunks   150 / 90   bench/experiments/linear_chunks.py: linear ops' time and extra peak per chunk size -> linear_chunks.json
-#   few_rows  60 / 60   bench/experiments/few_rows_profile.py: kernel vs host time of logprobs at B=1, T=128 -> few_rows.json
 # Environment: PYTHON (default python3), GPU_RUN_DEADLINE_S (default 525; dry run 300).
 set -uo pipefail
 
-usage() { echo "usage: $0 OUT [--dry-run] [--experiments]" >&2; exit 2; }
-OUT="" DRY=0 EXPERIMENTS=0
-for arg in "$@"; do
-  case "$arg" in
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+usage() {
+  echo "usage: $0 OUT [--dry-run] [--only PART[,PART...]] [--experiments]; parts: $(cd "$REPO/bench/parts" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')" >&2
+  exit 2
+}
+OUT="" DRY=0 PARTS="tests,ops,ppo"
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY=1 ;;
-    --experiments) EXPERIMENTS=1 ;;
+    --experiments) PARTS=experiments ;;
+    --only) [ $# -ge 2 ] || usage; PARTS=$2; shift ;;
+    --only=*) PARTS=${1#--only=} ;;
     -*) usage ;;
-    *) [ -z "$OUT" ] || usage; OUT="$arg" ;;
+    *) [ -z "$OUT" ] || usage; OUT="$1" ;;
   esac
+  shift
 done
 [ -n "$OUT" ] || usage
-
-REPO="$(cd "$(dirname "$0")/.." && pwd)"
+IFS=, read -ra PART_LIST <<< "$PARTS"
+for part in "${PART_LIST[@]}"; do
+  [ -f "$REPO/bench/parts/$part.sh" ] || { echo "unknown part '$part'" >&2; usage; }
+done
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_run.XXXXXX")"
@@ -66,10 +68,10 @@ START=$(date +%s)
 if [ "$DRY" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""  # on CPU even where a GPU is present
   DEADLINE=$((START + ${GPU_RUN_DEADLINE_S:-300}))
-  L_INSTALL=30 L_ENV=30 L_TESTS=90 L_BENCH=90 L_PPO=90
+  L_INSTALL=30 L_ENV=30
 else
   DEADLINE=$((START + ${GPU_RUN_DEADLINE_S:-525}))
-  L_INSTALL=45 L_ENV=25 L_TESTS=220 L_BENCH=130 L_PPO=140
+  L_INSTALL=45 L_ENV=25
 fi
 
 has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
@@ -82,7 +84,7 @@ bundle() {  # logs.tar.gz of everything in WORK but model weights and installed 
 # step NAME LIMIT TAIL_LINES COMMAND...: run COMMAND (a program, or a function of this script) under
 # min(LIMIT, time to the deadline), log to WORK/logs/NAME.log, print its last TAIL_LINES lines,
 # record "name rc seconds limit" in steps.tsv
-export PY REPO WORK
+export PY REPO WORK DRY OUT
 step() {
   local name=$1 limit=$2 tail_lines=$3; shift 3
   if declare -F "$1" > /dev/null; then export -f "$1"; set -- bash -c "$1"; fi
@@ -145,69 +147,19 @@ print('SM clock', s.get('clocks.sm'), 'of', s.get('clocks.max.sm'), 'MHz | memor
 }
 step env "$L_ENV" 8 environment
 
-if [ "$EXPERIMENTS" = 1 ]; then
-  if [ "$DRY" = 1 ]; then
-    COOP_ARGS=(--dry-run) CHUNK_ARGS=(--dry-run) DIST_ARGS=(--device cpu --model tiny --steps 2 --rollout-batch 8
-                                                             --mini-batch 4 --micro-batch 2)
-    FEW_ARGS=(--dry-run) L_COOP=90 L_CHUNKS=90 L_DIST=120 L_FEW=60
-  else
-    COOP_ARGS=() CHUNK_ARGS=() DIST_ARGS=() FEW_ARGS=() L_COOP=150 L_CHUNKS=150 L_DIST=200 L_FEW=60
-  fi
-  # in order of need: issue 11's run first, the deadline cuts the last ones short
-  step dist "$L_DIST" 20 "$PY" bench/dist_peak_memory.py "${DIST_ARGS[@]}" --out "$OUT/dist_peak_memory.json"
-  step coop "$L_COOP" 30 "$PY" bench/experiments/coop_actor_loss.py "${COOP_ARGS[@]}" --out "$OUT/coop.json"
-  step chunks "$L_CHUNKS" 45 "$PY" bench/experiments/linear_chunks.py "${CHUNK_ARGS[@]}" --out "$OUT/linear_chunks.json"
-  step few_rows "$L_FEW" 25 "$PY" bench/experiments/few_rows_profile.py "${FEW_ARGS[@]}" --out "$OUT/few_rows.json"
-  "$PY" bench/gpu_record.py status "$WORK/steps.tsv" "$WORK/env.json" "$OUT/status.json" $([ "$DRY" = 1 ] && echo --dry-run)
-  bundle
-  echo "== summary ($(($(date +%s) - START)) s)"
-  "$PY" bench/gpu_record.py summary "$OUT"
-  echo "== files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-  exit 0
-fi
+# 3. the parts, in the order given
+for part in "${PART_LIST[@]}"; do
+  # shellcheck source=/dev/null
+  source "$REPO/bench/parts/$part.sh"
+done
 
-# 3. tests
-if [ "$DRY" = 1 ]; then
-  step tests "$L_TESTS" 3 "$PY" -m pytest -q -p no:cacheprovider tests/test_kl.py --junitxml="$WORK/junit.xml"
-else
-  TEST_ARGS=(-q -p no:cacheprovider --maxfail=25 --durations=15 --junitxml="$WORK/junit.xml")
-  has_module xdist && TEST_ARGS+=(-n 14 --dist loadfile)
-  has_module pytest_timeout && TEST_ARGS+=(--timeout 120)
-  step tests "$L_TESTS" 25 "$PY" -m pytest "${TEST_ARGS[@]}" tests/
-fi
-cp "$WORK/logs/tests.log" "$OUT/tests.log" 2>/dev/null
-
-# 4. bench
-if [ "$DRY" = 1 ]; then
-  BENCH_ARGS=(--device cpu --cases tiny --threads 1 --rep-ms 1 --budget-s $((L_BENCH - 40)))
-else
-  BENCH_ARGS=(--cases targets --budget-s $((L_BENCH - 50)))  # the last pass started may compile for ~30 s
-fi
-# verl's and OpenRLHF's modules import ray / vllm / deepspeed at module level (absent from the image and from the
-# --no-deps peer wheels) without using them in the functions timed: the tests' peer_stubs stands in for them, so the
-# peers' columns (e.g. verl's GAE) are measured rather than skipped
-WITH_PEER_STUBS=(env PYTHONPATH="$REPO/tests/integrations${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c
-                 "import sys, peer_stubs; peer_stubs.install(); from fastrlhf.cli import main; sys.exit(main())")
-step bench "$L_BENCH" 3 "${WITH_PEER_STUBS[@]}" bench "${BENCH_ARGS[@]}" --json "$OUT/bench.json" --plot "$OUT/bench.png"
-
-# 5. PPO timing run
-if [ "$DRY" = 1 ]; then
-  PPO_ARGS=(--model tiny --device cpu --steps 2 --rollout_batch_size 8 --mini_batch_size 4 --micro_batch_size 2
-            --max_new_tokens 8 --lora_rank 4 --eval_prompts 8)
-else
-  PPO_ARGS=(--model qwen2-0.5b --device cuda --dtype bfloat16 --steps 3 --rollout_batch_size 64 --mini_batch_size 32
-            --micro_batch_size 16 --max_new_tokens 256 --lora_rank 16 --eval_prompts 16)
-fi
-PPO_ARGS+=(--reward fastrlhf.task:true_score --out "$WORK/ppo_run" --save_every 1000)
-step ppo "$L_PPO" 3 "$PY" -m fastrlhf ppo "${PPO_ARGS[@]}"
-"$PY" bench/gpu_record.py ppo "$WORK/ppo_run" "$OUT/ppo.json" --command "fastrlhf ppo ${PPO_ARGS[*]}"
-
-# 6. status, logs, summary
+# 4. status, logs, summary
 "$PY" bench/gpu_record.py status "$WORK/steps.tsv" "$WORK/env.json" "$OUT/status.json" $([ "$DRY" = 1 ] && echo --dry-run)
 bundle
 echo "== summary ($(($(date +%s) - START)) s)"
 "$PY" bench/gpu_record.py summary "$OUT"
 echo "== files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-[ "$DRY" = 1 ] || echo "== record it: cp OUT/bench.json bench/results/$(date +%F)-<gpu>.json; python bench/README_table.py"
+[ "$DRY" = 1 ] || [ ! -f "$OUT/bench.json" ] \
+  || echo "== record it: cp OUT/bench.json bench/results/$(date +%F)-<gpu>.json; python bench/README_table.py"
 rm -rf "$WORK"
 "$PY" -c "import json, sys; sys.exit(0 if json.load(open('$OUT/status.json'))['ok'] else 1)"

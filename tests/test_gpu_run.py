@@ -17,7 +17,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["install", "env", "tests", "bench", "ppo"]
+STEPS = ["install", "env", "tests", "ops", "ppo"]
 FILES = {"status.json", "bench.json", "bench.png", "ppo.json", "tests.log", "logs.tar.gz"}
 
 
@@ -112,8 +112,23 @@ def test_records_of_a_stopped_run(tmp_path):
     assert [(s["timed_out"], s["skipped"]) for s in status["steps"]] == [(False, False), (True, False), (False, True)]
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_only_one_part(tmp_path):
+    """`--only ops`: install, environment and that part's steps, nothing else; its files and the status."""
+    out, proc = _dry_run(tmp_path, "--only", "ops")
+    assert {p.name for p in out.iterdir()} == {"status.json", "bench.json", "bench.png", "logs.tar.gz"}
+    status = json.loads((out / "status.json").read_text())
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "ops"] and status["ok"] is True
+    assert json.loads((out / "bench.json").read_text())["finished"] is True
+    assert "gpu_run (dry run) ok=True" in proc.stdout
+
+
 def test_bad_arguments():
     script = str(ROOT / "bench" / "gpu_run.sh")
-    for args in ([], ["--nope"], ["a", "b"]):
+    parts = sorted(p.stem for p in (ROOT / "bench" / "parts").glob("*.sh"))
+    assert {"tests", "ops", "ppo", "experiments"} <= set(parts)
+    for args in ([], ["--nope"], ["a", "b"], ["a", "--only"], ["a", "--only", "nope"], ["a", "--only", "ops,nope"]):
         proc = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=30)
-        assert proc.returncode == 2 and "usage" in proc.stderr
+        assert proc.returncode == 2 and "usage" in proc.stderr, (args, proc.stderr)
+        assert all(part in proc.stderr for part in parts), proc.stderr
