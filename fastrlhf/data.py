@@ -186,11 +186,25 @@ def ensure_pad_token(tokenizer) -> None:
 
 class Encoder:
     """Prompts and responses -> token ids, by the rule in this module's docstring.
-    `chat_template` asks for the tokenizer's chat template; it is used only when there is one."""
+    `chat_template` asks for the tokenizer's chat template; it is used only when there is one.
+    With `vocab_size` (the model's embedding rows), an id at or past it is an error naming the token
+    and the row (a special token the model has no embedding for, e.g. an unk the data produced)."""
 
-    def __init__(self, tokenizer, *, chat_template: bool = True):
+    def __init__(self, tokenizer, *, chat_template: bool = True, vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.uses_template = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        self.vocab_size = vocab_size
+
+    def _check_ids(self, ids: list[list[int]], what: str, where: str | None) -> None:
+        if self.vocab_size is None:
+            return
+        for row, x in enumerate(ids):
+            if x and max(x) >= self.vocab_size:
+                i = max(x)
+                raise ValueError(f"{where or 'data'}: {what} row {row} encodes to token "
+                                 f"{self.tokenizer.convert_ids_to_tokens(i)!r} (id {i}), outside the model's embedding "
+                                 f"(vocab_size {self.vocab_size}); remove it from the data or resize the embeddings "
+                                 "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
@@ -221,6 +235,7 @@ class Encoder:
                              f"{empty[0]}, prompt {texts[empty[0]]!r:.60}) and the tokenizer adds no BOS token: "
                              "the first response token would be predicted from a padding column; give every row "
                              "a non-empty prompt")
+        self._check_ids(ids, "prompt", where)
         return ids
 
     def _template_response(self, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
@@ -260,7 +275,7 @@ class Encoder:
         return [ids + [eos] for ids in out]
 
     def responses(self, prompt_texts: list[str], prompt_ids: list[list[int]], texts: list[str],
-                  *, what: str = "responses", warn_empty: bool = True) -> list[list[int]]:
+                  *, what: str = "responses", warn_empty: bool = True, where: str | None = None) -> list[list[int]]:
         """Token ids per response (EOS included), given each prompt's text and its untruncated ids
         from `prompts`; warns with a count when some are empty."""
         if self.uses_template:
@@ -272,6 +287,7 @@ class Encoder:
         if empty and warn_empty:
             warnings.warn(f"{empty} of {len(texts)} {what} are empty: the model is trained to answer with "
                           "EOS alone there", stacklevel=2)
+        self._check_ids(ids, what.removesuffix("s"), where)
         return ids
 
 

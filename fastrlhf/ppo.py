@@ -292,7 +292,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         prompts = list(load_table(cfg.data, {"prompt": cfg.prompt_key}, where="ppo data",
                                         key_prefix=key_prefix)["prompt"])
         eval_prompts = []
-    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template, vocab_size=model.config.vocab_size)
     prompt_ids = encoder.prompts(prompts, where=None if builtin else f"ppo data: {cfg.data}")
     auto_new_tokens = not cfg.max_new_tokens
     cfg.max_prompt_len, cfg.max_new_tokens = auto_lengths(

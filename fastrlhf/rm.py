@@ -158,11 +158,12 @@ def prepare_pairs(cfg, model: ModelSource, stage: str, key_prefix: str = ""):
     n_eval = max(1, int(n * cfg.eval_fraction))
     if n_eval >= n:
         raise ValueError(f"{stage}: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
-    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    enc = {"prompt": encoder.prompts(rows["prompt"], where=None if builtin else f"{stage} data: {cfg.data}")}
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template, vocab_size=model.config.vocab_size)
+    where = None if builtin else f"{stage} data: {cfg.data}"
+    enc = {"prompt": encoder.prompts(rows["prompt"], where=where)}
     for k in ("chosen", "rejected"):
         enc[k] = encoder.responses(rows["prompt"], enc["prompt"], rows[k], what=f"{k} responses",
-                                   warn_empty=not builtin)
+                                   warn_empty=not builtin, where=where)
     if builtin:
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
         cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN

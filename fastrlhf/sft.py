@@ -78,9 +78,10 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
         table = load_table(cfg.data, {"prompt": cfg.prompt_key, "response": cfg.response_key}, where="sft data",
                            key_prefix=key_prefix)
     prompts, responses = list(table["prompt"]), list(table["response"])
-    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    prompt_ids = encoder.prompts(prompts, where=None if builtin else f"sft data: {cfg.data}")
-    response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin)
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template, vocab_size=model.config.vocab_size)
+    where = None if builtin else f"sft data: {cfg.data}"
+    prompt_ids = encoder.prompts(prompts, where=where)
+    response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin, where=where)
     if builtin:
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
         cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
