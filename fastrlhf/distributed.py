@@ -240,6 +240,14 @@ def all_sum(x) -> torch.Tensor:
     return t.to(x.device) if isinstance(x, torch.Tensor) else t
 
 
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum over ranks of `x`, as float64 on x's device (x itself on one process)."""
+    t = _as_tensor(x, _comm_device(x))
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.to(x.device)
+
+
 def all_mean(x) -> float:
     """The mean over ranks of a number or 0-d tensor (its value on one process)."""
     return all_sum(x).item() / world_size() if active() else float(x)
@@ -453,18 +461,6 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The decoder layers of every Hugging Face model inside `module` (its `_no_split_modules`)."""
-    names = set()
-    for m in module.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
-    layers = [m for m in module.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"cannot shard {type(module).__name__}: no decoder layers found (no Hugging Face model "
-                         "with _no_split_modules inside it)")
-    return layers
-
-
 def shard_model(module: nn.Module, mode: str, device: torch.device) -> ShardedModel:
     """`module` under a `ShardedModel` root; under torchrun also FSDP2 per decoder layer and
     on the root (module docstring). Build the optimizer after this: the parameters become
@@ -474,6 +470,8 @@ def shard_model(module: nn.Module, mode: str, device: torch.device) -> ShardedMo
         return root
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fastrlhf.models import decoder_layers
 
     check_shard(mode, "shard_model")
     n = world_size()
