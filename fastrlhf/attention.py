@@ -28,25 +28,48 @@ import functools
 import inspect
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 PREFIX = "fastrlhf-"  # fastrlhf-sdpa, fastrlhf-flash_attention_2, ...
 
 
 @functools.cache
 def varlen_kernel():
-    """(name, function) of the varlen attention kernel for packs on CUDA: flash-attn's where it is
-    installed, else PyTorch's (torch.nn.attention.varlen, in recent releases); None without either."""
+    """(name, fn) of the varlen attention kernel for packs on CUDA: flash-attn's where it is installed,
+    else PyTorch's (torch.nn.attention.varlen, in recent releases); None without either.
+    fn(q, k, v [N, heads, D], cu_seqlens, max_length, scale) -> [N, heads, D]: causal within each
+    sequence, GQA (fewer key/value heads) included."""
     try:
         from flash_attn import flash_attn_varlen_func
-
-        return "flash_attn.flash_attn_varlen_func", flash_attn_varlen_func
     except ImportError:
         pass
+    else:
+        def flash(q, k, v, cu, max_length, scale):  # GQA natively
+            return flash_attn_varlen_func(q, k, v, cu, cu, max_length, max_length, 0.0, softmax_scale=scale,
+                                          causal=True)
+
+        return "flash_attn.flash_attn_varlen_func", flash
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return "torch.nn.attention.varlen.varlen_attn", varlen_attn
+    params = inspect.signature(varlen_attn).parameters  # its keywords changed between torch releases
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    native_gqa = "enable_gqa" in params
+
+    def torch_varlen(q, k, v, cu, max_length, scale):
+        gqa = {}
+        if k.shape[1] != q.shape[1]:
+            if native_gqa:
+                gqa = {"enable_gqa": True}
+            else:
+                k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scale, **causal, **gqa)
+
+    return "torch.nn.attention.varlen.varlen_attn", torch_varlen
 
 
 def packed_attention_path(device: torch.device) -> str:
@@ -55,26 +78,11 @@ def packed_attention_path(device: torch.device) -> str:
     return kernel[0] if kernel else "sdpa with a block-diagonal causal mask"
 
 
-def _varlen(module, query, key, value, cu_seqlens, max_length, scaling):
+def _varlen(query, key, value, cu_seqlens, max_length, scaling):
     """Causal attention within each sequence of a pack: query [1, H, N, D], key/value [1, H_kv, N, D]
     -> [1, N, H, D]."""
-    name, kernel = varlen_kernel()
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, D]
-    if name.startswith("flash_attn"):  # GQA natively
-        out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, 0.0, softmax_scale=scaling,
-                     causal=True)
-        return out.unsqueeze(0), None
-    params = inspect.signature(kernel).parameters
-    kwargs = {"scale": scaling}
-    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = kernel(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **kwargs)
-    return out.unsqueeze(0), None
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [N, heads, D]
+    return varlen_kernel()[1](q, k, v, cu_seqlens, max_length, scaling).unsqueeze(0), None
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, *, fastrlhf_planned=False,
@@ -82,15 +90,12 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     """transformers' attention-function interface (query [B, H, T, D] -> ([B, T, H, D], weights)):
     a planned forward runs its plan (module docstring); any other runs the model's own
     implementation `fastrlhf_own` with transformers' mask."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     if not fastrlhf_planned:
         own = ALL_ATTENTION_FUNCTIONS[fastrlhf_own]
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                    cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, **kwargs)
     if cu_seq_lens_q is not None and fastrlhf_mask is None:
-        return _varlen(module, query, key, value, cu_seq_lens_q, max_length_q, scaling)
+        return _varlen(query, key, value, cu_seq_lens_q, max_length_q, scaling)
     return sdpa_attention_forward(module, query, key, value, fastrlhf_mask, dropout=dropout, scaling=scaling)
 
 
@@ -98,9 +103,6 @@ def install(model) -> None:
     """Give `model` (a transformers model, or a peft model around one) the implementation
     `fastrlhf-<its own>`: planned forwards run `attention`'s plan, the others its own implementation
     (with that implementation's mask function). Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     config = model.config
     own = config._attn_implementation
     if own.startswith(PREFIX):

@@ -409,14 +409,15 @@ def check_advantage(cfg: PPOConfig) -> None:
                          "not gathered over ranks; under torchrun use an estimator that whitens over the tokens")
 
 
-def check_update(cfg: PPOConfig) -> None:
-    """The update's own keys: compile mode, loss aggregation, the packing budget."""
+def check_update(cfg: PPOConfig, key_prefix: str = "") -> None:
+    """The update's own keys: compile mode, loss aggregation, the packing budget (against the longest
+    sequence once the lengths are resolved: `prepare`)."""
     for name, value, choices in (("compile", cfg.compile, COMPILE_MODES), ("loss_agg", cfg.loss_agg, AGG_MODES)):
         if value not in choices:
-            raise ValueError(f"ppo: {name} must be one of {', '.join(choices)}, got {value!r}")
+            raise ValueError(f"ppo: --{key_prefix}{name} must be one of {', '.join(choices)}, got {value!r}")
     if cfg.micro_batch_tokens < 0:
-        raise ValueError(f"ppo: micro_batch_tokens must be >= 0 (0 = micro_batch_size padded rows), got "
-                         f"{cfg.micro_batch_tokens}")
+        raise ValueError(f"ppo: --{key_prefix}micro_batch_tokens must be >= 0 (0 = micro_batch_size padded rows), "
+                         f"got {cfg.micro_batch_tokens}")
 
 
 def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
@@ -438,7 +439,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
                          f"got {cfg.rollout_cache!r}")
     check_advantage(cfg)
-    check_update(cfg)
+    check_update(cfg, key_prefix)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
                          f"(rollout_batch_size {cfg.rollout_batch_size} / num_generations {cfg.num_generations}) must "
@@ -504,7 +505,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
 
 @dataclasses.dataclass
 class PPORun:
-    """What `setup` builds and the loop of `train` reads and advances (a plain record, no behaviour)."""
+    """What `setup` builds and the loop of `train` reads and advances (a plain record; `true_score`
+    samples the held-out prompts)."""
 
     cfg: PPOConfig
     plan: PPOPlan

@@ -21,13 +21,7 @@ CPU = torch.device("cpu")
 TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=8, mini_batch_size=4,
                 micro_batch_size=2, eval_prompts=8, max_new_tokens=5)
 
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
 def test_compile_modes():
@@ -36,7 +30,7 @@ def test_compile_modes():
     assert compile_wanted("on", torch.device("cpu")) is True and compile_wanted("off", torch.device("cuda")) is False
     with pytest.raises(ValueError, match="compile must be one of auto, on, off, got 'yes'"):
         compile_wanted("yes", CPU)
-    with pytest.raises(ValueError, match="ppo: compile must be one of auto, on, off, got 'yes'"):
+    with pytest.raises(ValueError, match="ppo: --compile must be one of auto, on, off, got 'yes'"):
         ppo.check_update(PPOConfig(compile="yes"))
 
 

@@ -3,6 +3,7 @@ losses as padded rows, the padding they leave out, and the update's one device r
 (The packed gradients against the padded ones on 1 and 2 ranks: tests/test_distributed.py.)"""
 
 import collections
+import re
 import traceback
 
 import numpy as np
@@ -18,13 +19,7 @@ from fastrlhf.rollout import Rollout
 
 CPU = torch.device("cpu")
 
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
 def _rollout(tokenizer, response_lengths, prompt_lengths=None, seed=0) -> Rollout:
@@ -44,6 +39,21 @@ def test_partition_holds_the_budget_longest_first():
     assert [lengths[g].tolist() for g in groups] == [[12], [9], [9, 7], [5, 4, 3, 1]]  # sorted, next-fit
     with pytest.raises(ValueError, match=r"micro_batch_tokens \(8\) must hold the longest sequence \(12 tokens"):
         packing.partition(lengths, np.arange(8), 8)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("micro_batch_tokens", 20, "--micro_batch_tokens (20) must hold the longest sequence: max_prompt_len + "
+                               "max_new_tokens = 32 + 12 = 44 tokens"),
+    ("micro_batch_tokens", -1, "--micro_batch_tokens must be >= 0 (0 = micro_batch_size padded rows), got -1"),
+    ("loss_agg", "seq-mean", "--loss_agg must be one of token-mean, token-sum, seq-mean-token-sum"),
+])
+def test_update_keys_are_checked_before_a_model_loads(tmp_path, key, value, expected):
+    cfg = PPOConfig(out=str(tmp_path), model="tiny", reward="fastrlhf.task:true_score", **{key: value})
+    with pytest.raises(ValueError, match=re.escape(f"ppo: {expected}")):
+        ppo.prepare(cfg)
+    assert not (tmp_path / "ppo").exists()
+    ppo.prepare(PPOConfig(out=str(tmp_path), model="tiny", reward="fastrlhf.task:true_score", micro_batch_tokens=44,
+                          loss_agg="seq-mean-token-mean"))
 
 
 def test_a_pack_gives_the_hidden_states_of_the_padded_rows():
@@ -165,3 +175,57 @@ def test_the_update_reads_the_device_once_per_minibatch():
         minibatches = cfg.ppo_epochs * cfg.rollout_batch_size // cfg.mini_batch_size
         assert sum(reads.values()) <= minibatches, (tokens, reads)
         assert stats["skipped_nonfinite"] == 0 and np.isfinite(stats["pg_loss"])
+
+
+def _per_sequence_sdpa(q, k, v, cu, scale):
+    """Causal SDPA over each sequence of a pack ([N, heads, D] tensors, GQA by head groups)."""
+    import torch.nn.functional as F
+
+    outs = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        x = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+        outs.append(F.scaled_dot_product_attention(*x, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_a_packs_varlen_attention_gives_the_block_mask_attention(monkeypatch):
+    """On CUDA a pack's attention is a varlen kernel over cu_seqlens (flash-attn's, or PyTorch's
+    varlen_attn); the code around it (layouts, GQA, the causal flag, the scale) runs here on the CPU
+    with stand-ins of both kernels (their signatures, per-sequence SDPA inside), and gives what the
+    CPU path (SDPA with the block-diagonal causal mask) gives. The kernels themselves run only on a
+    GPU (bench/gpu_run.sh --only update checks packed against padded there)."""
+    import sys
+    import types
+
+    from fastrlhf import attention
+
+    def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                     enable_gqa=False):
+        assert window_size == (-1, 0) and enable_gqa and cu_q is cu_k and max_q == max_k == 5
+        return _per_sequence_sdpa(q, k, v, cu_q, scale)
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale=None, causal=False):
+        assert causal and dropout_p == 0.0 and cu_q is cu_k and max_q == max_k == 5
+        return _per_sequence_sdpa(q, k, v, cu_q, softmax_scale)
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 3, 7, 12, 14], dtype=torch.int32)
+    sequence = torch.repeat_interleave(torch.arange(4), cu.diff())
+    q, k, v = torch.randn(1, 4, 14, 8), torch.randn(1, 2, 14, 8), torch.randn(1, 2, 14, 8)
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    plan = dict(fastrlhf_planned=True, cu_seq_lens_q=cu, max_length_q=5)
+    masked, _ = attention.attention(module, q, k, v, None, scaling=0.3, **plan,
+                                    fastrlhf_mask=attention.block_causal_mask(sequence))
+    fakes = {"flash_attn": types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func),
+             "torch.nn.attention.varlen": types.SimpleNamespace(varlen_attn=torch_varlen)}
+    for installed in ("flash_attn", "torch.nn.attention.varlen"):
+        with monkeypatch.context() as m:
+            m.setitem(sys.modules, installed, fakes[installed])
+            if installed != "flash_attn":
+                m.setitem(sys.modules, "flash_attn", None)  # not installed: import fails
+            attention.varlen_kernel.cache_clear()
+            assert attention.varlen_kernel()[0].startswith(installed)
+            varlen, _ = attention.attention(module, q, k, v, None, scaling=0.3, **plan)
+        attention.varlen_kernel.cache_clear()
+        assert varlen.shape == masked.shape == (1, 14, 4, 8)
+        torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
