@@ -192,7 +192,9 @@ class PPOConfig:
     """Pack micro-batches by tokens instead (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu): each
     forward/backward takes whole sequences, laid end to end without padding, up to this many tokens (prompt
     and response) per rank; the log-prob forwards of phase 3 pack the same way. At least the longest
-    sequence (max_prompt_len + max_new_tokens); 0 = micro_batch_size padded rows (fastrlhf.packing)."""
+    sequence (max_prompt_len + max_new_tokens); 0 = micro_batch_size padded rows (fastrlhf.packing). On CUDA
+    a varlen attention kernel keeps the sequences apart; on the CPU a block-diagonal mask, whose attention
+    grows with the square of the pack's length."""
     loss_agg: str = "token-mean"
     """How the per-token losses of a minibatch aggregate (verl's loss_agg_mode; fastrlhf.agg_loss): token-mean,
     token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm; the global token or
