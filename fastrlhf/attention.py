@@ -58,16 +58,21 @@ def varlen_kernel():
         return None
     params = inspect.signature(varlen_attn).parameters  # its keywords changed between torch releases
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    native_gqa = "enable_gqa" in params
+    native_gqa, takes_scale = "enable_gqa" in params, "scale" in params
 
     def torch_varlen(q, k, v, cu, max_length, scale):
-        gqa = {}
+        kwargs = dict(causal)
         if k.shape[1] != q.shape[1]:
             if native_gqa:
-                gqa = {"enable_gqa": True}
+                kwargs["enable_gqa"] = True
             else:
                 k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        return varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scale, **causal, **gqa)
+        if takes_scale:
+            kwargs["scale"] = scale
+        elif scale is not None and abs(scale * q.shape[-1] ** 0.5 - 1) > 1e-6:
+            raise ValueError(f"attention scale {scale} is not 1/sqrt(head_dim), and this torch's varlen_attn takes "
+                             "no scale")
+        return varlen_attn(q, k, v, cu, cu, max_length, max_length, **kwargs)
 
     return "torch.nn.attention.varlen.varlen_attn", torch_varlen
 

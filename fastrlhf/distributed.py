@@ -409,6 +409,19 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The decoder layers of every Hugging Face model inside `module` (its `_no_split_modules`): the
+    units FSDP shards, and what models.compile_layers compiles."""
+    names = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    layers = [m for m in module.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"no decoder layers found in {type(module).__name__} (no Hugging Face model with "
+                         "_no_split_modules inside it)")
+    return layers
+
+
 def shard_model(module: nn.Module, mode: str, device: torch.device) -> ShardedModel:
     """`module` under a `ShardedModel` root; under torchrun also FSDP2 per decoder layer and
     on the root (module docstring). Build the optimizer after this: the parameters become
@@ -418,8 +431,6 @@ def shard_model(module: nn.Module, mode: str, device: torch.device) -> ShardedMo
         return root
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from fastrlhf.models import decoder_layers
 
     check_shard(mode, "shard_model")
     n = world_size()

@@ -29,6 +29,7 @@ from torch import nn
 from fastrlhf.attention import planned_inputs
 from fastrlhf.data import Encoder, ensure_pad_token
 from fastrlhf.devices import attention_backend, cpu_threads_for
+from fastrlhf.distributed import decoder_layers
 from fastrlhf.task import build_char_tokenizer
 
 log = logging.getLogger("fastrlhf")
@@ -278,18 +279,6 @@ def hidden_states(lm, input_ids, attention_mask, position_ids, attention: dict |
     else:
         inputs = planned_inputs(unwrap(lm).config, input_ids, attention)
     return trunk(lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **inputs).last_hidden_state
-
-
-def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The decoder layers of every Hugging Face model inside `module` (its `_no_split_modules`)."""
-    names = set()
-    for m in module.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
-    layers = [m for m in module.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"no decoder layers found in {type(module).__name__} (no Hugging Face model with "
-                         "_no_split_modules inside it)")
-    return layers
 
 
 # ---------------------------------------------------------------- regional compilation
