@@ -9,7 +9,19 @@ import pytest
 import torch
 
 from fastrlhf import data
-from fastrlhf.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, field_docs, parse_args
+from fastrlhf.checkpoint import RESUME_FREE_KEYS
+from fastrlhf.config import (
+    DPOConfig,
+    PipelineConfig,
+    PPOConfig,
+    RMConfig,
+    RunConfig,
+    SFTConfig,
+    field_docs,
+    flat_fields,
+    own_field_docs,
+    parse_args,
+)
 from fastrlhf.data import Encoder, ensure_pad_token, load_table, pack, truncate_prompts, truncate_responses
 from fastrlhf.task import build_char_tokenizer, synthetic_pairs, true_score
 
@@ -154,10 +166,33 @@ def test_synthetic_pairs_prefer_the_higher_true_score():
 
 
 def test_every_config_field_has_a_docstring():
-    for cls in (SFTConfig, RMConfig, PPOConfig, PipelineConfig):
+    for cls in (SFTConfig, RMConfig, PPOConfig, DPOConfig, PipelineConfig):
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{cls.__name__}: no docstring for {missing}"
+
+
+STAGE_CONFIGS = (SFTConfig, RMConfig, PPOConfig, DPOConfig)
+
+
+def test_the_keys_every_stage_shares_are_declared_once_on_the_base():
+    """Issue 29: each key every stage has is RunConfig's, with one docstring; a stage may redeclare
+    one only for its own default (PPO logs every iteration), never restating its help."""
+    base_docs = own_field_docs(RunConfig)
+    base = {f.name for f in dataclasses.fields(RunConfig)}
+    assert set(base_docs) == base
+    own_defaults = {PPOConfig: {"log_every", "save_every"}}
+    for cls in STAGE_CONFIGS:
+        assert issubclass(cls, RunConfig)
+        assert base & set(vars(cls)["__annotations__"]) == own_defaults.get(cls, set()), cls.__name__
+        assert not base & set(own_field_docs(cls)), cls.__name__
+        assert {k: field_docs(cls)[k] for k in base} == base_docs
+        assert {k: flat_fields(cls)[k].type for k in base} == {k: flat_fields(RunConfig)[k].type for k in base}
+    # nothing the stages declare themselves is the same key with the same help in all four
+    assert not set.intersection(*(set(own_field_docs(cls).items()) for cls in STAGE_CONFIGS))
+    assert "RESUME_FREE_KEYS" in base_docs["resume"]
+    every_key = set().union(*(flat_fields(cls) for cls in STAGE_CONFIGS))
+    assert set(RESUME_FREE_KEYS) <= every_key
 
 
 def test_yaml_then_cli_overrides(tmp_path):
