@@ -371,6 +371,8 @@ def _convert(key: str, tp: type, value):
         if text in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"config key {key!r} expects a boolean (true/false), got {value!r}")
+    if tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+        raise ValueError(f"config key {key!r} expects an integer, got {value!r}")
     try:
         return tp(value)
     except (TypeError, ValueError):
@@ -413,6 +415,22 @@ def _unknown(keys, valid) -> ValueError:
     return ValueError(f"unknown config key(s): {'; '.join(parts)}. `--help` lists every key.")
 
 
+def _read_yaml(path: Path):
+    """The YAML file at `path`; a file that is not UTF-8 text or not YAML is an error naming its line."""
+    raw = path.read_bytes()
+    try:
+        return yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"config file {str(path)!r}, line {line}: not UTF-8 text ({e.reason}); save it as "
+                         "UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"config file {str(path)!r}{where}: not valid YAML ({problem})") from None
+
+
 def load_config(cls, overrides: dict | None = None, path: str | None = None):
     """Build `cls` from its defaults, then the YAML file at `path`, then `overrides` (dotted keys)."""
     fields_ = flat_fields(cls)
@@ -420,7 +438,7 @@ def load_config(cls, overrides: dict | None = None, path: str | None = None):
     if path:
         if not Path(path).is_file():
             raise ValueError(f"config file {path!r} does not exist")
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = _read_yaml(Path(path)) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path!r} must hold a mapping of keys to values")
         values.update(_flatten_mapping(loaded))

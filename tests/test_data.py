@@ -360,3 +360,59 @@ def test_encoding_many_texts_shows_progress_and_gives_the_same_ids(template, mon
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("encoding prompts: 10/10 (100%)") for line in lines), lines
     assert any(line.startswith("encoding responses: 10/10 (100%)") for line in lines), lines
+
+
+# ---------------------------------------------------------------- issue 22: input that was silently accepted
+
+
+def test_text_that_is_not_utf8_names_the_file_and_the_line(tmp_path):
+    jsonl, csv = tmp_path / "q.jsonl", tmp_path / "q.csv"
+    jsonl.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    csv.write_bytes(b"prompt,response\na,b\ncaf\xe9,b\n")
+    columns = {"prompt": "prompt", "response": "response"}
+    with pytest.raises(ValueError, match=rf"^sft data: {jsonl}:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_table(str(jsonl), columns, where="sft data")
+    with pytest.raises(ValueError, match=rf"^sft data: {csv}:3: not UTF-8 text \(byte 0xe9 at column 4\); save the "
+                                         "file as UTF-8"):
+        load_table(str(csv), columns, where="sft data")
+
+
+def test_a_column_named_twice_is_an_error(tmp_path):
+    csv, jsonl = tmp_path / "q.csv", tmp_path / "q.jsonl"
+    csv.write_text("prompt,response,prompt\na,b,c\n")  # the reader would rename the second one prompt.1
+    jsonl.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "prompt": "b", "response": "c"}\n')
+    columns = {"prompt": "prompt", "response": "response"}
+    with pytest.raises(ValueError, match=rf"{csv}:1: the header names column\(s\) 'prompt' more than once"):
+        load_table(str(csv), columns, where="sft data")
+    with pytest.raises(ValueError, match=rf"{jsonl}:2: key 'prompt' appears twice in one object"):
+        load_table(str(jsonl), columns, where="sft data")
+
+
+def test_empty_prompts_are_counted_in_a_warning():
+    enc = Encoder(build_char_tokenizer())  # adds BOS: an empty prompt still has a token
+    with pytest.warns(UserWarning, match=r"sft data: q\.jsonl: 2 of 4 prompts are empty or blank \(first: row 1\); "
+                                         r"the model sees the tokenizer's special tokens alone there"):
+        enc.prompts(["abc:", "", "de:", "  "], where="sft data: q.jsonl")
+
+
+def test_a_non_integer_for_an_integer_key_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    for value, shown in (("3.7", "3.7"), ("true", "True")):
+        path.write_text(f"steps: {value}\n")
+        with pytest.raises(ValueError, match=rf"config key 'steps' expects an integer, got {shown}"):
+            parse_args(SFTConfig, ["--config", str(path)])
+    path.write_text("steps: 3.0\nlr: 1\n")  # an integral float is an integer; an int is a float
+    cfg = parse_args(SFTConfig, ["--config", str(path)])
+    assert (cfg.steps, cfg.lr) == (3, 1.0) and isinstance(cfg.steps, int)
+    with pytest.raises(ValueError, match="'steps' expects int, got '3.7'"):
+        parse_args(SFTConfig, ["--steps", "3.7"])
+
+
+def test_a_yaml_error_gives_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 3\nlr: [0.1\nseed: 1\n")
+    with pytest.raises(ValueError, match=rf"config file '{path}', line 3, column 5: not valid YAML"):
+        parse_args(SFTConfig, ["--config", str(path)])
+    path.write_bytes(b"steps: 3\ndata: caf\xe9.jsonl\n")
+    with pytest.raises(ValueError, match=rf"config file '{path}', line 2: not UTF-8 text"):
+        parse_args(SFTConfig, ["--config", str(path)])
