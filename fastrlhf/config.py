@@ -50,9 +50,10 @@ class RunConfig:
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end.
     Used to test `--resume` and for time-boxed jobs."""
     resume: bool = False
-    """Continue from the latest checkpoint in the stage folder. The configuration must match the
-    recorded one, apart from the keys in fastrlhf.checkpoint.RESUME_FREE_KEYS; model, data and reward
-    are compared as the paths they name, inside the run folder relative to it, so a moved run folder
+    """Continue from the newest intact checkpoint in the stage folder (each is checked against its
+    sha256 manifest; a damaged one is named and skipped). The configuration must match the recorded
+    one, apart from the keys in fastrlhf.checkpoint.RESUME_FREE_KEYS; model, data and reward are
+    compared as the paths they name, inside the run folder relative to it, so a moved run folder
     resumes."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over (without it, a fresh run
@@ -67,6 +68,13 @@ class RunConfig:
     forward to backward; ZeRO-2) or `none` (replicated). Ignored in a single process."""
     device: str = "auto"
     """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
+    max_skipped_frac: float = 0.1
+    """Stop the run (non-zero exit, no final model, its last good checkpoint kept) once more than this
+    fraction of its optimizer updates (steps x updates per step) were skipped for a non-finite loss or
+    gradient; 1 = never. A run whose parameters turn non-finite always stops."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: seconds a collective (all-reduce, barrier) waits for the other ranks before it
+    fails instead of hanging."""
 
 
 @dataclass
@@ -221,6 +229,12 @@ class PPOConfig(RunConfig):
     """Gradient-norm clip: the gradient is scaled down to this norm when larger; inf = no clipping."""
     eval_prompts: int = 256
     """Built-in task only: held-out prompts to measure the true score before and after."""
+    reward_clip_abs: float = 1e6
+    """A score with |score| above this is an error naming the reward and the sample, as a NaN is (a
+    reward of 1e30 makes every update non-finite)."""
+    reward_timeout_s: float = 600.0
+    """Seconds one call of the reward (rule or reward model) may take; the log says every 60 s that
+    it is still waiting, then the run stops with an error naming the reward."""
     log_every: int = 1  # RunConfig's field, PPO's default: a row every iteration
     save_every: int = 10  # RunConfig's field, PPO's default
     dtype: str = "auto"
@@ -296,6 +310,8 @@ class PipelineConfig:
     """Run directory for every stage; overrides the stages' own `out`."""
     seed: int = 0
     """Seed for every stage; overrides the stages' own `seed`."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun, the collective timeout of every stage; overrides the stages' own `dist_timeout_s`."""
     resume: bool = False
     """Skip finished stages and resume the unfinished one from its latest checkpoint (the
     configuration must match the recorded one)."""
@@ -495,13 +511,42 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (it diverged, a reward hangs, the disk is full): `run_cli` prints
+    `prog: error: ...` and exits with `exit_code` (1), no traceback."""
+
+    exit_code = 1
+
+
+class Stopped(RunError):
+    """A signal stopped the run after its checkpoint: exit 128 + the signal's number (SIGTERM 143,
+    SIGINT 130), as a shell reports a process the signal ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def run_cli(cls, argv: list[str], prog: str, train) -> int:
     """Parse `argv` into `cls` and call `train(cfg)`; bad input (ValueError/TypeError) prints
-    `prog: error: ...` and returns 2 instead of a traceback."""
+    `prog: error: ...` and returns 2 instead of a traceback; a run that cannot go on (RunError)
+    returns its exit code (1; 143 / 130 when SIGTERM / SIGINT stopped it after a checkpoint);
+    Ctrl-C outside a training loop (loading, evaluating, exporting) returns 130."""
+    log = logging.getLogger("fastrlhf")
     try:
         train(parse_args(cls, argv, prog=prog))
     except (ValueError, TypeError) as e:
-        logging.getLogger("fastrlhf").debug("error details", exc_info=True)
+        log.debug("error details", exc_info=True)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return e.exit_code
+    except RunError as e:
+        log.debug("error details", exc_info=True)
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted outside a training loop; the checkpoints written so far are kept", file=sys.stderr)
+        return 130
     return 0
