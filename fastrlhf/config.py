@@ -69,7 +69,7 @@ class RunConfig:
     device: str = "auto"
     """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
     max_skipped_frac: float = 0.1
-    """Stop the run (non-zero exit, no final model, its last good checkpoint kept) once more than this
+    """Stop the run (non-zero exit, no final model, its last checkpoint kept) once more than this
     fraction of its optimizer updates (steps x updates per step) were skipped for a non-finite loss or
     gradient; 1 = never. A run whose parameters turn non-finite always stops."""
     dist_timeout_s: float = 600.0

@@ -239,12 +239,18 @@ def read_metrics(out: Path) -> list[dict]:
     return [row for row, _ in _rows_and_lines(path)] if path.exists() else []
 
 
+def read_summary(out: Path) -> dict:
+    """OUT/summary.json ({} when there is none); one that cannot be read is an error naming it."""
+    path = Path(out) / "summary.json"
+    fix = "repair it, or delete it (the stages that finished then lose their entry)"
+    return read_json(path, fix=fix) if path.exists() else {}
+
+
 def update_summary(out: Path, stage: str, values: dict | None) -> dict:
     """Merge `values` under `stage` in OUT/summary.json (valid JSON: NaN as null, written
     atomically); `values=None` removes the stage's entry."""
     path = Path(out) / "summary.json"
-    fix = "repair it, or delete it (the stages that finished then lose their entry)"
-    summary = read_json(path, fix=fix) if path.exists() else {}
+    summary = read_summary(out)
     if values is None:
         summary.pop(stage, None)
     else:

@@ -54,7 +54,7 @@ from fastrlhf.checkpoint import resume_from_checkpoint, run_lock, save_checkpoin
 from fastrlhf.config import RunError, Stopped
 from fastrlhf.data import AUTO, BUILTIN
 from fastrlhf.devices import resolve_device
-from fastrlhf.metrics import LineProgress, RunLogger, progress, to_floats, update_summary
+from fastrlhf.metrics import LineProgress, RunLogger, progress, read_summary, to_floats, update_summary
 from fastrlhf.models import BUILTIN_MODELS, ModelSource, model_source
 from fastrlhf.plots import plot_curves
 from fastrlhf.rollout import generate
@@ -293,6 +293,8 @@ class StageRun:
                                     tensorboard=cfg.tensorboard)
             if not self.resumed:
                 update_summary(self.out, stage, None)  # a fresh run's summary must not show an earlier run's
+            else:
+                read_summary(self.out)  # written when the stage ends: a damaged one is named now, not then
         self.stop = cfg.steps if cfg.stop_after <= 0 else min(cfg.steps, self.step + cfg.stop_after)
         self._context = contextlib.ExitStack()
         self.bar = progress(cfg.steps, self.step, stage, show=self.main)

@@ -226,13 +226,15 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(stopped_at_4, tm
     assert not (out / "sft" / "final").exists()
 
 
-def test_a_damaged_recorded_configuration_is_named(stopped_at_4, tmp_path, capsys):
+@pytest.mark.parametrize("name,fix", [("sft/config.json", "restore it, or start over with --overwrite"),
+                                      ("summary.json", "repair it, or delete it")])
+def test_a_damaged_run_file_is_named_with_what_to_do(name, fix, stopped_at_4, tmp_path, capsys):
     out = _copy(stopped_at_4, tmp_path)
-    _damage(out / "sft" / "config.json", "truncate")
+    (out / name).write_text('{"steps": 6, "seed')  # cut short
     assert cli.main([*_args(out), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert f"{out / 'sft' / 'config.json'} cannot be read (JSONDecodeError" in err
-    assert "restore it, or start over with --overwrite" in err
+    assert f"{out / name} cannot be read (JSONDecodeError" in err and fix in err
+    assert [r["step"] for r in _rows(out)] == [2, 4]  # refused before a step ran
 
 
 # ---------------------------------------------------------------- kill -9 inside a save, a second process
@@ -313,7 +315,17 @@ def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
     assert (out / "sft" / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
 
-# ---------------------------------------------------------------- a reward that hangs, a diverging run
+def test_ctrl_c_outside_the_training_loop_exits_130_without_a_traceback(tmp_path, monkeypatch, capsys):
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "prepare", interrupted)
+    assert cli.main(_args(tmp_path / "run")) == 130
+    err = capsys.readouterr().err
+    assert "fastrlhf sft: interrupted outside a training loop" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- timeouts: a reward that hangs, a collective
 
 
 HANGING_REWARD = '''
@@ -352,6 +364,30 @@ def test_a_hanging_reward_times_out_with_an_error_naming_it(tmp_path, monkeypatc
     assert (out / "ppo" / "checkpoints" / "latest").read_text().strip() == "step_000001"  # step 1 kept
     assert checkpoint.check_manifest(out / "ppo" / "checkpoints" / "step_000001") is None
     assert not (out / "ppo" / "final").exists()
+
+
+def test_dist_timeout_s_is_the_process_groups_timeout_in_a_stage_and_in_the_pipeline(monkeypatch, tmp_path):
+    import datetime
+
+    from fastrlhf import distributed, pipeline
+    from fastrlhf.config import PipelineConfig
+
+    seen = []
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, timeout: seen.append(timeout))
+    monkeypatch.setattr(distributed, "check_same_config", lambda config, what: None)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(k, v)
+    distributed.setup("cpu", {"dist_timeout_s": 7.5}, "sft")
+    cfg = PipelineConfig(out=str(tmp_path), dist_timeout_s=30)
+    cfg.sft.num_examples, cfg.rm.num_pairs, cfg.ppo.eval_prompts = 40, 40, 4
+    resolved, stages = pipeline.prepare(cfg)
+    assert {plan.cfg.dist_timeout_s for _, _, plan in stages} == {30}
+    distributed.setup("cpu", resolved, "pipeline")
+    assert seen == [datetime.timedelta(seconds=7.5), datetime.timedelta(seconds=30)]
+
+
+# ---------------------------------------------------------------- a diverging run
 
 
 def test_lr_1e30_stops_the_run_without_a_final_model(tmp_path, capsys):
