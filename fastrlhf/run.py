@@ -318,7 +318,8 @@ class StageRun:
         then read the step's guards with one device read (and under torchrun one all-reduce):
         parameters that are no longer finite, or more skipped updates than --max_skipped_frac
         allows, stop the run with a RunError before it checkpoints or publishes this state; a
-        signal makes this step the last of the invocation."""
+        signal makes this step the last of the invocation. Reading the parameters once per step
+        covers each of its updates: an update never turns an inf or NaN back into a number."""
         self.bar.set_postfix(refresh=False, **postfix)
         self.bar.update(1)
         finite = params_finite([p for g in self.optimizer.param_groups for p in g["params"]])
