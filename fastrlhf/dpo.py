@@ -48,6 +48,7 @@ from fastrlhf.run import (
     describe_data,
     evaluate_true_score,
     guarded_step,
+    holds_run_folder,
     stage_model,
     start_stage_dir,
     warn_if_batch_exceeds_data,
@@ -164,6 +165,7 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
     return DPOPlan(cfg, model, enc, train_idx, eval_idx, eval_prompts, eval_ids)
 
 
+@holds_run_folder("dpo")
 def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -191,7 +193,6 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     if builtin and not run.resumed:
         true_before = true_score()
         log.info("dpo: true score before DPO %.3f", true_before)
-    window = []
     pad_id = tokenizer.pad_token_id
     policy.train()
 
@@ -208,18 +209,18 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
         if not guarded_step(optimizer, loss, trainable, step, lr=cfg.lr):
             skipped += 1
         step += 1
-        window.append(dict(to_floats(stats), loss=loss.item()))
-        run.advance(loss=f"{loss.item():.3f}", margin=f"{stats['reward_margin'].item():.3f}")
+        run.window.append(dict(to_floats(stats), loss=loss.item()))
+        run.advance(step, skipped, loss=f"{loss.item():.3f}", margin=f"{stats['reward_margin'].item():.3f}")
         # 5. log every log_every steps, and with the held-out accuracy every eval_every steps; checkpoint
         evaluate = run.due(step, cfg.eval_every)
         if evaluate or run.due(step, cfg.log_every):
+            window = run.window
             row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
             row["skipped_nonfinite"] = skipped
             if evaluate:
                 row["accuracy"] = heldout_accuracy(model, data, eval_idx, pad_id, device)
             run.log(step, row)
-            window = []
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, policy.trainable_state(), {"skipped_nonfinite": skipped, "true_before": true_before})
 
     if not run.finish(step):

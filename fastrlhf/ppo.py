@@ -50,6 +50,7 @@ from fastrlhf.run import (
     describe_data,
     evaluate_true_score,
     finite_or_warn,
+    holds_run_folder,
     resolve_data,
     stage_model,
     start_stage_dir,
@@ -311,6 +312,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     return PPOPlan(cfg, model, prompts, prompt_ids, eval_prompts, eval_ids)
 
 
+@holds_run_folder("ppo")
 def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -326,7 +328,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=critic)
     model = distributed.shard_model(ac, cfg.shard, device)
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
-    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
+    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
+                            clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
     builtin = cfg.data == BUILTIN
     data = Dataset.from_dict({"prompt": plan.prompts, "prompt_ids": plan.prompt_ids})
     trainable = [p for p in ac.parameters() if p.requires_grad]
@@ -338,7 +341,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
 
-    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer)
+    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer,
+                   updates_per_step=cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.mini_batch_size))
     step, skipped, true_before = run.step, 0, None
     if run.resumed:
         extra = run.extra
@@ -407,10 +411,10 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
             stats["group_reward_std"] = group_reward_std(scores, G)
         if builtin:
             stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
-        run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
+        run.advance(step, skipped, reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")  # guards; a signal ends here
         if run.due(step, cfg.log_every):
             run.log(step, stats)
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, ac.trainable_state(),
                      {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
                       "phase_seconds": dict(timer.total_seconds),

@@ -21,7 +21,7 @@ import dist_worker
 import pytest
 import torch
 
-from fastrlhf import distributed, dpo, ppo, sft
+from fastrlhf import checkpoint, distributed, dpo, ppo, sft
 from fastrlhf.config import PPOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,8 +206,9 @@ def test_pipeline_on_2_ranks_writes_one_run(pipeline_2):
         assert row[f"time/{phase}"] >= row[f"time_mean/{phase}"] > 0, phase
         assert row[f"memory/{phase}"] >= row[f"memory_mean/{phase}"] > 0, phase
     ckpt = out / "ppo" / "checkpoints" / (out / "ppo" / "checkpoints" / "latest").read_text().strip()
-    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
                                                       "rank_00000.pt", "rank_00001.pt"]
+    assert checkpoint.check_manifest(ckpt) is None  # every rank's files, hashed by the ranks in turn
     assert "[rank 1]" not in stderr and stderr.count("sft: done") == 1  # rank 0 alone speaks
     # the exported model loads as a plain Hugging Face model with the trained weights
     from transformers import AutoModelForCausalLM

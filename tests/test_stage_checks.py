@@ -132,7 +132,9 @@ def test_a_run_resumes_under_another_spelling_of_out_and_after_its_folder_moved(
     assert cli.main([*args, "--out", str(tmp_path / "run"), "--stop_after", "1", "--resume"]) == 0
     shutil.move(tmp_path / "run", tmp_path / "moved")
     assert cli.main([*args, "--out", "moved", "--resume"]) == 0
-    assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [1, 2, 3]
+    # log_every 10: the row of the last step alone, as an uninterrupted run writes (an invocation that
+    # stops between two rows writes none: its logging window goes into the checkpoint)
+    assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [3]
     assert (tmp_path / "moved" / "sft" / "final").is_dir()
 
 
