@@ -10,10 +10,10 @@ from fastrlhf.estimate.arch import PRESETS, Arch, arch_from_config, format_param
 from fastrlhf.estimate.cli import main, parser, spec_from_args
 from fastrlhf.estimate.hardware import GPUS, device
 from fastrlhf.estimate.measure import TINY_LLAMA, build_tiny_model, measure, measure_states
-from fastrlhf.estimate.memory import DTYPE_BYTES, STATE_BYTES, state_table
+from fastrlhf.estimate.memory import DTYPE_BYTES, state_bytes, state_table
 from fastrlhf.estimate.plan import COMPONENTS, PPO_PHASES, STAGES, Spec, estimate
 
 __all__ = ["PRESETS", "Arch", "arch_from_config", "format_params", "parse_params", "resolve_model", "main",
            "parser", "spec_from_args", "GPUS", "device", "TINY_LLAMA", "build_tiny_model", "measure",
-           "measure_states", "DTYPE_BYTES", "STATE_BYTES", "state_table", "COMPONENTS", "PPO_PHASES", "STAGES",
+           "measure_states", "DTYPE_BYTES", "state_bytes", "state_table", "COMPONENTS", "PPO_PHASES", "STAGES",
            "Spec", "estimate"]

@@ -240,6 +240,9 @@ def format_table(result: dict, spec: Spec) -> str:
                     f" (w {_gb(m['weights'])} g {_gb(m['gradients'])} opt {_gb(m['optimizer'])}"
                     f" buf {_gb(m['buffers'])})" for name, m in r["models"].items() if m["pool"] == pool]
             lines.append(f"    states per GPU, GB: {'; '.join(held)}")
+        if r["host_memory_per_gpu_bytes"]:
+            lines.append(f"{stage}: host memory per GPU {_gb(r['host_memory_per_gpu_bytes'])} GB (offloaded optimizer "
+                         "states, fp32 gradient partitions, weights)")
         if "advice" in r:
             lines.append("  one change at a time:")
             for a in r["advice"]["single"]:

@@ -35,7 +35,8 @@ from fastrlhf.estimate.arch import LINEARS, Arch, format_params, parse_params, r
 from fastrlhf.estimate.hardware import Device, device
 from fastrlhf.estimate.memory import (
     DTYPE_BYTES,
-    STATE_BYTES,
+    ENGINES,
+    OFFLOADS,
     ModelState,
     activation_bytes,
     fill_states,
@@ -44,6 +45,7 @@ from fastrlhf.estimate.memory import (
     largest_layer_params,
     logit_bytes,
     shards_weights,
+    state_bytes,
 )
 
 STAGES = ("sft", "rm", "ppo", "grpo", "dpo")
@@ -51,9 +53,7 @@ PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
 DPO_PHASES = ("logprobs", "update")
 COMPONENTS = ("weights", "gradients", "optimizer", "buffers", "activations", "logits", "kv_cache")
 POOLS = ("gen", "actor", "critic", "reference", "reward")
-ENGINES = ("fsdp2", "deepspeed")
 GEN_ENGINES = timing.GEN_ENGINES
-OFFLOADS = ("none", "optimizer", "params")
 ROLLOUT_CACHES = ("auto", "dynamic", "static")
 LOGITS = ("linear", "fused", "materialised")
 
@@ -177,6 +177,11 @@ def _check(spec: Spec) -> None:
     if spec.offload == "optimizer" and spec.engine == "fsdp2":
         raise ValueError("offload: fsdp2 offloads parameters with their gradients and optimizer states "
                          "(CPUOffloadPolicy); use --offload params, or --engine deepspeed for optimizer only")
+    if spec.offload != "none" and spec.engine == "deepspeed" and min(z for _, z in _zero_items(spec.zero)) < 1:
+        raise ValueError("offload: DeepSpeed offloads the optimizer of a ZeRO optimizer (stage 1-3; --offload "
+                         "params needs stage 3): pass --zero 1, 2 or 3 for every trained model")
+    if spec.offload == "params" and any(z != 3 for _, z in _zero_items(spec.zero)) and spec.engine == "deepspeed":
+        raise ValueError("offload: --offload params is ZeRO-Infinity's parameter offload, stage 3 only: pass --zero 3")
     if spec.logits not in LOGITS:
         raise ValueError(f"logits: expected one of {', '.join(LOGITS)}, got {spec.logits!r}")
     device(spec.gpu)
@@ -295,8 +300,7 @@ def build_models(spec: Spec, arch: Arch, stage: str) -> list[ModelState]:
             raise ValueError(f"pools: no pool for the {name} ({role}=N)")
         shares = name == "reference" and lora
         m = ModelState(name, a, trainable, gpus[pool], zero_of(spec, name), lm_head=head, shares_base=shares,
-                       offloaded=spec.offload_frozen and name in ("reference", "reward"))
-        m.extra["pool"] = pool
+                       offloaded=spec.offload_frozen and name in ("reference", "reward"), pool=pool)
         models.append(fill_states(m, engine=spec.engine, dtype=spec.dtype, lora_rank=spec.lora_rank,
                                   lora_targets=spec.lora_targets, qlora=spec.qlora, offload=spec.offload,
                                   reward_fp32=spec.engine == "fsdp2"))
@@ -425,7 +429,7 @@ def _gen_weight_bytes(spec: Spec, m: ModelState) -> float:
     """Weights a decode step reads: stored bytes per parameter (fsdp2 full fine-tuning keeps fp32)."""
     per = DTYPE_BYTES[spec.dtype]
     if spec.engine == "fsdp2" and spec.lora_rank == 0 and spec.gen_engine == "hf":
-        per = STATE_BYTES["fsdp2"]["mixed" if per == 2 else "fp32"]["weights"]
+        per = state_bytes("fsdp2", "mixed" if per == 2 else "fp32", 0)["weights"].bytes
     return m.arch.params() * per
 
 
@@ -510,7 +514,7 @@ def _empty() -> dict:
 def _resident(models: list[ModelState], pool: str) -> dict:
     mem = _empty()
     for m in models:
-        if m.extra["pool"] == pool:
+        if m.pool == pool:
             mem["weights"] += m.weights
             mem["optimizer"] += m.optimizer
     return mem
@@ -600,7 +604,7 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
     pool_mem, pool_work = {}, {}
     rm = by.get("reward")
     if rm is not None:
-        pool = rm.extra["pool"]
+        pool = rm.pool
         mb = micro_exp(rm)
         pool_work[pool] = forward_work(spec, rm.arch, dev, share(rm), seq, lm_head=False, micro=mb,
                                        host_bytes=rm.host_bytes if rm.offloaded else 0.0)
@@ -626,7 +630,7 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         m = by.get(name)
         if m is None:
             continue
-        pool = m.extra["pool"]
+        pool = m.pool
         mb = micro_exp(m)
         w = forward_work(spec, m.arch, dev, share(m), seq, lm_head=m.lm_head, micro=mb,
                          host_bytes=m.host_bytes if m.offloaded else 0.0)
@@ -661,7 +665,7 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         m = by.get(name)
         if m is None:
             continue
-        pool = m.extra["pool"]
+        pool = m.pool
         lora = spec.lora_rank > 0
         mb = min(spec.micro_batch, share(m))
         w = train_work(spec, m.arch, dev, share(m) * spec.ppo_epochs, seq, lm_head=m.lm_head, lora=lora, micro=mb)
@@ -675,7 +679,7 @@ def _ppo_like(spec: Spec, arch: Arch, stage: str) -> dict:
         pool_work.setdefault(pool, timing.Work()).add(w)
         mem = pool_mem.setdefault(pool, base(pool))
         mem["gradients"] = max(mem["gradients"], m.gradients)  # one model steps at a time
-        mem["buffers"] = max(mem["buffers"], m.compute_copy + m.gathered)
+        mem["buffers"] = max(mem["buffers"], m.buffers())
         mem["activations"] = max(mem["activations"], activation_bytes(
             m.arch, tokens=mb * seq, seq=seq, dtype=spec.dtype, checkpointing=spec.gradient_checkpointing,
             lora_rank=spec.lora_rank, lora_targets=spec.lora_targets, qlora=spec.qlora,
@@ -697,14 +701,14 @@ def _dpo(spec: Spec, arch: Arch) -> dict:
     models = build_models(spec, arch, "dpo")
     by = {m.name: m for m in models}
     actor, ref = by["actor"], by["reference"]
-    pool = actor.extra["pool"]
+    pool = actor.pool
     seq = spec.seq_len + spec.gen_len
     pairs = spec.rollout_batch / actor.gpus  # per GPU per optimizer step
     mb = min(spec.micro_batch, pairs)
     lora = spec.lora_rank > 0
     phases = {}
     mem = _resident(models, pool)
-    if ref.extra["pool"] != pool:
+    if ref.pool != pool:
         raise ValueError("dpo: the reference runs beside the policy (colocated, or reference in the actor pool)")
     mem["buffers"] = ref.gathered
     mem["activations"] = forward_working_bytes(arch, tokens=2 * mb * seq, seq=seq, dtype=spec.dtype,
@@ -715,7 +719,7 @@ def _dpo(spec: Spec, arch: Arch) -> dict:
     phases["logprobs"] = _phase({pool: mem}, {pool: w}, dev, forward_flops(arch, 2 * spec.rollout_batch * seq, seq / 2))
     mem = _resident(models, pool)
     mem["gradients"] = actor.gradients
-    mem["buffers"] = actor.compute_copy + actor.gathered
+    mem["buffers"] = actor.buffers()
     mem["activations"] = activation_bytes(arch, tokens=2 * mb * seq, seq=seq, dtype=spec.dtype,
                                           checkpointing=spec.gradient_checkpointing, lora_rank=spec.lora_rank,
                                           lora_targets=spec.lora_targets, qlora=spec.qlora,
@@ -734,13 +738,13 @@ def _training_stage(spec: Spec, arch: Arch, stage: str) -> dict:
     dev = device(spec.gpu)
     models = build_models(spec, arch, stage)
     m = models[0]
-    pool = m.extra["pool"]
+    pool = m.pool
     seq = spec.seq_len + spec.gen_len
     sequences = spec.micro_batch * (2 if stage == "rm" else 1)
     tokens = sequences * seq
     mem = _resident(models, pool)
     mem["gradients"] = m.gradients
-    mem["buffers"] = m.compute_copy + m.gathered
+    mem["buffers"] = m.buffers()
     mem["activations"] = activation_bytes(arch, tokens=tokens, seq=seq, dtype=spec.dtype,
                                           checkpointing=spec.gradient_checkpointing, lora_rank=spec.lora_rank,
                                           lora_targets=spec.lora_targets, qlora=spec.qlora,
@@ -794,7 +798,8 @@ def _candidates(spec: Spec, stage: str) -> list[tuple[str, dict]]:
         out.append(("--lora-rank 16", {"lora_rank": 16}))
     if spec.offload == "none" and dev.kind == "gpu":
         if spec.engine == "deepspeed":
-            out.append(("--offload optimizer", {"offload": "optimizer"}))
+            out.append(("--offload optimizer" + (" --zero 2" if top < 1 else ""),
+                        {"offload": "optimizer", "zero": 2 if top < 1 else spec.zero}))
         out.append(("--offload params" + (" --zero 3" if top < 3 else ""),
                     {"offload": "params", "zero": 3 if top < 3 else spec.zero}))
     if not spec.offload_frozen and stage in ("ppo", "grpo", "dpo"):
@@ -891,6 +896,9 @@ def estimate(spec: Spec | None = None, **overrides) -> dict:
         result = {
             "memory_per_gpu_bytes": memory,
             "fits": all(f["fits"] for f in fit.values()),
+            # offload: host memory per GPU (optimizer states, fp32 gradient partitions, offloaded weights)
+            "host_memory_per_gpu_bytes": int(max(sum(m.host_bytes for m in raw["models"] if m.pool == pool)
+                                                 for pool in pool_gpus(spec))),
             "pools": {p: dict(f, gpus=pool_gpus(spec)[p]) for p, f in fit.items()},
             "flops": flops * spec.steps,
             "seconds": seconds * spec.steps,
@@ -898,9 +906,9 @@ def estimate(spec: Spec | None = None, **overrides) -> dict:
             "cost_usd": seconds * spec.steps * total_gpus * spec.price / 3600,
             "dominant_phase": dominant,
             "models": {m.name: {"params": m.arch.params(), "trainable_params": m.trainable_params,
-                                "pool": m.extra["pool"], "gpus": m.gpus, "zero": m.zero,
+                                "pool": m.pool, "gpus": m.gpus, "zero": m.zero,
                                 "weights": int(m.weights), "gradients": int(m.gradients),
-                                "optimizer": int(m.optimizer), "buffers": int(m.compute_copy + m.gathered),
+                                "optimizer": int(m.optimizer), "buffers": int(m.buffers()),
                                 "host_bytes": int(m.host_bytes)}
                        for m in raw["models"]},
         }
