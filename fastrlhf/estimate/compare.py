@@ -245,18 +245,14 @@ def compare(record: RunRecord, spec=None, stat: str = "median", key: str = "time
 
 
 def compare_main(args, explicit: set[str], given) -> int:
-    """`fastrlhf estimate --compare-run OUT [flags]`: `given` is the Spec of the command line, whose
-    `explicit` flags override what is read from the run."""
+    """`fastrlhf estimate --compare-run OUT [--KEY VALUE ...]`: `given` is the Spec of the command line, whose
+    `explicit` keys override what is read from the run."""
     import dataclasses
     import shlex
 
     record = read_run(args.compare_run, argv=shlex.split(args.run_args) if args.run_args else None)
-    spec = spec_from_run(record, args.gpu)
-    fields = {f.name for f in dataclasses.fields(spec)}
-    names = {k.replace("-", "_") for k in explicit} & fields
-    if "no_flash" in explicit:
-        names.add("flash_attention")
-    spec = dataclasses.replace(spec, **{n: getattr(given, n) for n in names})
+    spec = spec_from_run(record, given.gpu)
+    spec = dataclasses.replace(spec, **{n: getattr(given, n) for n in explicit})
     out = compare(record, spec)
     if args.json:
         print(json.dumps(out, indent=2))
