@@ -557,3 +557,40 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
     assert "missing num_hidden_layers" in capsys.readouterr().err
     assert est.main(["--pools", "gen=two"]) == 2
     assert "pools" in capsys.readouterr().err
+
+
+def test_zero3_hf_generate_gathers_every_layer_at_every_decode_step():
+    """DeepSpeed-Chat without its hybrid engine: HF generate under ZeRO-3 all-gathers every layer for every decode
+    step (gen_len + 1 forwards per generate call); the hybrid engine gathers the actor once per call."""
+    base = dict(model="llama-2-7b", engine="deepspeed", zero=3, gpus=16, gpu="a800-80g", rollout_batch=128,
+                micro_rollout_batch=8, seq_len=1024, gen_len=1024)
+    hf, he = (_ppo(**base, gen_engine=e)["phases"]["rollout"] for e in ("hf", "ds-he"))
+    gathers = 128 / 16 / 8 * (1024 + 1)  # generate calls x forwards per call
+    per_gather = est.PRESETS["llama-2-7b"].params() * 2 * 15 / 16 / est.GPUS["a800-80g"].network
+    assert hf["terms"]["comm"] >= gathers * per_gather / timing.factors("gpu")["net"]
+    assert hf["terms"]["comm"] > 100 * he["terms"]["comm"] and hf["seconds"] > 3 * he["seconds"]
+
+
+def test_vllm_batches_continuously_not_in_micro_rollout_batches():
+    """vLLM decodes all of an engine's prompts with continuous batching up to its KV capacity: the trainer's
+    micro-rollout batch does not chunk it, and the decode steps follow the tokens over the running slots."""
+    base = dict(model="llama-2-7b", gen_engine="vllm", gpus=8, zero=3, gpu="a100-80g", rollout_batch=8192,
+                seq_len=512, gen_len=1024, mean_gen_len=400)  # 1024 prompts per engine, 256 slots
+    whole, chunked = _ppo(**base), _ppo(**base, micro_rollout_batch=4)
+    assert whole["phases"]["rollout"]["seconds"] == chunked["phases"]["rollout"]["seconds"]
+    # 1024 x 400 tokens over 256 slots: 1600 steps; 1024 x 100 over 256: 400, so the longest response's 1024 steps
+    short = _ppo(**dict(base, mean_gen_len=100))["phases"]["rollout"]["seconds"]
+    assert short < 0.8 * whole["phases"]["rollout"]["seconds"]
+
+
+def test_fit_allowance_is_the_cuda_context_and_tight_marks_the_allocator_margin():
+    """fits: peak + 1 GiB of CUDA context <= the GPU; tight: what is left is under 5% of the GPU."""
+    from fastrlhf.estimate.plan import FRAGMENTATION
+
+    dev = est.GPUS["a100-80g"]
+    assert dev.context_bytes == 2**30 and FRAGMENTATION == 0.05
+    for micro in (1, 2, 4, 8, 16, 32):
+        r = _sft(model="llama-2-7b", lora_rank=16, micro_batch=micro, seq_len=2048)
+        left = dev.memory_bytes - dev.context_bytes - r["memory_per_gpu_bytes"]["peak"]
+        assert r["fits"] == (left >= 0)
+        assert r["tight"] == (0 <= left < 0.05 * dev.memory_bytes)
