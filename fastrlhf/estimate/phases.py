@@ -543,3 +543,7 @@ def train_step(ctx: Context) -> Phase:
     flops = W.train_passes(spec.lora_rank > 0, spec.gradient_checkpointing) * W.forward_flops(
         ctx.arch, sequences * ctx.seq * m.gpus, ctx.seq / 2, lm_head)
     return Phase("train", {m.pool: mem}, {m.pool: work}, flops, work_by_model={m.name: work}, optimizer_steps=1)
+
+
+PPO_PHASES = tuple(STAGE_PHASES["ppo"])  # the trainer's phases, in order (fastrlhf.metrics.PPO_PHASES; a test keeps
+# them equal: the planner imports no torch, which fastrlhf.metrics does)

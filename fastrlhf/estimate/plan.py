@@ -23,6 +23,7 @@ from fastrlhf.estimate.hardware import Device, device
 from fastrlhf.estimate.memory import ModelState, fill_states, largest_layer_params
 from fastrlhf.estimate.phases import (
     COMPONENTS,
+    PPO_PHASES,
     STAGE_MODELS,
     STAGE_PHASES,
     Context,
@@ -34,7 +35,6 @@ from fastrlhf.estimate.spec import POOLS, STAGES, Spec, check, resolved, zero_it
 __all__ = ["COMPONENTS", "PPO_PHASES", "STAGES", "POOLS", "Spec", "Plan", "StageResult", "estimate", "make_plan",
            "resolved", "check", "host_engine", "phase_works"]
 
-PPO_PHASES = tuple(STAGE_PHASES["ppo"])  # the trainer's phases, in order (fastrlhf.metrics.PPO_PHASES)
 FRAGMENTATION = 0.05  # of the GPU's memory: the allocator's cache of freed blocks (the module docstring)
 
 

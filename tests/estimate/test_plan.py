@@ -334,10 +334,10 @@ def test_critic_and_reward_of_their_own_size():
 
 
 def test_phase_names_are_the_trainers():
-    from fastrlhf.estimate.compare import RUN_PHASES
+    from fastrlhf.estimate.compare import PPO_PHASES as compared
     from fastrlhf.metrics import PPO_PHASES
 
-    assert est.PPO_PHASES == RUN_PHASES == PPO_PHASES
+    assert est.PPO_PHASES == compared == PPO_PHASES
 
 
 def test_micro_rollout_batch_bounds_the_kv_cache_and_costs_time():
