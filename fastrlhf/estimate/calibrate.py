@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fastrlhf.estimate.timing as timing
-from fastrlhf.estimate import work as W
+import fastrlhf.estimate.work as W
 from fastrlhf.estimate.arch import resolve_model
 from fastrlhf.estimate.compare import RunRecord, compare, spec_from_run
 from fastrlhf.estimate.hardware import DATA, device

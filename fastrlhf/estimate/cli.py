@@ -13,8 +13,8 @@ from fastrlhf.estimate.arch import format_params
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import state_table
 from fastrlhf.estimate.phases import COMPONENTS, host_engine
-from fastrlhf.estimate.plan import FRAGMENTATION, actor_arch, estimate
-from fastrlhf.estimate.spec import Spec, resolved
+from fastrlhf.estimate.plan import FRAGMENTATION, estimate
+from fastrlhf.estimate.spec import Spec, actor_arch, resolved
 
 DESCRIPTION = """Memory per GPU, FLOPs, time (with a cross-validated range) and cost of each RLHF stage and PPO phase,
 fit per pool; --stage serve: the cost of serving the tuned policy.

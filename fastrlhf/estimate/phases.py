@@ -22,8 +22,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastrlhf.estimate import timing as T
-from fastrlhf.estimate import work as W
+import fastrlhf.estimate.timing as T
+import fastrlhf.estimate.work as W
 from fastrlhf.estimate.arch import Arch
 from fastrlhf.estimate.hardware import Device
 from fastrlhf.estimate.memory import (

@@ -30,7 +30,8 @@ from fastrlhf.estimate.phases import (
     Phase,
     host_engine,
 )
-from fastrlhf.estimate.spec import POOLS, STAGES, Spec, check, resolved, zero_items, zero_of
+from fastrlhf.estimate.serve import serve
+from fastrlhf.estimate.spec import POOLS, STAGES, Spec, actor_arch, check, resolved, zero_items, zero_of
 
 __all__ = ["COMPONENTS", "PPO_PHASES", "STAGES", "POOLS", "Spec", "Plan", "StageResult", "estimate", "make_plan",
            "resolved", "check", "host_engine", "phase_works"]
@@ -40,13 +41,6 @@ FRAGMENTATION = 0.05  # of the GPU's memory: the allocator's cache of freed bloc
 
 # ---------------------------------------------------------------------------------------------
 # Models and pools
-
-
-def actor_arch(spec: Spec) -> Arch:
-    arch = resolve_model(spec.model)
-    if spec.params is not None:
-        arch = scaled(arch, parse_params(spec.params))
-    return arch
 
 
 def other_arch(value, actor: Arch, what: str) -> Arch:
@@ -290,8 +284,6 @@ def make_plan(spec: Spec | None = None, **overrides) -> Plan:
     check(spec)
     out = Plan(spec, actor_arch(spec), device(spec.gpu))
     if spec.stage == "serve":
-        from fastrlhf.estimate.serve import serve
-
         out.stages["serve"] = serve(spec)
         return out
     for stage in ("sft", "rm", "ppo") if spec.stage == "all" else (spec.stage,):

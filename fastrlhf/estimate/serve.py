@@ -26,12 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fastrlhf.estimate import timing as T
-from fastrlhf.estimate import work as W
+import fastrlhf.estimate.timing as T
+import fastrlhf.estimate.work as W
 from fastrlhf.estimate.arch import Arch
 from fastrlhf.estimate.hardware import Device, device
 from fastrlhf.estimate.memory import forward_working_bytes, kv_cache_bytes
-from fastrlhf.estimate.spec import Spec
+from fastrlhf.estimate.spec import Spec, actor_arch
 
 # bytes per weight by serving precision (int4: 4 bits + a bf16 scale per group of 128, GPTQ / AWQ layout)
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1, "int4": 0.5 + 2 / 128}
@@ -155,8 +155,6 @@ class ServeResult:
 
 
 def serve(spec: Spec) -> ServeResult:
-    from fastrlhf.estimate.plan import actor_arch
-
     e = engine_of(spec, actor_arch(spec))
     cap = e.max_concurrency()
     if cap < 1:

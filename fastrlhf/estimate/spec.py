@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastrlhf.estimate.arch import LINEARS, Arch
+from fastrlhf.estimate.arch import LINEARS, Arch, parse_params, resolve_model, scaled
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import DTYPE_BYTES, ENGINES, OFFLOADS
 
@@ -33,7 +33,8 @@ class Spec:
     unless they say per GPU."""
 
     model: str | dict | Arch = "llama-2-7b"
-    """Preset (llama-2-7b, llama-2-13b, llama-2-70b, codellama-34b, llama-3-8b, qwen2.5-0.5b, qwen2.5-7b, opt-350m
+    """Preset (llama-2-7b, llama-2-13b, llama-2-70b, codellama-34b, llama-3-8b, llama-3.1-8b, llama-3.1-70b,
+    qwen2.5-0.5b, qwen2.5-7b, opt-350m
     ... opt-66b), a `fastrlhf ppo --model` built-in (tiny, qwen2-0.5b, llama-0.5b), a model directory or a
     config.json."""
     params: int | str | None = None
@@ -158,6 +159,14 @@ def parse_zero(text) -> int | dict[str, int]:
         return int(text)
     except ValueError:
         raise ValueError(f"zero: expected a stage 0-3 or actor=3,critic=2,..., got {text!r}") from None
+
+
+def actor_arch(spec: Spec) -> Arch:
+    """The actor's shape: `model` resolved, widened or narrowed to `params` when given."""
+    arch = resolve_model(spec.model)
+    if spec.params is not None:
+        arch = scaled(arch, parse_params(spec.params))
+    return arch
 
 
 def resolved(spec: Spec) -> Spec:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 
+import fastrlhf.estimate.timing as T
 from fastrlhf.constants import SMALL_MODEL_PARAMS
-from fastrlhf.estimate import timing as T
 from fastrlhf.estimate.arch import Arch
 from fastrlhf.estimate.hardware import Device
 from fastrlhf.estimate.memory import DTYPE_BYTES, kv_cache_bytes
