@@ -19,6 +19,7 @@ import inspect
 import logging
 import sys
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,7 +378,29 @@ def flat_fields(cls, prefix: str = "") -> dict[str, Key]:
     return out
 
 
+def _members(tp) -> tuple:
+    """The types of a union (`int | str | None`), () for any other type."""
+    return typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else ()
+
+
+def _type_name(tp) -> str:
+    if _members(tp):
+        return " | ".join(_type_name(m) for m in _members(tp))
+    return "None" if tp is type(None) else getattr(tp, "__name__", None) or str(tp)
+
+
 def _convert(key: str, tp: type, value):
+    members = _members(tp)
+    if members:  # `int | str | None`: None from none/null, else the first member that takes the value
+        if type(None) in members and (value is None or str(value).lower() in ("none", "null")):
+            return None
+        kinds = [m for m in members if m is not type(None)]
+        for member in [m for m in kinds if isinstance(m, type) and isinstance(value, m)] + kinds:
+            try:
+                return _convert(key, member, value)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -392,7 +415,7 @@ def _convert(key: str, tp: type, value):
     try:
         return tp(value)
     except (TypeError, ValueError):
-        raise ValueError(f"config key {key!r} expects {tp.__name__}, got {value!r}") from None
+        raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}") from None
 
 
 def _set(cfg, dotted: str, value) -> None:
@@ -472,7 +495,7 @@ def help_text(cls) -> str:
     """Every key with its type, default and docstring, as `--help` prints them."""
     lines = []
     for name, key in flat_fields(cls).items():
-        lines.append(f"  --{name} ({key.type.__name__}, default {key.default!r})")
+        lines.append(f"  --{name} ({_type_name(key.type)}, default {key.default!r})")
         lines += textwrap.wrap(key.doc, width=96, initial_indent="      ", subsequent_indent="      ")
     return "keys:\n" + "\n".join(lines)
 
