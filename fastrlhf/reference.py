@@ -679,7 +679,7 @@ def cispo(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, rat
     losses = -bounded.detach() * advantages * logp
     high = None if ratio_max is None else (ratio > ratio_max) & (advantages > 0)
     stats = _family_stats(mask, _token_log_ratio(logp, old_logp, ratio_level, log_ratio_clamp), logp, old_logp,
-                          clipfrac=ratio != bounded, clipfrac_high=high)
+                          clipfrac=ratio != bounded, clipfrac_lower=None, clipfrac_high=high)
     return agg_loss(_weighted(losses, is_weights), mask, agg, **agg_kw), stats
 
 
@@ -845,17 +845,18 @@ def geo_mean(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, 
 
 
 def vespo_weights(log_ratio, advantages, mask, *, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0,
-                  is_weights=None):
+                  sampler_weights=None):
     """VESPO's gamma weights, no gradient: phi(w) = exp(lam + k log w - lam w), w the sequence ratio
-    exp(clamp(sum_t m clamp(log_ratio, +-20) + sum_t m clamp(log is, log 1e-8, 20), log 1e-8, 20)),
-    (k, lam) = (k_pos, lambda_pos) where A >= 0 else (k_neg, lambda_neg), lam >= 1e-4; non-finite phi
-    is 0. Read from TRL 1.16 GRPOTrainer.get_gamma_weights (it sums the IS log-ratios over every
-    position, where TRL's own IS ratios are 1 off the mask; this sums over the mask)."""
+    exp(clamp(sum_t m clamp(log_ratio, +-20) + sum_t m clamp(log s, log 1e-8, 20), log 1e-8, 20)) with
+    s = sampler_weights (the sampler correction's per-token weights, None: none), (k, lam) =
+    (k_pos, lambda_pos) where A >= 0 else (k_neg, lambda_neg), lam >= 1e-4; non-finite phi is 0.
+    Read from TRL 1.16 GRPOTrainer.get_gamma_weights (it sums log s over every position, where TRL's
+    own IS ratios are 1 off the mask; this sums over the mask)."""
     lr = clamp_log_ratio(log_ratio.detach(), LOG_RATIO_CLAMP)
     seq = masked(lr, mask).sum(-1, keepdim=True)
-    if is_weights is not None:
-        log_is = torch.clamp(torch.log(is_weights.detach()), VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
-        seq = seq + masked(log_is, mask).sum(-1, keepdim=True)
+    if sampler_weights is not None:
+        log_s = torch.clamp(torch.log(sampler_weights.detach()), VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        seq = seq + masked(log_s, mask).sum(-1, keepdim=True)
     log_w = torch.clamp(seq, VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
     nonneg = advantages >= 0
     k = torch.where(nonneg, torch.full_like(advantages, k_pos), torch.full_like(advantages, k_neg))
@@ -866,18 +867,18 @@ def vespo_weights(log_ratio, advantages, mask, *, k_pos=2.0, lambda_pos=3.0, k_n
 
 
 @register_policy_loss("vespo")
-def vespo(logp, old_logp, advantages, mask, *, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, is_weights=None,
-          agg="token-mean", **agg_kw):
-    """VESPO: l = -phi A logp with the detached gamma weight phi of the sequence ratio (vespo_weights).
-    is_weights (the sampler correction) enter phi, not the loss. Read from TRL 1.16
-    GRPOTrainer._compute_loss loss_type="vespo". stats: phi_mean (masked mean of phi), approx_kl."""
+def vespo(logp, old_logp, advantages, mask, *, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0,
+          sampler_weights=None, is_weights=None, agg="token-mean", **agg_kw):
+    """VESPO: l = -phi A logp with the detached gamma weight phi of the sequence ratio (vespo_weights);
+    the sampler correction enters phi (sampler_weights), not the loss (TRL multiplies every other loss
+    type by it). Read from TRL 1.16 GRPOTrainer._compute_loss loss_type="vespo". stats: phi_mean
+    (masked mean of phi), approx_kl."""
     phi = vespo_weights(logp - old_logp, advantages, mask, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg,
-                        lambda_neg=lambda_neg, is_weights=is_weights)
+                        lambda_neg=lambda_neg, sampler_weights=sampler_weights)
     losses = -phi * advantages * logp
     stats = _family_stats(mask, logp - old_logp, logp, old_logp)
     stats["phi_mean"] = masked_mean(phi, mask)
-    return agg_loss(losses, mask, agg, **agg_kw), stats
-
+    return agg_loss(_weighted(losses, is_weights), mask, agg, **agg_kw), stats
 
 def high_entropy_mask(entropy, mask, quantile):
     """[B, T] bool: the mask=1 tokens whose entropy is >= the (1 - quantile) quantile of the mask=1
@@ -921,6 +922,10 @@ def _extreme(x, mask, largest):
     if values.numel() == 0:
         return x.new_zeros(())
     return values.max() if largest else values.min()
+
+
+def _log(v):
+    return math.log(v) if v > 0 else -math.inf
 
 
 def _bounds(low, high):
@@ -1038,8 +1043,8 @@ def _is_metrics(weights, raw, log_stat, mask, level, mode, low, high):
     else:
         out["rollout_is_max"] = torch.exp(torch.clamp(log_stat.max(), max=LOG_RATIO_CLAMP))
         out["rollout_is_min"] = torch.exp(log_stat.min())
-        out["rollout_is_ratio_fraction_high"] = (log_stat > math.log(upper)).to(raw.dtype).mean()
-        out["rollout_is_ratio_fraction_low"] = (log_stat < math.log(lower)).to(raw.dtype).mean()
+        out["rollout_is_ratio_fraction_high"] = (log_stat > _log(upper)).to(raw.dtype).mean()
+        out["rollout_is_ratio_fraction_low"] = (log_stat < _log(lower)).to(raw.dtype).mean()
     clipped = torch.clamp(weights, 0.0, upper)
     mean = masked_mean(clipped, mask)
     n = mask.to(raw.dtype).sum()
