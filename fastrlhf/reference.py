@@ -24,8 +24,6 @@ The kernels and the ops' torch path implement the same rules.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fastrlhf.constants import (
@@ -924,12 +922,16 @@ def _extreme(x, mask, largest):
     return values.max() if largest else values.min()
 
 
+INF = float("inf")
+
+
 def _log(v):
-    return math.log(v) if v > 0 else -math.inf
+    """log of a Python number in float64 (-inf at 0)."""
+    return torch.log(torch.tensor(v, dtype=torch.float64)).item()
 
 
 def _bounds(low, high):
-    return -math.inf if low is None else low, math.inf if high is None else high
+    return -INF if low is None else low, INF if high is None else high
 
 
 def _gate_statistic(old_logp, rollout_logp, log_ratio, mask, level, gate):
@@ -1032,7 +1034,7 @@ def _is_metrics(weights, raw, log_stat, mask, level, mode, low, high):
     statistic over all B rows (max clamped at exp(20)); at the token level of the tokens. std and ESS
     of the weights clamped to [0, upper]: ESS = 1 / mean((w / (mean(w) + 1e-8))^2). The per-row mean
     weights over all B rows (0 for an empty one) give the seq_* metrics; mask mode adds oob_ratio."""
-    upper = math.inf if high is None else high
+    upper = INF if high is None else high
     lower = 1.0 / upper if low is None else low
     out = {"rollout_is_mean": masked_mean(weights, mask)}
     if level == "token":
@@ -1051,7 +1053,8 @@ def _is_metrics(weights, raw, log_stat, mask, level, mode, low, high):
     variance = masked_mean(clipped * clipped, mask) - mean * mean
     out["rollout_is_std"] = torch.sqrt(torch.clamp(variance, min=0.0)) if n > 1 else torch.zeros_like(mean)
     normalized = clipped / (mean + IS_ESS_EPS)
-    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalized * normalized, mask)
+    # (0 for an empty mask, where verl raises)
+    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalized * normalized, mask) if n > 0 else n * 0
     per_row = _row_means(weights, mask)
     out["rollout_is_seq_mean"] = per_row.mean()
     out["rollout_is_seq_std"] = per_row.std() if per_row.numel() > 1 else torch.zeros_like(mean)
@@ -1091,7 +1094,7 @@ def _rejection(x, mask, reject):
         level, k = name.rsplit("_", 1)
         if k == "k1":
             lower, upper = (1.0 / threshold, threshold) if isinstance(threshold, (int, float)) else threshold
-            lower, upper = math.log(lower), math.log(upper)
+            lower, upper = _log(lower), _log(upper)
         else:
             lower, upper = None, threshold
         token = stats[k]
@@ -1103,7 +1106,7 @@ def _rejection(x, mask, reject):
             elif level == "seq_mean":
                 per_row = _row_means(token, mask)
             else:
-                per_row = torch.where(nonempty, torch.where(selected, token, -math.inf).max(-1).values,
+                per_row = torch.where(nonempty, torch.where(selected, token, -INF).max(-1).values,
                                       torch.zeros_like(nonempty, dtype=token.dtype))
             value = per_row.unsqueeze(-1).expand_as(token)
         passes = (value <= upper) if lower is None else (value >= lower) & (value <= upper)
@@ -1153,10 +1156,11 @@ def _rs_metrics(prefix, value, per_row, mask, upper, lower):
         out[f"{prefix}_seq_fraction_high"] = (rows > upper).to(dtype).mean()
         if lower is not None:
             out[f"{prefix}_seq_fraction_low"] = (rows < lower).to(dtype).mean()
-    else:
-        for name in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high",
-                     "seq_fraction_low"):
+    else:  # verl raises for an empty mask before it gets here; 0 for each, keys as above
+        for name in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high"):
             out[f"{prefix}_{name}"] = zero
+        if lower is not None:
+            out[f"{prefix}_seq_fraction_low"] = zero
     return out
 
 
@@ -1203,8 +1207,10 @@ def trl_sampling_metrics(train_logp, rollout_logp, mask):
 
 def trl_ratio_metrics(weights, unit_weights, mask, level):
     """TRL 1.16: importance_sampling_ratio_min / _mean / _max of the applied weights, over the mask=1
-    tokens (token level) or over the B rows' weights, empty rows included (row levels)."""
-    values = weights[mask != 0] if level == "token" else unit_weights.flatten()
+    tokens (token level, or per-token weights) or over the B rows' weights, empty rows included (one
+    weight per row)."""
+    per_row = level != "token" and unit_weights.shape[-1] == 1
+    values = unit_weights.flatten() if per_row else weights[mask != 0]
     zero = weights.new_zeros(())
     if values.numel() == 0:
         return {f"importance_sampling_ratio_{k}": zero for k in ("min", "mean", "max")}
