@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastrlhf import reference as R
+from fastrlhf.constants import POLICY_LOSS_MODES
 from fastrlhf.ops import policy_modes as pm
 
 F64 = torch.float64
@@ -204,4 +205,4 @@ def test_registries_reject_a_name_twice():
         R.register_policy_loss("cispo")(lambda *a, **k: None)
     with pytest.raises(ValueError, match="already registered"):
         pm.register_mode("sapo")(lambda x, spec: None)
-    assert sorted(R.POLICY_LOSSES) == sorted(pm.MODES)
+    assert sorted(R.POLICY_LOSSES) == sorted(pm.MODES) == sorted(POLICY_LOSS_MODES)

@@ -51,7 +51,7 @@ def assert_f64(ours, peer, *, key, float32=False):
     diff = (a[ok] - b[ok]).abs()
     if diff.numel() == 0:
         return
-    record(key, diff.max())
+    record(key + ("float32",) if float32 else key, diff.max())
     allowed = (FLOAT32_RTOL * a[ok].abs()) if float32 else (FLOAT64_ATOL + FLOAT64_RTOL * b[ok].abs())
     worst = int((diff - allowed).argmax())
     assert diff[worst] <= allowed[worst], (f"{key}: |{a[ok][worst].item()!r} - {b[ok][worst].item()!r}| = "
