@@ -162,6 +162,18 @@ def _outcome_advantages(dtype):
     return (lambda: [ops.outcome_advantages(scores, mask, group_ids=ids, estimator="rloo", whiten="tokens")]), []
 
 
+def _rollout_correction(dtype):
+    old, rollout, mask = _lp(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
+
+    def fn():
+        weights, keep, metrics = ops.rollout_correction(old, rollout, mask, level="sequence", mode="mask", low=0.5,
+                                                        high=2.0, batch_normalize=True,
+                                                        reject={"token_k1": (0.5, 2.0), "seq_max_k3": 1.0})
+        return [weights, keep, *metrics.values()]
+
+    return fn, []
+
+
 def _pair_leaves(dtype):
     return [_lp(B, requires_grad=True, dtype=dtype) * 10 for _ in range(4)]
 
@@ -214,6 +226,7 @@ CASES = {
     "linear_logprobs": _linear_logprobs,
     "linear_ppo_actor_loss": _linear_ppo_actor_loss,
     "outcome_advantages": _outcome_advantages,
+    "rollout_correction": _rollout_correction,
     "dpo_loss": _dpo_loss,
     "linear_sequence_logprobs": _linear_sequence_logprobs,
     "linear_dpo_loss": _linear_dpo_loss,
@@ -379,6 +392,12 @@ def _opcheck_samples(dtype, triton):
                                    None, True, True, True, triton)),
         "outcome_advantages": (fl.outcome_advantages, (g[:, 0].detach(), mask, torch.tensor([4, 1, 4]), "grpo", 1e-6,
                                                        "group", True, "score", "tokens", 1e-8, "add")),
+        "rollout_correction": (fl.rollout_correction, (lp.detach(), ref_lp, mask, "sequence", "mask", 0.5, 2.0, "ratio",
+                                                       "level", -20.0, 20.0, False, True, [0, 10],
+                                                       [-0.7, float("nan")], [0.7, 1.0])),
+        "rollout_correction-geometric_tv": (fl.rollout_correction, (lp.detach(), ref_lp, mask, "geometric", "mask", 0.0,
+                                                                    0.1, "tv", "token", None, None, True, False, [],
+                                                                    [], [])),
         "dpo_loss": (fl.dpo_loss, (*pairs, None, None, 0.1, "sigmoid", 0.1)),
         "dpo_loss-ipo_lengths": (fl.dpo_loss, (*pairs, lengths, lengths + 1, 0.1, "ipo", 0.0)),
         "dpo_loss-hinge": (fl.dpo_loss, (*pairs, None, None, 0.5, "hinge", 0.0)),
