@@ -39,14 +39,21 @@ def register(name: str, forward: Callable, fake: Callable, *, setup_context: Cal
         eager without grad                         -> forward(*inputs)
 
     `setup_context(ctx, inputs, output)` and `backward(ctx, *grads)` serve both the custom op and the
-    Function (the same ctx API: save_for_backward, needs_input_grad, mark_non_differentiable)."""
+    Function (the same ctx API: save_for_backward, needs_input_grad, mark_non_differentiable); the
+    Function's ctx also has `eager = True`: only there may a backward overwrite a forward output in place
+    (the custom op's outputs are the caller's, and opcheck compares them after a backward)."""
     op = torch.library.custom_op(f"fastrlhf::{name}", forward, mutates_args=mutates_args)
     op.register_fake(fake)
     function = None
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
+
+        def eager_setup_context(ctx, inputs, output):
+            setup_context(ctx, inputs, output)
+            ctx.eager = True  # the backward may work in place on what the forward handed it (no one else sees it)
+
         function = type(f"{name}_function", (torch.autograd.Function,), {
-            "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+            "forward": staticmethod(forward), "setup_context": staticmethod(eager_setup_context),
             "backward": staticmethod(backward)})
 
     def call(*inputs, grad: bool = False):

@@ -25,6 +25,7 @@ on the device when that scalar is 1).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple
 
@@ -45,11 +46,12 @@ from fastrlhf.ops._common import (
     safe_inverse,
     use_triton,
 )
+from fastrlhf.ops._dispatch import register
 from fastrlhf.ops.kl import kl_grad, kl_value
 from fastrlhf.ops.logprobs import as_3d, logprobs_bwd, logprobs_fwd
 
-POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
-VALUE_SUMS = ("loss", "n_clipped", "n_mask")
+POLICY_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_unclamped")
+VALUE_STATS = ("clipfrac",)
 # per-token rows the actor loss keeps (0 where mask == 0): its three weighted terms, then what its stats average
 TOKEN_TERMS = ("pg_loss", "kl_loss", "entropy_loss", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl")
 ACTOR_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy", "kl")
@@ -311,68 +313,144 @@ def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, kl_coef: float, entropy_
     return loss, stats
 
 
-# ---------------------------------------------------------------- fastrlhf::policy_loss
+# ---------------------------------------------------------------- policy and value: the shared parts
 
 
-def _policy_sums_torch(logp, old_logp, advantages, mask, scale, is_weights, clip_low, clip_high, dual_clip,
-                       need_grad):
-    dtype = out_dtype(logp)
-    lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
-    w = scale.to(dtype).unsqueeze(1) * m
-    if is_weights is not None:
-        w = w * is_weights.to(dtype)
-    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
-    terms = torch.stack([loss * w, clipped * m, _flags(lower, m) * m, -log_ratio * m, m, (olp - lp) * m])
-    sums = _off_mask_zero(terms, m).sum((1, 2))
-    return sums, (_off_mask_zero(d_logp * w, m) if need_grad else None)
+@functools.cache
+def agg_launch(agg: Agg, T: int):
+    """The aggregation as the policy / value launchers take it (kernels.ppo_loss.AggLaunch), per mode,
+    counts and T: which factors of the row scale are known at launch and which the finish kernel finds."""
+    from fastrlhf.kernels.ppo_loss import AggLaunch
+
+    seq = agg.mode.startswith("seq-mean")
+    given = agg.global_num_seqs if seq else agg.global_num_tokens
+    norm = agg.loss_scale_factor if agg.mode == "seq-mean-token-sum-norm" else None
+    known = agg.mode == "token-sum" or given is not None
+    grad_scale = float(agg.dp_size)
+    if known and agg.mode != "token-sum":
+        grad_scale /= given
+    if known and agg.mode == "seq-mean-token-sum-norm":
+        grad_scale /= max(T, 1) if norm is None else norm
+    return AggLaunch(AGG_MODES.index(agg.mode), given is not None, float(given or 0.0), float(agg.dp_size), norm,
+                     agg.mode == "seq-mean-token-mean", grad_scale if known else 1.0, not known)
 
 
-@torch.library.custom_op("fastrlhf::policy_loss", mutates_args=())
-def _policy_loss_op(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, row_scale: Tensor,
-                    is_weights: Tensor | None, clip_low: float, clip_high: float, dual_clip: float | None,
-                    need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs, row_scale [B] -> (POLICY_SUMS [6], d(loss)/d(logp) [B, T], [0] without need_grad)."""
-    dtype = out_dtype(logp)
-    if use_triton:
-        from fastrlhf.kernels import ppo_loss as kernels
-
-        sums, d_logp = kernels.policy_loss_fwd(
-            logp.contiguous(), old_logp.contiguous(), advantages.contiguous(), mask.contiguous(),
-            row_scale.float().contiguous(), None if is_weights is None else is_weights.contiguous(),
-            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, need_grad=need_grad)
-    else:
-        sums, d_logp = _policy_sums_torch(logp, old_logp, advantages, mask, row_scale, is_weights, clip_low,
-                                          clip_high, dual_clip, need_grad)
-    return sums.to(dtype), (d_logp.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
-
-
-@_policy_loss_op.register_fake
-def _(logp, old_logp, advantages, mask, row_scale, is_weights, clip_low, clip_high, dual_clip, need_grad,
-      use_triton):
-    dtype = out_dtype(logp)
-    return logp.new_empty(len(POLICY_SUMS), dtype=dtype), logp.new_empty(logp.shape if need_grad else (0,),
-                                                                          dtype=dtype)
+def _agg_torch(row_sums: Tensor, agg: Agg, T: int):
+    """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float) from the per-row sums
+    [K, B] (row 0 the loss, row 1 n_b, then what the stats average), as the finish kernel. Reads the
+    totals on the host (this path is the CPU's; forced onto CUDA it syncs here)."""
+    totals = row_sums.sum(1)
+    n, *stat_sums = totals[1:].tolist()
+    count, total, scale = n, totals[0], None
+    if agg.mode.startswith("seq-mean"):
+        nonempty = row_sums[1] > 0
+        count = float(nonempty.sum())
+        if agg.mode == "seq-mean-token-mean":
+            scale = nonempty / torch.where(nonempty, row_sums[1], 1.0)
+        total = (row_sums[0] * (nonempty if scale is None else scale)).sum()
+    given = agg.global_num_seqs if agg.mode.startswith("seq-mean") else agg.global_num_tokens
+    count = count if given is None else given
+    c = float(agg.dp_size) if agg.mode == "token-sum" else (agg.dp_size / count if count > 0 else 0.0)
+    if agg.mode == "seq-mean-token-sum-norm":
+        c /= max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor
+    inv_n = 1.0 / n if n > 0 else 0.0
+    stats = torch.tensor([v * inv_n for v in stat_sums], dtype=row_sums.dtype, device=row_sums.device)
+    return total * c, stats, (c if scale is None else (scale * c).unsqueeze(1))
 
 
 def _setup_input_gradient(ctx, inputs, output):
-    """policy_loss / value_loss: the op formed d(loss)/d(input 0) in its forward."""
-    _, d_input = output
-    ctx.mark_non_differentiable(d_input)
+    """policy_loss / value_loss: the forward formed d(loss)/d(input 0); the backward scales it."""
+    _, stats, d_input, factor = output
+    ctx.mark_non_differentiable(stats, d_input, factor)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(d_input)
-    ctx.in_dtype = inputs[0].dtype
-    ctx.n_inputs = len(inputs)
-    ctx.need_grad = inputs[-2]
+    ctx.d, ctx.factor = (d_input, factor) if inputs[-2] else (None, None)  # need_grad
+    ctx.inputs, ctx.in_dtype, ctx.used = inputs, inputs[0].dtype, False
 
 
-def _backward_input_gradient(ctx, grad_sums, _grad_d):
-    (d_input,) = ctx.saved_tensors
-    if grad_sums is None or not ctx.need_grad or not ctx.needs_input_grad[0]:
-        return (None,) * ctx.n_inputs
-    return ((d_input * grad_sums[0]).to(ctx.in_dtype),) + (None,) * (ctx.n_inputs - 1)
+def _backward_input_gradient(ctx, grad_loss, *_):
+    """d(input) = g d [* factor]. On the Triton path in eager mode one kernel, in place over the forward's
+    d when the dtypes match (nothing read or written when the product is 1; a second backward through the
+    same graph recomputes d first), else into a new tensor of the input's dtype. Traced (torch.compile) or
+    on the torch path: the plain product."""
+    none = (None,) * (len(ctx.inputs) - 1)
+    if grad_loss is None or ctx.d is None or not ctx.needs_input_grad[0]:
+        return (None, *none)
+    d, factor = ctx.d, ctx.factor
+    if not ctx.inputs[-1] or not getattr(ctx, "eager", False):  # the torch path (scaled in the forward), or traced
+        g = grad_loss if not factor.numel() else grad_loss * factor
+        return ((d * g).to(ctx.in_dtype), *none)
+    from fastrlhf.kernels.ppo_loss import scale_unless_one_
+
+    factor = factor if factor.numel() else None
+    if d.dtype != ctx.in_dtype:
+        return (scale_unless_one_(d, grad_loss, factor, out=torch.empty(d.shape, dtype=ctx.in_dtype,
+                                                                          device=d.device)), *none)
+    if ctx.used:  # scaled in place by an earlier backward: the forward's d again
+        _, _, d, factor = ctx.forward(*ctx.inputs)
+    ctx.used = True
+    return (scale_unless_one_(d, grad_loss, factor), *none)
 
 
-_policy_loss_op.register_autograd(_backward_input_gradient, setup_context=_setup_input_gradient)
+def _empty_if_none(t, like: Tensor, dtype=None) -> Tensor:
+    return like.new_empty(0, dtype=dtype) if t is None else t
+
+
+def _fake_sums(x, n_stats, need_grad, pending):
+    """The fake outputs of policy_loss / value_loss: loss, stats, d(input), the pending factor."""
+    dtype = out_dtype(x)
+    return (x.new_empty((), dtype=dtype), x.new_empty(n_stats, dtype=dtype),
+            x.new_empty(x.shape if need_grad else (0,), dtype=dtype),
+            x.new_empty(1 if need_grad and pending else 0, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- fastrlhf::policy_loss
+
+
+def _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, need_grad):
+    dtype = out_dtype(logp)
+    lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
+    w = m if is_weights is None else m * is_weights.to(dtype)
+    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
+    terms = torch.stack([loss * w, m, clipped * m, _flags(lower, m) * m, -log_ratio * m, (olp - lp) * m])
+    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m).sum(2), agg, lp.shape[1])
+    return loss, stats, (_off_mask_zero(d_logp * w, m) * scale if need_grad else None)
+
+
+def _policy_fwd(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None,
+                clip_low: float, clip_high: float, dual_clip: float | None, agg: str,
+                global_num_tokens: float | None, global_num_seqs: float | None, dp_size: int,
+                loss_scale_factor: float | None, need_grad: bool,
+                use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[B, T] inputs -> (loss, POLICY_STATS [4], d(loss)/d(logp) [B, T] ([0] without need_grad), the
+    gradient's pending factor [1] (Triton, local counts) or [0])."""
+    agg_ = Agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    factor = None
+    if use_triton:
+        from fastrlhf.kernels import ppo_loss as kernels
+
+        loss, stats, d_logp, factor = kernels.policy_loss_fwd(
+            logp, old_logp, advantages, mask, is_weights, clip_low=clip_low, clip_high=clip_high,
+            dual_clip=dual_clip, spec=agg_launch(agg_, logp.shape[1]), need_grad=need_grad,
+            out_dtype=out_dtype(logp))
+    else:
+        loss, stats, d_logp = _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high,
+                                            dual_clip, agg_, need_grad)
+    return loss, stats, _empty_if_none(d_logp, stats), _empty_if_none(factor, stats, torch.float32)
+
+
+def _fake_policy(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg,
+                 global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, need_grad, use_triton):
+    pending = use_triton and (global_num_seqs if agg.startswith("seq-mean") else global_num_tokens) is None
+    return _fake_sums(logp, len(POLICY_STATS), need_grad, pending and agg != "token-sum")
+
+
+def _setup_policy(ctx, inputs, output):
+    _setup_input_gradient(ctx, inputs, output)
+    ctx.forward = _policy_fwd
+
+
+_policy_loss = register("policy_loss", _policy_fwd, _fake_policy, setup_context=_setup_policy,
+                        backward=_backward_input_gradient)
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None,
@@ -404,49 +482,57 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     check_mask(mask, logp, "logp")
     clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    lp, m = as_rows(logp), as_rows(mask)
-    scale = row_scale(m, agg_, out_dtype(logp))
-    need_grad = torch.is_grad_enabled() and logp.requires_grad
-    sums, _ = _policy_loss_op(lp, as_rows(old_logp.detach()), as_rows(advantages.detach()), m, scale,
-                              None if is_weights is None else as_rows(is_weights.detach()), clip_low, clip_high,
-                              dual_clip, need_grad, use_triton(logp))
-    counts = sums.detach()
-    inv_n = safe_inverse(counts[4])
-    return sums[0], {"clipfrac": counts[1] * inv_n, "clipfrac_lower": counts[2] * inv_n,
-                     "approx_kl": counts[3] * inv_n, "approx_kl_unclamped": counts[5] * inv_n}
+    grad = torch.is_grad_enabled() and logp.requires_grad
+    loss, stats, *_ = _policy_loss(as_rows(logp), as_rows(old_logp.detach()), as_rows(advantages.detach()),
+                                   as_rows(mask), None if is_weights is None else as_rows(is_weights.detach()),
+                                   clip_low, clip_high, dual_clip, *agg_, grad, use_triton(logp), grad=grad)
+    return loss, dict(zip(POLICY_STATS, stats.unbind()))
 
 
 # ---------------------------------------------------------------- fastrlhf::value_loss
 
 
-@torch.library.custom_op("fastrlhf::value_loss", mutates_args=())
-def _value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_scale: Tensor,
-                   clip: float | None, need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs, row_scale [B] -> (VALUE_SUMS [3], d(loss)/d(values) [B, T], [0] without need_grad)."""
+def _value_torch(values, old_values, returns, mask, clip, agg, need_grad):
     dtype = out_dtype(values)
+    v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
+    loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
+    terms = torch.stack([loss * m, m, _flags(clipped, m) * m])
+    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m).sum(2), agg, v.shape[1])
+    return loss, stats, (_off_mask_zero(d * m, m) * scale if need_grad else None)
+
+
+def _value_fwd(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None, agg: str,
+               global_num_tokens: float | None, global_num_seqs: float | None, dp_size: int,
+               loss_scale_factor: float | None, need_grad: bool,
+               use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[B, T] inputs -> (loss, VALUE_STATS [1], d(loss)/d(values) [B, T] ([0] without need_grad), the
+    gradient's pending factor [1] or [0]), as `_policy_fwd`."""
+    agg_ = Agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    factor = None
     if use_triton:
         from fastrlhf.kernels import ppo_loss as kernels
 
-        sums, d_values = kernels.value_loss_fwd(
-            values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(),
-            row_scale.float().contiguous(), clip=clip, need_grad=need_grad)
+        loss, stats, d_values, factor = kernels.value_loss_fwd(
+            values, old_values, returns, mask, clip=clip, spec=agg_launch(agg_, values.shape[1]),
+            need_grad=need_grad, out_dtype=out_dtype(values))
     else:
-        v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
-        w = row_scale.to(dtype).unsqueeze(1) * m
-        loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
-        sums = _off_mask_zero(torch.stack([loss * w, _flags(clipped, m) * m, m]), m).sum((1, 2))
-        d_values = _off_mask_zero(d * w, m) if need_grad else None
-    return sums.to(dtype), (d_values.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
+        loss, stats, d_values = _value_torch(values, old_values, returns, mask, clip, agg_, need_grad)
+    return loss, stats, _empty_if_none(d_values, stats), _empty_if_none(factor, stats, torch.float32)
 
 
-@_value_loss_op.register_fake
-def _(values, old_values, returns, mask, row_scale, clip, need_grad, use_triton):
-    dtype = out_dtype(values)
-    return values.new_empty(len(VALUE_SUMS), dtype=dtype), values.new_empty(values.shape if need_grad else (0,),
-                                                                             dtype=dtype)
+def _fake_value(values, old_values, returns, mask, clip, agg, global_num_tokens, global_num_seqs, dp_size,
+                loss_scale_factor, need_grad, use_triton):
+    pending = use_triton and (global_num_seqs if agg.startswith("seq-mean") else global_num_tokens) is None
+    return _fake_sums(values, len(VALUE_STATS), need_grad, pending and agg != "token-sum")
 
 
-_value_loss_op.register_autograd(_backward_input_gradient, setup_context=_setup_input_gradient)
+def _setup_value(ctx, inputs, output):
+    _setup_input_gradient(ctx, inputs, output)
+    ctx.forward = _value_fwd
+
+
+_value_loss = register("value_loss", _value_fwd, _fake_value, setup_context=_setup_value,
+                       backward=_backward_input_gradient)
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None,
@@ -472,13 +558,10 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
     if clip is not None:
         clip = check_number("clip", clip, nonnegative=True)
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    v, m = as_rows(values), as_rows(mask)
-    scale = row_scale(m, agg_, out_dtype(values))
-    need_grad = torch.is_grad_enabled() and values.requires_grad
-    sums, _ = _value_loss_op(v, as_rows(old_values.detach()), as_rows(returns.detach()), m, scale, clip, need_grad,
-                             use_triton(values))
-    counts = sums.detach()
-    return sums[0], {"clipfrac": counts[1] * safe_inverse(counts[2])}
+    grad = torch.is_grad_enabled() and values.requires_grad
+    loss, stats, *_ = _value_loss(as_rows(values), as_rows(old_values.detach()), as_rows(returns.detach()),
+                                  as_rows(mask), clip, *agg_, grad, use_triton(values), grad=grad)
+    return loss, {"clipfrac": stats[0]}
 
 
 # ---------------------------------------------------------------- fastrlhf::ppo_actor_loss
