@@ -216,6 +216,28 @@ def autotune_choices() -> Iterator[list[dict]]:
         Autotuner.run = original
 
 
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Within the block every Triton launch returns at once (compiled, interpreted or autotuned): what is
+    left of an op's call is its host path, the same Python as on a GPU (outputs are not written). For
+    counting and timing host work on a CPU (FASTRLHF_BACKEND=triton, TRITON_INTERPRET=1)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def skip(self, *args, **kwargs):
+        return None
+
+    saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction, Autotuner)]
+    for cls, _ in saved:
+        cls.run = skip
+    try:
+        yield
+    finally:
+        for cls, run in saved:
+            cls.run = run
+
+
 def warmup_calls(provider: str) -> int:
     """Untimed calls before timing: torch.compile compiles the frames resumed after each graph
     break lazily, over its first few calls (measured: ~4 on the reference losses)."""
