@@ -48,6 +48,11 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself when contiguous (no dispatcher call), else a contiguous copy."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
 def safe_inverse(n: torch.Tensor) -> torch.Tensor:
     """1 / n, and 0 where n == 0 (an empty mask contributes nothing), without a host sync."""
     return torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)

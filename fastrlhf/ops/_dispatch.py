@@ -15,6 +15,7 @@ same numbers. Imports nothing of the ops (they import it).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -59,12 +60,17 @@ def register(name: str, forward: Callable, fake: Callable, *, setup_context: Cal
         function = type(f"{name}_function", (torch.autograd.Function,), {
             "forward": staticmethod(eager_forward), "backward": staticmethod(backward)})
 
+    mutated = [i for i, p in enumerate(inspect.signature(forward).parameters) if p in mutates_args]
+
     def call(*inputs, grad: bool = False):
         if not eager(inputs[0]):
             return op(*inputs)
         if grad and function is not None:
             return function.apply(*inputs)
-        return forward(*inputs)
+        out = forward(*inputs)
+        for i in mutated:  # as the dispatcher does for a mutating op: autograd then sees the change
+            torch.autograd.graph.increment_version(inputs[i])
+        return out
 
     call.op = op
     return call

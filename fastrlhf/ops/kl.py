@@ -26,6 +26,7 @@ from fastrlhf.ops._common import (
     check_mask,
     check_number,
     check_same,
+    contiguous,
     out_dtype,
     use_triton,
 )
@@ -85,10 +86,6 @@ def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None)
 # ---------------------------------------------------------------- fastrlhf::token_kl
 
 
-def _flat(x: Tensor) -> Tensor:
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def _token_kl_fwd(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None, straight_through: bool,
                   grad_weight: Tensor | None, use_triton: bool) -> Tensor:
     """The estimate; straight_through and grad_weight only change the gradient."""
@@ -96,7 +93,7 @@ def _token_kl_fwd(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float |
         return kl_value(logp, ref_logp, estimator, clamp)
     from fastrlhf.kernels import kl as kernels
 
-    return kernels.token_kl_fwd(_flat(logp), _flat(ref_logp), estimator=estimator, clamp=clamp,
+    return kernels.token_kl_fwd(contiguous(logp), contiguous(ref_logp), estimator=estimator, clamp=clamp,
                                 out_dtype=out_dtype(logp))
 
 
@@ -123,8 +120,8 @@ def _token_kl_grads(logp: Tensor, ref_logp: Tensor, grad: Tensor, grad_weight: T
     if use_triton:
         from fastrlhf.kernels import kl as kernels
 
-        d_logp, d_ref = kernels.token_kl_bwd(_flat(logp), _flat(ref_logp), _rows_view(grad),
-                                             None if grad_weight is None else _flat(grad_weight),
+        d_logp, d_ref = kernels.token_kl_bwd(contiguous(logp), contiguous(ref_logp), _rows_view(grad),
+                                             None if grad_weight is None else contiguous(grad_weight),
                                              estimator=estimator, clamp=clamp, need_logp=need_logp, need_ref=need_ref)
     else:
         d = kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
@@ -215,8 +212,9 @@ def _kl_shaped_rewards_fwd(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask:
         return _kl_shaped_rewards_torch(scores, logp, ref_logp, mask, kl_coef, estimator, clamp)
     from fastrlhf.kernels import kl as kernels
 
-    return kernels.kl_shaped_rewards_fwd(_flat(scores), _flat(logp), _flat(ref_logp), _flat(mask), kl_coef=kl_coef,
-                                         estimator=estimator, clamp=clamp, out_dtype=out_dtype(logp))
+    return kernels.kl_shaped_rewards_fwd(contiguous(scores), contiguous(logp), contiguous(ref_logp),
+                                         contiguous(mask), kl_coef=kl_coef, estimator=estimator, clamp=clamp,
+                                         out_dtype=out_dtype(logp))
 
 
 def _fake_rewards(scores, logp, ref_logp, mask, kl_coef, estimator, clamp, use_triton):

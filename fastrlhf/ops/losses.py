@@ -149,7 +149,6 @@ def _flags(flags, like: Tensor) -> Tensor:
 # ---------------------------------------------------------------- fastrlhf::agg_loss
 
 
-@torch.library.custom_op("fastrlhf::agg_loss", mutates_args=())
 def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
     """sum_b row_scale[b] sum_t mask l (0-dim), exactly 0 from tokens with mask == 0; [B, T] inputs."""
     dtype = out_dtype(loss_mat)
@@ -157,8 +156,7 @@ def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
     return _off_mask_zero(loss_mat.to(dtype) * (row_scale.to(dtype).unsqueeze(1) * m), m).sum()
 
 
-@_agg_loss_op.register_fake
-def _(loss_mat, mask, row_scale):
+def _fake_agg_loss(loss_mat, mask, row_scale):
     return loss_mat.new_empty((), dtype=out_dtype(loss_mat))
 
 
@@ -176,7 +174,8 @@ def _backward_agg_loss(ctx, grad):
     return (grad * scale.to(grad.dtype).unsqueeze(1) * m).to(ctx.in_dtype), None, None
 
 
-_agg_loss_op.register_autograd(_backward_agg_loss, setup_context=_setup_agg_loss)
+_agg_loss = register("agg_loss", _agg_loss_op, _fake_agg_loss, setup_context=_setup_agg_loss,
+                     backward=_backward_agg_loss)
 
 
 def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1,
@@ -201,7 +200,8 @@ def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global
     check_mask(mask, loss_mat, "loss_mat")
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     m = as_rows(mask)
-    return _agg_loss_op(as_rows(loss_mat), m, row_scale(m, agg_, out_dtype(loss_mat)))
+    return _agg_loss(as_rows(loss_mat), m, row_scale(m, agg_, out_dtype(loss_mat)),
+                     grad=torch.is_grad_enabled() and loss_mat.requires_grad)
 
 
 # ---------------------------------------------------------------- per-token formulas (torch)
@@ -438,8 +438,8 @@ def _policy_fwd(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     return loss, stats, _empty_if_none(d_logp, stats), _empty_if_none(factor, stats, torch.float32)
 
 
-def _fake_policy(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg,
-                 global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, need_grad, use_triton):
+def _fake_policy(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, global_num_tokens,
+                 global_num_seqs, dp_size, loss_scale_factor, need_grad, use_triton):
     pending = use_triton and (global_num_seqs if agg.startswith("seq-mean") else global_num_tokens) is None
     return _fake_sums(logp, len(POLICY_STATS), need_grad, pending and agg != "token-sum")
 
@@ -567,7 +567,6 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
 # ---------------------------------------------------------------- fastrlhf::ppo_actor_loss
 
 
-@torch.library.custom_op("fastrlhf::scale_unless_one_", mutates_args=("x",))
 def _scale_unless_one_op(x: Tensor, g: Tensor, use_triton: bool) -> None:
     """x *= g (g one element), in place and without a host sync; the Triton kernel neither reads nor
     writes x when g == 1 (x * 1 == x exactly)."""
@@ -581,12 +580,13 @@ def _scale_unless_one_op(x: Tensor, g: Tensor, use_triton: bool) -> None:
     kernels.scale_unless_one_(x, g)
 
 
-@_scale_unless_one_op.register_fake
-def _(x, g, use_triton):
+def _fake_scale_unless_one_(x, g, use_triton):
     return None
 
 
-@torch.library.custom_op("fastrlhf::ppo_actor_loss", mutates_args=())
+_scale_unless_one = register("scale_unless_one_", _scale_unless_one_op, _fake_scale_unless_one_, mutates_args=("x",))
+
+
 def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                        token_weight: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None, temperature: float,
                        kl_coef: float, kl_estimator: str, kl_clamp: float | None, kl_straight_through: bool,
@@ -622,10 +622,9 @@ def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advanta
     return loss, stats, logits.new_empty(0) if d_logits is None else d_logits
 
 
-@_ppo_actor_loss_op.register_fake
-def _(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature, kl_coef,
-      kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip, need_grad,
-      use_triton):
+def _fake_ppo_actor_loss(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature,
+                         kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high,
+                         dual_clip, need_grad, use_triton):
     dtype = out_dtype(logits)
     return (logits.new_empty((), dtype=dtype), logits.new_empty(len(ACTOR_STATS), dtype=dtype),
             logits.new_empty(logits.shape if need_grad else (0,)))
@@ -648,11 +647,12 @@ def _backward_actor(ctx, grad_loss, *_):
     d_logits, ctx.d_logits = ctx.d_logits, None
     if grad_loss is None or not ctx.needs_input_grad[0]:
         return (None,) * ctx.n_inputs
-    _scale_unless_one_op(d_logits, grad_loss, ctx.use_triton)
+    _scale_unless_one(d_logits, grad_loss, ctx.use_triton)
     return (d_logits,) + (None,) * (ctx.n_inputs - 1)
 
 
-_ppo_actor_loss_op.register_autograd(_backward_actor, setup_context=_setup_actor)
+_ppo_actor_loss = register("ppo_actor_loss", _ppo_actor_loss_op, _fake_ppo_actor_loss, setup_context=_setup_actor,
+                           backward=_backward_actor)
 
 
 def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
@@ -729,9 +729,10 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     rows = lambda t: None if t is None else t.detach().reshape(B, T)  # noqa: E731
     m = rows(mask)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, stats, *_ = _ppo_actor_loss_op(
+    loss, stats, *_ = _ppo_actor_loss(
         x, labels.reshape(B, T), rows(old_logp), rows(advantages), m, token_weights(m, agg_, out_dtype(logits)),
         rows(ref_logp), rows(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
-        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton(logits))
+        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton(logits),
+        grad=need_grad)
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))
