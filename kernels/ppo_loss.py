@@ -36,37 +36,26 @@ row in one program (B = 1024: a few microseconds).
 
 The whole actor loss from logits (`_actor_loss_fwd_kernel`): every term of
     L = sum_i w_i (is_i pg(logp_i) + kl_coef KL(logp_i) - entropy_coef H_i),  w = row_scale * mask
-is token-local once w is known, so one program per token row does it all in one launch:
-    pass 1  read the row: lse, entropy, logp (the base-2 online softmax of kernels/logprobs.py)
-    then    dL/dlogp and dL/dH of the token (the policy and KL formulas above and in kernels/kl.py)
-    pass 2  read the row again, write d(logits) = p (a + b t) [+ g_logp / temperature at the label]
-instead of a log-prob forward, torch glue, and a log-prob backward that re-reads the logits from
-DRAM. The bet (to be measured, `fastrlhf bench`: ppo_actor_loss fwd+bwd vs logprobs fwd+bwd): pass 2
-walks the row from its end with L2 hints (pass-1 loads evict-last, pass-2 loads and the d(logits)
-stores evict-first), so the tiles read last are re-read from L2 rather than DRAM. The hit rate is
-about L2 / (rows in flight x row bytes): a row is 297 KiB at V = 151936 in bf16, an H100's L2 50 MB.
-One program per row, at 127 registers x 256 threads two per SM, keeps ~264 rows, ~78 MB, in
-flight: ~60% of pass 2 from L2, ~2.4 passes of DRAM traffic instead of 3. A persistent grid (the
-kernel walks rows pid, pid + grid, ...) of 1 program per SM keeps 39 MB in flight (nearly all of
-pass 2 from L2; the 0.75 target needs ~75%) but half the bytes in flight to hide DRAM latency;
-2 per SM is the one-row-per-program occupancy without the tail effect of 16k short-lived programs.
-Measured on an H100 (B = 16, T = 1024, V = 151936 bf16, autotuned among the first three configs,
-the winner not recorded): fwd+bwd 0.977x logprobs fwd+bwd, so pass 2 costs about a full DRAM read
-and write, not L2 hits. Possible reasons (not measured): even 39 MB of rows in flight, next to the
-streamed d(logits) stores, is more than L2 (two partitions of 25 MB) keeps under an evict-last hint.
-So the list also offers persistent grids of fewer programs than SMs: 0.5 per SM (66 rows, ~20 MB in
-flight on 132 SMs) and 0.25 (33 rows, ~10 MB). The prediction: these re-read most of pass 2 from L2,
-at the cost of fewer bytes in flight per SM to hide DRAM latency in pass 1; which effect wins is for
-the tuner (and the bench, which records the config it picked) to tell.
-On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x
-warps x programs per SM, keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with
-8192 x 8, two per SM with 8192 x 8, then 16384 x 16 (32 logits per thread) at one, one half and one
-quarter program per SM (at least one program).
-Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on CUDA).
+is token-local once w is known, so one program per token row does it all in one launch, in small jit
+helpers (`_actor_loss_row` composes them):
+    `_row_stats`           pass 1 over the row: lse, entropy (the base-2 online softmax of kernels/logprobs.py)
+    `_token_logp`          logp of the label
+    `_actor_token_grads`   dL/dlogp and dL/dH of the token (the policy and KL formulas above and in kernels/kl.py)
+    `_write_dlogits`       pass 2, the row again from its end (L2 hints: pass-1 loads evict-last, pass-2 loads
+                           and the d(logits) stores evict-first), d(logits) = p (a + b t) [+ g_logp / T at the label]
+instead of a log-prob forward, torch glue, and a log-prob backward. The options arrive as one spec
+(fastrlhf.ops.losses.ActorSpec), unpacked into the kernel's scalars and constexprs by `actor_loss_fwd`.
+On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x warps x programs per SM,
+keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with 8192 x 8, two per SM with
+8192 x 8, then 16384 x 16 at one, one half and one quarter program per SM (a persistent grid walking rows
+pid, pid + grid, ...). Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on
+CUDA). Whether pass 2 is served from L2, the configs measured and the candidates for the <= 0.75x goal
+(ppo_actor_loss fwd+bwd over logprobs fwd+bwd): bench/experiments/README.md, "The actor loss in two passes".
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -398,23 +387,10 @@ def _actor_loss_fwd_kernel(
 
 
 @triton.jit
-def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, logp_ptr,
-                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, ratio_low,
-                    ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
-                    HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
-                    HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                    NEED_GRAD: tl.constexpr, SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index. The row is walked as
-    # in kernels/logprobs.py: its 16-byte aligned middle in BLOCK_V tiles (the last one masked in whole
-    # 16-byte groups), then its few ragged columns at either end
-    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
-    a, n = _aligned_span(row_off, 0, V, ALIGN)
-    n_full = n // BLOCK_V * BLOCK_V
-    cols = tl.arange(0, BLOCK_V)
-    src = logits_ptr + a
-    col, ok = _ragged_ends(0, V, a - row_off, n, ALIGN)
-
-    # pass 1: lse, entropy, logp (base 2, kernels/logprobs.py); these loads ask L2 to keep the row
+def _row_stats(logits_ptr, row_off, src, n, n_full, cols, col, ok, scale, BLOCK_V: tl.constexpr):
+    # pass 1 over a row: the base-2 online softmax stats (m, d, s) of kernels/logprobs.py, over the row's
+    # aligned middle `src` [0, n) in BLOCK_V tiles and its ragged ends `col` (ok); the loads ask L2 to keep
+    # the row for pass 2
     m = tl.full((), FP32_MIN, tl.float32)
     d = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -426,74 +402,121 @@ def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_p
                          eviction_policy="evict_last")
         m, d, s = _online_tile(x_tail.to(tl.float32), m, d, s, scale, True)
     x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=float("-inf")).to(tl.float32)
-    m, d, s = _online_tile(x_ends, m, d, s, scale, True)
+    return _online_tile(x_ends, m, d, s, scale, True)
+
+
+@triton.jit
+def _token_logp(logits_ptr, row_off, label, V, inv_temperature, lse2):
+    # logits[label] / temperature - lse: 0 for an ignored label, NaN for one outside [0, V)
+    valid = (label >= 0) & (label < V)
+    x_label = tl.load(logits_ptr + row_off + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
+    logp = tl.where(valid, x_label * inv_temperature - lse2 * LN2, float("nan"))
+    return tl.where(label == IGNORE, 0.0, logp)
+
+
+@triton.jit
+def _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
+                       ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef,
+                       DUAL_CLIP: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr,
+                       KL_ESTIMATOR: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr,
+                       HAS_ENTROPY: tl.constexpr):
+    # the token's upstream gradients, token-local once w is known:
+    #   L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i);  returns (dL/dlogp, dL/dH), 0 under mask 0
+    # (a policy-loss mode would select its formula here, in place of `_policy_token`)
+    counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
+    w = tl.load(weight_ptr + row)
+    _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low, ratio_high,
+                                     dual_clip, DUAL_CLIP)
+    pg_w = w
+    if HAS_IS_WEIGHTS:
+        pg_w = w * tl.load(is_weights_ptr + row)
+    g_logp = pg_w * d_pg
+    if HAS_KL:
+        r = logp - tl.load(ref_ptr + row)
+        if KL_STRAIGHT_THROUGH:  # the gradient of r^2 / 2
+            d_kl = r
+        else:
+            d_kl = _kl_derivative(r, KL_ESTIMATOR, HAS_KL_CLAMP, kl_clamp)
+        g_logp += kl_coef * w * d_kl
+    g_logp = tl.where(counts, g_logp, 0.0)
+    g_ent = tl.zeros((), tl.float32)
+    if HAS_ENTROPY:
+        g_ent = tl.where(counts, -entropy_coef * w, 0.0)
+    return g_logp, g_ent
+
+
+@triton.jit
+def _write_dlogits(logits_ptr, dlogits_ptr, row, row_off, a, src, n, n_full, cols, col, ok, V, label, scale, lse2,
+                   a_coef, b_coef, g_label, takes_grad, HAS_ENTROPY: tl.constexpr, SAME_LAYOUT: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    # pass 2, from the row's end back to its start (the tiles read last in pass 1 are the likeliest still in
+    # L2): d(logits) = p (a + b t) [+ g_label at the label], written once and streamed out (evict first).
+    # d(logits) is contiguous (or the logits themselves): with SAME_LAYOUT its rows align as theirs
+    label_col = tl.where(takes_grad, label - (a - row_off), -1).to(tl.int32)  # from the aligned start
+    drow_off = row * V
+    dst = dlogits_ptr + (drow_off + (a - row_off))
+    if SAME_LAYOUT:
+        drow_off = row_off
+        dst = dlogits_ptr + a  # as aligned as the loads
+    out_ty = dlogits_ptr.dtype.element_ty
+    if n_full < n:
+        in_span = n_full + cols < n
+        x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0, eviction_policy="evict_first")
+        dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz += tl.where(cols == label_col - n_full, g_label, 0.0)
+        tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span, eviction_policy="evict_first")
+    for i in range(0, n_full // BLOCK_V):
+        k = n_full - BLOCK_V - i * BLOCK_V
+        x = tl.load(src + k + cols, eviction_policy="evict_first").to(tl.float32)
+        dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz += tl.where(cols == label_col - k, g_label, 0.0)
+        tl.store(dst + k + cols, dz.to(out_ty), eviction_policy="evict_first")
+    x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32)
+    dz = _bwd_tile(x_ends, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+    dz += tl.where(col == label, g_label, 0.0)  # g_label is 0 where the label takes no gradient
+    tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
+
+
+@triton.jit
+def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, logp_ptr,
+                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, ratio_low,
+                    ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
+                    HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+                    HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                    NEED_GRAD: tl.constexpr, SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index: the row is walked as in
+    # kernels/logprobs.py, its 16-byte aligned middle in BLOCK_V tiles (the last one masked in whole 16-byte
+    # groups), then its few ragged columns at either end
+    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
+    a, n = _aligned_span(row_off, 0, V, ALIGN)
+    n_full = n // BLOCK_V * BLOCK_V
+    cols = tl.arange(0, BLOCK_V)
+    src = logits_ptr + a
+    col, ok = _ragged_ends(0, V, a - row_off, n, ALIGN)
+    m, d, s = _row_stats(logits_ptr, row_off, src, n, n_full, cols, col, ok, scale, BLOCK_V)  # pass 1
     log2_d = tl.log2(d)
     lse2 = m + log2_d  # lse / ln 2
     entropy = (log2_d - s / d) * LN2
     label = tl.load(labels_ptr + row)
-    valid = (label >= 0) & (label < V)
-    x_label = tl.load(logits_ptr + row_off + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
-    logp = tl.where(valid, x_label * inv_temperature - lse2 * LN2, float("nan"))
-    logp = tl.where(label == IGNORE, 0.0, logp)
+    logp = _token_logp(logits_ptr, row_off, label, V, inv_temperature, lse2)
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
-
     if NEED_GRAD:
-        # the token's upstream gradients, dL/dlogp and dL/dH: token-local once w is known
-        # L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i)
-        counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
-        w = tl.load(weight_ptr + row)
-        _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low,
-                                         ratio_high, dual_clip, DUAL_CLIP)
-        pg_w = w
-        if HAS_IS_WEIGHTS:
-            pg_w = w * tl.load(is_weights_ptr + row)
-        g_logp = pg_w * d_pg
-        if HAS_KL:
-            r = logp - tl.load(ref_ptr + row)
-            if KL_STRAIGHT_THROUGH:
-                d_kl = r
-            else:
-                d_kl = _kl_derivative(r, KL_ESTIMATOR, HAS_KL_CLAMP, kl_clamp)
-            g_logp += kl_coef * w * d_kl
+        g_logp, g_ent = _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr,
+                                           is_weights_ptr, ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp,
+                                           entropy_coef, DUAL_CLIP, HAS_IS_WEIGHTS, HAS_KL, KL_ESTIMATOR,
+                                           HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY)
         # ignored and out-of-range labels have no log-prob, hence no gradient through it
-        takes_grad = counts & valid & (label != IGNORE)
+        takes_grad = (label >= 0) & (label < V) & (label != IGNORE)
         g_logp = tl.where(takes_grad, g_logp, 0.0)
         # d(logits) = p (a + b t) [+ g_logp / temperature at the label], p = 2^t, t = y - lse / ln 2
         a_coef = -g_logp * inv_temperature
         b_coef = tl.zeros((), tl.float32)
         if HAS_ENTROPY:
-            g_ent = tl.where(counts, -entropy_coef * w, 0.0)
             a_coef -= g_ent * entropy * inv_temperature
             b_coef = -g_ent * LN2 * inv_temperature
-        g_label = g_logp * inv_temperature
-        label_col = tl.where(takes_grad, label - (a - row_off), -1).to(tl.int32)  # from the aligned start
-
-        # pass 2, from the row's end back to its start: the tiles read last in pass 1 are the likeliest
-        # still in L2; d(logits) is written once and streamed out (evict first). d(logits) is contiguous
-        # (or the logits themselves): with SAME_LAYOUT (contiguous logits) its rows align as theirs.
-        drow_off = row * V
-        dst = dlogits_ptr + (drow_off + (a - row_off))
-        if SAME_LAYOUT:
-            drow_off = row_off
-            dst = dlogits_ptr + a  # as aligned as the loads
-        out_ty = dlogits_ptr.dtype.element_ty
-        if n_full < n:
-            in_span = n_full + cols < n
-            x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0, eviction_policy="evict_first")
-            dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-            dz += tl.where(cols == label_col - n_full, g_label, 0.0)
-            tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span, eviction_policy="evict_first")
-        for i in range(0, n_full // BLOCK_V):
-            k = n_full - BLOCK_V - i * BLOCK_V
-            x = tl.load(src + k + cols, eviction_policy="evict_first").to(tl.float32)
-            dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-            dz += tl.where(cols == label_col - k, g_label, 0.0)
-            tl.store(dst + k + cols, dz.to(out_ty), eviction_policy="evict_first")
-        x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32)
-        dz = _bwd_tile(x_ends, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-        dz += tl.where(col == label, g_label, 0.0)  # g_label is 0 where the label takes no gradient
-        tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
+        _write_dlogits(logits_ptr, dlogits_ptr, row, row_off, a, src, n, n_full, cols, col, ok, V, label, scale, lse2,
+                       a_coef, b_coef, g_logp * inv_temperature, takes_grad, HAS_ENTROPY, SAME_LAYOUT, BLOCK_V)
 
 
 @triton.jit
@@ -603,16 +626,18 @@ def value_loss_fwd(values, old_values, returns, mask, *, clip: float | None, spe
     return loss, stats, d, factor
 
 
+@functools.cache
 def actor_config(V: int, device: torch.device) -> dict:
     """The fused actor loss's untuned launch (CPU, and V < TUNE_MIN_V on CUDA): one program per row,
     the log-prob kernels' fixed tile (up to ACTOR_CONFIGS[0]'s on CUDA)."""
     config = fixed_config(V)
     if device.type == "cuda":
-        block_v = min(ACTOR_CONFIGS[0].kwargs["BLOCK_V"], triton.next_power_of_2(V))
+        block_v = min(ACTOR_CONFIGS[0].kwargs["BLOCK_V"], next_power_of_2(V))
         config = {"BLOCK_V": block_v, "num_warps": 8 if block_v >= 2048 else 4}
     return config | {"PROGRAMS_PER_SM": 0}
 
 
+@functools.cache
 def _actor_grid(N: int, programs_per_sm: float, device: torch.device) -> tuple[int]:
     """(programs,): one per row for programs_per_sm == 0, else programs_per_sm x SMs (a fraction
     allowed), at least 1 and at most N."""
@@ -631,20 +656,13 @@ def actor_loss_fwd(
     ref_logp: torch.Tensor | None,
     is_weights: torch.Tensor | None,
     *,
-    temperature: float,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    kl_coef: float,
-    kl_estimator: str,
-    kl_clamp: float | None,
-    kl_straight_through: bool,
-    entropy_coef: float,
+    spec,
     need_grad: bool,
     inplace: bool = False,
 ):
     """The fused actor loss over logits [B, T, V] (stride(-1) == 1), per-token fp32 [B * T] inputs
-    (weight = row_scale * mask). Returns (logp fp32 [B * T], entropy fp32 [B * T], d(logits)
+    (weight = row_scale * mask), `spec` the options (fastrlhf.ops.losses.ActorSpec: temperature, clips, KL,
+    entropy; read by attribute). Returns (logp fp32 [B * T], entropy fp32 [B * T], d(logits)
     [B, T, V] contiguous in logits.dtype or None): d(logits) is the gradient of
     L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i), formed in the same launch.
     inplace=True writes d(logits) over contiguous logits (each row is read in full before any of it
@@ -665,7 +683,7 @@ def actor_loss_fwd(
         d_logits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=device)
     if N == 0:
         return logp, entropy, d_logits
-    has_kl = ref_logp is not None and kl_coef != 0.0
+    has_kl = ref_logp is not None and spec.kl_coef != 0.0
     if logits.is_cuda and V >= TUNE_MIN_V and not inplace:
         kernel, config = _actor_loss_tuned, {}
         grid = lambda meta: _actor_grid(N, meta["PROGRAMS_PER_SM"], device)  # noqa: E731
@@ -680,12 +698,12 @@ def actor_loss_fwd(
         d_logits if need_grad else logits,  # never written without NEED_GRAD
         N, T, V,
         logits.stride(0), logits.stride(1),
-        LOG2E / float(temperature), 1.0 / float(temperature), 1.0 - float(clip_low), 1.0 + float(clip_high),
-        float(dual_clip if dual_clip is not None else 0.0), float(kl_coef),
-        float(kl_clamp if kl_clamp is not None else 0.0), float(entropy_coef),
-        DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
-        KL_ESTIMATOR=ESTIMATOR_IDS[kl_estimator], HAS_KL_CLAMP=kl_clamp is not None,
-        KL_STRAIGHT_THROUGH=bool(kl_straight_through), HAS_ENTROPY=entropy_coef != 0.0, NEED_GRAD=need_grad,
+        LOG2E / spec.temperature, 1.0 / spec.temperature, 1.0 - spec.clip_low, 1.0 + spec.clip_high,
+        0.0 if spec.dual_clip is None else spec.dual_clip, float(spec.kl_coef),
+        0.0 if spec.kl_clamp is None else spec.kl_clamp, float(spec.entropy_coef),
+        DUAL_CLIP=spec.dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
+        KL_ESTIMATOR=ESTIMATOR_IDS[spec.kl_estimator], HAS_KL_CLAMP=spec.kl_clamp is not None,
+        KL_STRAIGHT_THROUGH=bool(spec.kl_straight_through), HAS_ENTROPY=spec.entropy_coef != 0.0, NEED_GRAD=need_grad,
         SAME_LAYOUT=logits.is_contiguous(), ALIGN=16 // logits.element_size(), **config,
     )
     return logp, entropy, d_logits

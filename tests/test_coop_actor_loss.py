@@ -106,7 +106,7 @@ def _run_case(case, spin_limit):
     if is_w:
         inputs["is_weights"] = torch.rand(B * T) + 0.5
     flags = FLAGS | changes
-    want = actor_loss_fwd(*inputs.values(), **flags)
+    want = actor_loss_fwd(*inputs.values(), **coop.spec_kwargs(flags))
     timeouts = torch.zeros(1, dtype=torch.int32)
     got = coop.coop_actor_loss_fwd(*inputs.values(), **flags, chunk=CHUNK, spin_limit=spin_limit, timeouts=timeouts)
     for name, g, w in zip(("logp", "entropy"), got[:2], want[:2]):
@@ -144,7 +144,7 @@ def test_coop_waits_on_the_gpu(case):
 def test_one_program_per_row_merges_alone():
     """chunk >= V: S = 1, split 0 is the last (only) arrival and takes the cooperative path: no timeout."""
     inputs = _inputs(1, 2, torch.float32)
-    want = actor_loss_fwd(*inputs.values(), **FLAGS)
+    want = actor_loss_fwd(*inputs.values(), **coop.spec_kwargs(FLAGS))
     timeouts = torch.zeros(1, dtype=torch.int32)
     got = coop.coop_actor_loss_fwd(*inputs.values(), **FLAGS, chunk=512, spin_limit=0, timeouts=timeouts)
     for name, g, w in zip(("logp", "entropy", "d(logits)"), got, want):

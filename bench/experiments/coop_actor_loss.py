@@ -386,6 +386,14 @@ def _inputs(B: int, T: int, V: int, device: torch.device, seed: int = 0) -> dict
                                              ("fwd+bwd",)), device, gen)
 
 
+def spec_kwargs(flags: dict) -> dict:
+    """`actor_loss_fwd`'s keywords (the options as one ActorSpec, need_grad) from this experiment's flat flags."""
+    from fastrlhf.ops.losses import ActorSpec
+
+    return {"spec": ActorSpec(**{k: v for k, v in flags.items() if k in ActorSpec._fields}),
+            "need_grad": flags["need_grad"]}
+
+
 def _kernel_args(inputs: dict) -> tuple[tuple, dict]:
     """(positional, keyword) arguments of actor_loss_fwd for the bench's case, as ops.ppo_actor_loss forms
     them: token-mean weights mask / n, kl_coef 0.05 (k3), entropy_coef 0.01, clip 0.2 both sides."""
@@ -450,7 +458,7 @@ def run_shape(B: int, T: int, V: int, configs, device: torch.device, spin_limit:
     out = {"shape": {"B": B, "T": T, "V": V}, "dtype": "bfloat16", "flags": flags, "spin_limit": spin_limit,
            "logit_bytes": N * V * elem, "rows": []}
     with torch.no_grad(), autotune_choices() as chosen:
-        want = actor_loss_fwd(*args, **flags)
+        want = actor_loss_fwd(*args, **spec_kwargs(flags))
     out["actor_loss_fwd_autotune"] = chosen
 
     # 1. correctness: coop vs the current fused kernel
@@ -494,7 +502,8 @@ def run_shape(B: int, T: int, V: int, configs, device: torch.device, spin_limit:
     t_lp = row("ops.logprobs fwd+bwd", _time_ms(logprobs_fwd_bwd, device, [logits]), three)
     t_actor = row("ops.ppo_actor_loss fwd+bwd", _time_ms(actor_fwd_bwd, device, [logits]), three)
     with torch.no_grad():
-        t_kernel = row("actor_loss_fwd kernel", _time_ms(lambda: actor_loss_fwd(*args, **flags), device), three)
+        kernel_kw = spec_kwargs(flags)
+        t_kernel = row("actor_loss_fwd kernel", _time_ms(lambda: actor_loss_fwd(*args, **kernel_kw), device), three)
         for chunk, warps in configs:
             timeouts = torch.zeros(1, dtype=torch.int32, device=device)
             calls = [0]

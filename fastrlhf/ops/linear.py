@@ -42,7 +42,7 @@ import functools
 import torch
 from torch import Tensor
 
-from fastrlhf.constants import CHUNK_BUDGET_BYTES, CHUNK_BUDGET_BYTES_CUDA, IGNORE_INDEX, KL_ESTIMATORS
+from fastrlhf.constants import CHUNK_BUDGET_BYTES, CHUNK_BUDGET_BYTES_CUDA, IGNORE_INDEX
 from fastrlhf.ops._common import (
     as_rows,
     check_device,
@@ -58,11 +58,11 @@ from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
     ACTOR_STATS,
     TOKEN_TERMS,
+    ActorSpec,
     ActorTerms,
     actor_loss_and_stats,
+    actor_prologue,
     actor_token_terms,
-    check_actor_args,
-    check_agg,
     token_weights,
 )
 
@@ -286,8 +286,9 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
     acc = weight_accum_dtype(weight, accum_dtype)
     need_bias = need_bias and bias is not None
     need_grad = need_hidden or need_weight or need_bias
-    terms = ActorTerms(old_logp, advantages, mask, token_weight, ref_logp, is_weights, kl_coef, kl_estimator,
-                       kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip)
+    spec = ActorSpec(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
+                     clip_high, dual_clip)  # rebuilt from the custom-op boundary's scalars
+    terms = ActorTerms(old_logp, advantages, mask, token_weight, ref_logp, is_weights, spec)
     # by default d(weight) accumulates in fp32: V x H x 4 bytes (2.5 GB at V = 151936, H = 4096)
     # held through the forward, then cast to the weight's dtype
     d_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -308,10 +309,8 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
             # d(logits) is written over `logits` and returned as that same tensor: left unbound, so that
             # `del logits` below frees the chunk before the next one is made
             logp[s], entropy[s] = kernels.actor_loss_fwd(
-                logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), temperature=temperature,
-                clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
-                entropy_coef=entropy_coef, need_grad=need_grad, inplace=True)[:2]
+                logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), spec=spec, need_grad=need_grad,
+                inplace=True)[:2]
             if need_grad:  # the logits now hold d(logits)
                 _add_chunk_gradients(logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
             del logits
@@ -329,7 +328,7 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
                 _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
                 del d_logits  # the chunk's logits, written over
             del logits
-    loss, stats = actor_loss_and_stats(rows, mask.sum(), kl_coef, entropy_coef)
+    loss, stats = actor_loss_and_stats(rows, mask.sum(), spec)
     return (loss, stats, _or_empty(d_hidden, hidden),
             _or_empty(None if d_weight is None else d_weight.to(weight.dtype), weight),
             _or_empty(None if d_bias is None else d_bias.to(bias.dtype), weight))
@@ -478,11 +477,13 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
     unless `accum_dtype` says otherwise (`weight.dtype`: accumulated straight into the gradient,
     one rounding per chunk, no extra buffer).
     """
-    temperature = _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
-    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
-        tuple(hidden.shape[:-1]), hidden.device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef,
-        kl_estimator, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip, agg_, "hidden.shape[:-1]")
+    _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
+    agg_, spec = actor_prologue(
+        tuple(hidden.shape[:-1]), hidden.device, "hidden.shape[:-1]", old_logp, advantages, mask, ref_logp,
+        is_weights, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+        kl_straight_through=kl_straight_through, entropy_coef=entropy_coef, temperature=temperature,
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     h, y = _flat_rows(hidden, labels)
     dtype = out_dtype(hidden)
     rows = as_rows(mask.detach())
@@ -493,8 +494,7 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
     loss, stats, *_ = _linear_actor_loss(
         h, weight, bias, y, flat(old_logp), flat(advantages), flat(rows), token_weights(rows, agg_, dtype).reshape(-1),
-        flat(ref_logp), flat(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
-        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, int(chunk_size), accum_dtype, *needs,
-        use_triton(hidden), grad=any(needs))
+        flat(ref_logp), flat(is_weights), *spec, int(chunk_size), accum_dtype, *needs, use_triton(hidden),
+        grad=any(needs))
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))

@@ -250,6 +250,28 @@ def value_terms(values, old_values, returns, clip, need_grad=True):
     return 0.5 * torch.maximum(l1, l2), (err1 * ~clipped if need_grad else None), clipped
 
 
+class ActorSpec(NamedTuple):
+    """The actor loss's options, checked (`actor_prologue`), as one object from the public ops
+    (`ppo_actor_loss`, `linear_ppo_actor_loss`) to the launcher (kernels.ppo_loss.actor_loss_fwd); flattened
+    into scalars only at the custom-op boundary (`*spec`, in this order) and rebuilt there. A new option
+    (a policy-loss mode) is one more field at the end, with its default."""
+
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # the canonical name (KL_ESTIMATORS' values)
+    kl_clamp: float | None = None
+    kl_straight_through: bool = False
+    entropy_coef: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+
+    @property
+    def has_kl(self) -> bool:
+        """Whether the KL term enters the gradient (the value is reported whenever ref_logp is given)."""
+        return self.kl_coef != 0.0
+
+
 class ActorTerms(NamedTuple):
     """What the per-token actor loss needs besides logp and entropy; per-token tensors flat [n], one dtype."""
 
@@ -259,14 +281,7 @@ class ActorTerms(NamedTuple):
     weight: Tensor  # w = row_scale[row] * mask
     ref_logp: Tensor | None
     is_weights: Tensor | None
-    kl_coef: float
-    kl_estimator: str
-    kl_clamp: float | None
-    kl_straight_through: bool
-    entropy_coef: float
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
+    spec: ActorSpec
 
     def at(self, s: slice) -> ActorTerms:
         """The same terms for the tokens s."""
@@ -278,35 +293,36 @@ class ActorTerms(NamedTuple):
 def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
     """The actor loss L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i) per token:
     (TOKEN_TERMS [8, n], 0 where mask == 0; dL/dlogp [n] or None; dL/dH [n] or None)."""
-    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, a.clip_low, a.clip_high,
-                                                       a.dual_clip, need_grad)
+    spec = a.spec
+    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, spec.clip_low, spec.clip_high,
+                                                       spec.dual_clip, need_grad)
     pg_weight = a.weight if a.is_weights is None else a.weight * a.is_weights
-    kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
+    kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
     rows = torch.stack([pg * pg_weight, kl * a.weight, entropy * a.weight, clipped * a.mask,
                         _flags(lower, pg) * a.mask, -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
     terms = _off_mask_zero(rows, a.mask)
     if not need_grad:
         return terms, None, None
     d_logp = pg_weight * d_pg
-    if a.ref_logp is not None and a.kl_coef != 0.0:
-        if a.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
+    if a.ref_logp is not None and spec.has_kl:
+        if spec.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
             d_kl = logp - a.ref_logp
         else:
-            d_kl = kl_grad(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
-        d_logp = d_logp + (a.kl_coef * a.weight) * d_kl
-    g_ent = -a.entropy_coef * a.weight if a.entropy_coef != 0.0 else None
+            d_kl = kl_grad(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
+        d_logp = d_logp + (spec.kl_coef * a.weight) * d_kl
+    g_ent = -spec.entropy_coef * a.weight if spec.entropy_coef != 0.0 else None
     return terms, _off_mask_zero(d_logp, a.mask), g_ent
 
 
-def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, kl_coef: float, entropy_coef: float):
+def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, spec: ActorSpec):
     """(loss, ACTOR_STATS [6]) from the TOKEN_TERMS rows of all tokens; n_mask = sum(mask)."""
     sums = terms.sum(-1)
     pg_loss, kl_loss, entropy_loss, n_clipped, n_lower, neg_log_ratio, entropy, kl = sums.unbind()
     loss = pg_loss
-    if kl_coef != 0.0:
-        loss = loss + kl_coef * kl_loss
-    if entropy_coef != 0.0:
-        loss = loss - entropy_coef * entropy_loss
+    if spec.kl_coef != 0.0:
+        loss = loss + spec.kl_coef * kl_loss
+    if spec.entropy_coef != 0.0:
+        loss = loss - spec.entropy_coef * entropy_loss
     inv_n = safe_inverse(n_mask)
     stats = torch.stack([n_clipped * inv_n, n_lower * inv_n, neg_log_ratio * inv_n, pg_loss, entropy * inv_n,
                          kl * inv_n])
@@ -594,20 +610,19 @@ def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advanta
                        need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """logits [B, T, V], per-token [B, T] -> (loss, ACTOR_STATS [6], d(loss)/d(logits) [B, T, V]
     contiguous, formed in the forward; [0] without need_grad)."""
+    spec = ActorSpec(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
+                     clip_high, dual_clip)  # rebuilt from the custom-op boundary's scalars
     dtype = out_dtype(logits)
     flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
     terms = ActorTerms(flat(old_logp), flat(advantages), flat(mask), flat(token_weight), flat(ref_logp),
-                       flat(is_weights), kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
-                       clip_high, dual_clip)
+                       flat(is_weights), spec)
     if use_triton:  # one kernel: both passes over the logits, the per-token gradients formed in between
         from fastrlhf.kernels import ppo_loss as kernels
 
         f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
         logp, entropy, d_logits = kernels.actor_loss_fwd(
             logits, labels.reshape(-1).long().contiguous(), f32(terms.old_logp), f32(terms.advantages),
-            f32(terms.mask), f32(terms.weight), f32(terms.ref_logp), f32(terms.is_weights), temperature=temperature,
-            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator,
-            kl_clamp=kl_clamp, kl_straight_through=kl_straight_through, entropy_coef=entropy_coef,
+            f32(terms.mask), f32(terms.weight), f32(terms.ref_logp), f32(terms.is_weights), spec=spec,
             need_grad=need_grad)
         rows, _, _ = actor_token_terms(logp.to(dtype), entropy.to(dtype), terms, need_grad=False)
     else:  # the torch path: the log-prob forward, the per-token gradients, the log-prob backward
@@ -618,7 +633,7 @@ def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advanta
         if need_grad:
             d_logits = logprobs_bwd(logits, labels.long(), lse, entropy, g_logp, g_ent, temperature=temperature,
                                     ignore_index=IGNORE_INDEX, inplace=False, use_triton=False)
-    loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), kl_coef, entropy_coef)
+    loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), spec)
     return loss, stats, logits.new_empty(0) if d_logits is None else d_logits
 
 
@@ -655,10 +670,11 @@ _ppo_actor_loss = register("ppo_actor_loss", _ppo_actor_loss_op, _fake_ppo_actor
                            backward=_backward_actor)
 
 
-def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
-                     entropy_coef, clip_low, clip_high, dual_clip, agg: Agg, what):
-    """The checks of the actor losses' per-token arguments against `shape` (what: its name); returns
-    (kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip) as floats."""
+def actor_prologue(shape, device, what: str, old_logp, advantages, mask, ref_logp, is_weights, *, kl_coef,
+                   kl_estimator, kl_clamp, kl_straight_through, entropy_coef, temperature, clip_low, clip_high,
+                   dual_clip, agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor):
+    """The checks the two public actor ops share: the per-token arguments against `shape` (`what`: its
+    name) and `device`, and the options. Returns (Agg, ActorSpec)."""
     check_float("old_logp", old_logp)  # required; ref_logp and is_weights may be None
     check_float("advantages", advantages)
     for name, x in (("old_logp", old_logp), ("advantages", advantages), ("ref_logp", ref_logp),
@@ -671,6 +687,7 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_wei
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but the logits are on {device}; expected one device")
     check_mask(mask, old_logp, "old_logp")
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     kl_coef = check_number("kl_coef", kl_coef)
     if kl_coef != 0 and ref_logp is None:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logp is None: the KL term needs the reference log-probs "
@@ -678,7 +695,10 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_wei
     entropy_coef = check_number("entropy_coef", entropy_coef)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     kl_clamp = None if kl_clamp is None else check_number("kl_clamp", kl_clamp, positive=True)
-    return (kl_coef, kl_clamp, entropy_coef, *check_clips(clip_low, clip_high, dual_clip))
+    temperature = check_number("temperature", temperature, positive=True)
+    clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
+    return agg_, ActorSpec(temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp, bool(kl_straight_through),
+                           entropy_coef, clip_low, clip_high, dual_clip)
 
 
 def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
@@ -719,11 +739,12 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     shape = tuple(logits.shape[:-1])
     if logits.dim() < 1 or tuple(labels.shape) != shape:
         raise ValueError(f"labels must have shape logits.shape[:-1] = {shape}, got {tuple(labels.shape)}")
-    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
-        shape, logits.device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
-        entropy_coef, clip_low, clip_high, dual_clip, agg_, "logits.shape[:-1]")
-    temperature = check_number("temperature", temperature, positive=True)
+    agg_, spec = actor_prologue(
+        shape, logits.device, "logits.shape[:-1]", old_logp, advantages, mask, ref_logp, is_weights, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
+        entropy_coef=entropy_coef, temperature=temperature, clip_low=clip_low, clip_high=clip_high,
+        dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+        dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     x = as_3d(logits)
     B, T = x.shape[:2]
     rows = lambda t: None if t is None else t.detach().reshape(B, T)  # noqa: E731
@@ -731,8 +752,6 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, stats, *_ = _ppo_actor_loss(
         x, labels.reshape(B, T), rows(old_logp), rows(advantages), m, token_weights(m, agg_, out_dtype(logits)),
-        rows(ref_logp), rows(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
-        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton(logits),
-        grad=need_grad)
+        rows(ref_logp), rows(is_weights), *spec, need_grad, use_triton(logits), grad=need_grad)
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))
