@@ -217,22 +217,26 @@ def autotune_choices() -> Iterator[list[dict]]:
 
 
 @contextlib.contextmanager
-def stubbed_launches() -> Iterator[None]:
-    """Within the block every Triton launch returns at once (compiled, interpreted or autotuned): what is
-    left of an op's call is its host path, the same Python as on a GPU (outputs are not written). For
-    counting and timing host work on a CPU (FASTRLHF_BACKEND=triton, TRITON_INTERPRET=1)."""
+def stubbed_launches() -> Iterator[list[str]]:
+    """Within the block every Triton launch returns at once (compiled, interpreted or autotuned) and adds the
+    kernel's name to the yielded list: what is left of an op's call is its host path, the same Python as on
+    a GPU (outputs are not written). For counting and timing host work on a CPU (FASTRLHF_BACKEND=triton,
+    TRITON_INTERPRET=1)."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    launched: list[str] = []
+
     def skip(self, *args, **kwargs):
-        return None
+        fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
+        launched.append(getattr(fn, "__name__", "?"))
 
     saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction, Autotuner)]
     for cls, _ in saved:
         cls.run = skip
     try:
-        yield
+        yield launched
     finally:
         for cls, run in saved:
             cls.run = run
