@@ -32,9 +32,25 @@ def _math(x: Tensor) -> Tensor:
     return x.to(out_dtype(x))
 
 
+def _whiten_host(x: Tensor, m: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+    """reference.whiten on CPU, its count, mean and variance read on the host (fewer ops than on the device)."""
+    n = float(m.sum())
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = float((x * m).sum()) / n
+    centered = x - mean
+    var = float((centered * centered).mul_(m).sum()) / (n - 1 if unbiased and n > 1 else n)
+    out = centered.mul_((var + WHITEN_EPS) ** -0.5)
+    if not shift_mean:
+        out = out.add_(mean)
+    return out.mul_(m)
+
+
 def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
     """reference.whiten without its host sync (an empty selection gives 0 without a branch)."""
     m = selected.to(x.dtype)
+    if x.device.type == "cpu":
+        return _whiten_host(x, m, unbiased, shift_mean)
     n = m.sum()
     mean = (x * m).sum() / n.clamp(min=1)
     centered = x - mean

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fastrlhf.constants import KL_ESTIMATORS, LOG_RATIO_CLAMP
 from fastrlhf.ops._common import (
+    as_dtype,
     check_choice,
     check_device,
     check_float,
@@ -30,7 +31,7 @@ from fastrlhf.ops._common import (
     out_dtype,
     use_triton,
 )
-from fastrlhf.ops._dispatch import register
+from fastrlhf.ops._dispatch import eager, register
 
 # ---------------------------------------------------------------- torch path (also used by ops.losses, ops.linear)
 
@@ -51,7 +52,7 @@ def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None
     """The per-token estimate in out_dtype(logp); `estimator` is a canonical name (k1, k2, k3, abs).
     (In-place steps on fresh tensors: on CPU each new buffer of a small op costs as much as its math.)"""
     dtype = out_dtype(logp)
-    r = logp.to(dtype) - ref_logp.to(dtype)
+    r = as_dtype(logp, dtype) - as_dtype(ref_logp, dtype)
     if estimator == "k2":
         kl = r.square_().mul_(0.5)
     elif estimator == "k3":
@@ -63,27 +64,70 @@ def kl_value(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None
     return kl if clamp is None else kl.clamp_(-clamp, clamp)
 
 
-def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
-    """d(kl)/d(logp) per token (= -d(kl)/d(ref_logp)), written out with the tie rules:
+def kl_value_and_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> tuple[Tensor, Tensor]:
+    """(the estimate, d(kl)/d(logp) = -d(kl)/d(ref_logp)) per token, formed together (k3's exp once), the
+    derivative written out with the tie rules:
     dk1 = 1, dk2 = r, dk3 = (1 - exp(-r)) [|r| <= 20], dabs = sign(r) (0 at 0), times [|kl| <= clamp].
     (A clamp returns its input itself inside its bounds, so `x == clamp(x)` tests inside, bounds included.)"""
     dtype = out_dtype(logp)
-    r = logp.to(dtype) - ref_logp.to(dtype)
+    r = as_dtype(logp, dtype) - as_dtype(ref_logp, dtype)
     if estimator == "k2":
-        d = r
+        kl, d = r.square().mul_(0.5), r
     elif estimator == "k3":
-        inside = r.abs() <= LOG_RATIO_CLAMP
-        d = _dk3_(r.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).mul_(inside)
+        c = r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        e = c.neg().expm1_()  # exp(-c) - 1
+        kl = e + c
+        d = e.neg_().mul_(r == c)  # 1 - exp(-c), 0 where r is clamped
     elif estimator == "abs":
-        d = r.sign()
+        kl, d = r.abs(), r.sign()
     else:
-        d = torch.ones_like(r)
+        kl, d = r, torch.ones_like(r)
     if clamp is not None:
-        d = d.mul_(kl_value(logp, ref_logp, estimator, None).abs_() <= clamp)
-    return d
+        d = d.mul_(kl.abs() <= clamp)
+        kl = kl.clamp(-clamp, clamp)
+    return kl, d
+
+
+def kl_grad(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None) -> Tensor:
+    """d(kl)/d(logp) per token (= -d(kl)/d(ref_logp)); see `kl_value_and_grad`."""
+    return kl_value_and_grad(logp, ref_logp, estimator, clamp)[1]
+
+
+class _TorchKL(torch.autograd.Function):
+    """token_kl on the torch path in eager mode with grad: the estimate and its derivative formed in one
+    pass (k3's exponential once), the backward one product (times the straight-through weight)."""
+
+    @staticmethod
+    def forward(ctx, logp, ref_logp, estimator, clamp, straight_through, grad_weight):
+        kl, d = kl_value_and_grad(logp, ref_logp, estimator, clamp)
+        if straight_through:  # the value is the estimator's, the gradient that of w * r^2 / 2: w * r
+            d = kl_grad(logp, ref_logp, "k2", None)
+            if grad_weight is not None:
+                d = d.mul_(grad_weight)
+        ctx.save_for_backward(d)
+        ctx.dtypes = logp.dtype, ref_logp.dtype
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        (d,) = ctx.saved_tensors
+        d = d * grad
+        need_logp, need_ref = ctx.needs_input_grad[:2]
+        d_logp = as_dtype(d, ctx.dtypes[0]) if need_logp else None
+        return d_logp, as_dtype(d.neg(), ctx.dtypes[1]) if need_ref else None, None, None, None, None
 
 
 # ---------------------------------------------------------------- fastrlhf::token_kl
+
+
+def _plain_kl(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """k1 = r and k2 = r^2 / 2 on the torch path in eager mode, unclamped: plain torch ops under torch's own
+    autograd. These formulas have no tie (no clamp, no |r|), so its gradients, 1 and r (times the upstream
+    gradient, -1 and -r for ref_logp), are exactly the stated ones; and a one-op estimate pays no
+    autograd.Function around it."""
+    dtype = out_dtype(logp)
+    r = as_dtype(logp, dtype) - as_dtype(ref_logp, dtype)
+    return r if estimator == "k1" else r.square().mul_(0.5)
 
 
 def _token_kl_fwd(logp: Tensor, ref_logp: Tensor, estimator: str, clamp: float | None, straight_through: bool,
@@ -127,8 +171,8 @@ def _token_kl_grads(logp: Tensor, ref_logp: Tensor, grad: Tensor, grad_weight: T
         d = kl_grad(logp, ref_logp, estimator, clamp).mul_(grad)
         if grad_weight is not None:
             d = d.mul_(grad_weight)
-        d_logp = d.to(logp.dtype) if need_logp else None
-        d_ref = d.neg().to(ref_logp.dtype) if need_ref else None
+        d_logp = as_dtype(d, logp.dtype) if need_logp else None
+        d_ref = as_dtype(d.neg(), ref_logp.dtype) if need_ref else None
     return (logp.new_empty(0) if d_logp is None else d_logp, ref_logp.new_empty(0) if d_ref is None else d_ref)
 
 
@@ -186,9 +230,16 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None, straight_through=Fal
     clamp = None if clamp is None else check_number("clamp", clamp, positive=True)
     if grad_weight is not None and not straight_through:
         raise ValueError("grad_weight applies to straight_through=True only")
+    triton, name = use_triton(logp), KL_ESTIMATORS[estimator]
     grad = torch.is_grad_enabled() and (logp.requires_grad or ref_logp.requires_grad)
-    return _token_kl(logp, ref_logp, KL_ESTIMATORS[estimator], clamp, bool(straight_through),
-                     None if grad_weight is None else grad_weight.detach(), use_triton(logp), grad=grad)
+    if not triton and eager(logp):
+        if name in ("k1", "k2") and clamp is None and not straight_through:
+            return _plain_kl(logp, ref_logp, name)
+        if grad:
+            return _TorchKL.apply(logp, ref_logp, name, clamp, bool(straight_through),
+                                  None if grad_weight is None else grad_weight.detach())
+    return _token_kl(logp, ref_logp, name, clamp, bool(straight_through),
+                     None if grad_weight is None else grad_weight.detach(), triton, grad=grad)
 
 
 # ---------------------------------------------------------------- fastrlhf::kl_shaped_rewards

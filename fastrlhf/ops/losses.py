@@ -34,6 +34,7 @@ from torch import Tensor
 
 from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, KL_ESTIMATORS, LOG_RATIO_CLAMP
 from fastrlhf.ops._common import (
+    as_dtype,
     as_rows,
     check_choice,
     check_float,
@@ -46,7 +47,7 @@ from fastrlhf.ops._common import (
     safe_inverse,
     use_triton,
 )
-from fastrlhf.ops._dispatch import register
+from fastrlhf.ops._dispatch import eager, register
 from fastrlhf.ops.kl import kl_grad, kl_value
 from fastrlhf.ops.logprobs import as_3d, logprobs_bwd, logprobs_fwd
 
@@ -152,8 +153,8 @@ def _flags(flags, like: Tensor) -> Tensor:
 def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
     """sum_b row_scale[b] sum_t mask l (0-dim), exactly 0 from tokens with mask == 0; [B, T] inputs."""
     dtype = out_dtype(loss_mat)
-    m = mask.to(dtype)
-    return _off_mask_zero(loss_mat.to(dtype) * (row_scale.to(dtype).unsqueeze(1) * m), m).sum()
+    m = as_dtype(mask, dtype)
+    return _off_mask_zero(as_dtype(loss_mat, dtype) * (as_dtype(row_scale, dtype).unsqueeze(1) * m), m).sum()
 
 
 def _fake_agg_loss(loss_mat, mask, row_scale):
@@ -199,9 +200,11 @@ def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global
     check_rows("loss_mat", loss_mat)
     check_mask(mask, loss_mat, "loss_mat")
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    m = as_rows(mask)
-    return _agg_loss(as_rows(loss_mat), m, row_scale(m, agg_, out_dtype(loss_mat)),
-                     grad=torch.is_grad_enabled() and loss_mat.requires_grad)
+    x, m = as_rows(loss_mat), as_rows(mask)
+    scale = row_scale(m, agg_, out_dtype(loss_mat))
+    if eager(x):  # torch ops only, products and a sum: torch's autograd gives w = scale * m exactly
+        return _agg_loss_op(x, m, scale)
+    return _agg_loss(x, m, scale, grad=torch.is_grad_enabled() and loss_mat.requires_grad)
 
 
 # ---------------------------------------------------------------- per-token formulas (torch)
