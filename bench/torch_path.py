@@ -33,7 +33,8 @@ def _inputs(B: int, T: int) -> dict:
     g = torch.Generator().manual_seed(0)
     lp = -torch.rand(B, T, generator=g) * 3
     lengths = torch.randint(max(T // 4, 1), T + 1, (B, 1), generator=g)
-    return {"logp": lp, "old": lp + 0.1 * torch.randn(B, T, generator=g), "ref": lp + 0.3 * torch.randn(B, T, generator=g),
+    noise = lambda scale: scale * torch.randn(B, T, generator=g)  # noqa: E731
+    return {"logp": lp, "old": lp + noise(0.1), "ref": lp + noise(0.3),
             "adv": torch.randn(B, T, generator=g), "values": torch.randn(B, T, generator=g),
             "returns": torch.randn(B, T, generator=g), "scores": torch.randn(B, generator=g),
             "mask": torch.arange(T) < lengths}

@@ -51,8 +51,8 @@ def _inputs():
 
 CASES = {
     "policy_loss": lambda x, i: ops.policy_loss(x, i["old"], i["adv"], i["mask"])[0],
-    "policy_loss-seq-mean-token-mean-dual": lambda x, i: ops.policy_loss(x, i["old"], i["adv"], i["mask"], dual_clip=3.0,
-                                                                        agg="seq-mean-token-mean")[0],
+    "policy_loss-seq-mean-token-mean-dual": lambda x, i: ops.policy_loss(x, i["old"], i["adv"], i["mask"],
+                                                                        dual_clip=3.0, agg="seq-mean-token-mean")[0],
     "policy_loss-global": lambda x, i: ops.policy_loss(x, i["old"], i["adv"], i["mask"], global_num_tokens=100.0)[0],
     "value_loss": lambda x, i: ops.value_loss(x, i["old"], i["adv"], i["mask"])[0],
     "value_loss-seq-mean-token-sum-norm": lambda x, i: ops.value_loss(x, i["old"], i["adv"], i["mask"],
