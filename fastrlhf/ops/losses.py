@@ -142,9 +142,9 @@ def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask != 0, products, 0.0)
 
 
-def _flags(flags, like: Tensor) -> Tensor:
-    """A bool indicator as `like`'s dtype (None: no token is flagged)."""
-    return torch.zeros_like(like) if flags is None else flags.to(like.dtype)
+def _masked_flags(flags, m: Tensor) -> Tensor:
+    """m where a bool indicator is set, in m's dtype (None: no token is flagged)."""
+    return torch.zeros_like(m) if flags is None else m * flags
 
 
 # ---------------------------------------------------------------- fastrlhf::agg_loss
@@ -302,7 +302,7 @@ def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
     pg_weight = a.weight if a.is_weights is None else a.weight * a.is_weights
     kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
     rows = torch.stack([pg * pg_weight, kl * a.weight, entropy * a.weight, clipped * a.mask,
-                        _flags(lower, pg) * a.mask, -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
+                        _masked_flags(lower, a.mask), -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
     terms = _off_mask_zero(rows, a.mask)
     if not need_grad:
         return terms, None, None
@@ -427,10 +427,10 @@ def _fake_sums(x, n_stats, need_grad, pending):
 
 def _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, need_grad):
     dtype = out_dtype(logp)
-    lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
-    w = m if is_weights is None else m * is_weights.to(dtype)
+    lp, olp, adv, m = (as_dtype(t, dtype) for t in (logp, old_logp, advantages, mask))
+    w = m if is_weights is None else m * as_dtype(is_weights, dtype)
     loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
-    terms = torch.stack([loss * w, m, clipped * m, _flags(lower, m) * m, -log_ratio * m, (olp - lp) * m])
+    terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
     loss, stats, scale = _agg_torch(_off_mask_zero(terms, m).sum(2), agg, lp.shape[1])
     return loss, stats, (_off_mask_zero(d_logp * w, m) * scale if need_grad else None)
 
@@ -513,9 +513,9 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
 
 def _value_torch(values, old_values, returns, mask, clip, agg, need_grad):
     dtype = out_dtype(values)
-    v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
+    v, ov, ret, m = (as_dtype(t, dtype) for t in (values, old_values, returns, mask))
     loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
-    terms = torch.stack([loss * m, m, _flags(clipped, m) * m])
+    terms = torch.stack([loss * m, m, _masked_flags(clipped, m)])
     loss, stats, scale = _agg_torch(_off_mask_zero(terms, m).sum(2), agg, v.shape[1])
     return loss, stats, (_off_mask_zero(d * m, m) * scale if need_grad else None)
 
