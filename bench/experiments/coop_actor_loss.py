@@ -412,7 +412,7 @@ def coop_actor_loss_fwd(
 
 TARGET_SHAPES = ((16, 1024, 151936), (16, 1024, 50257))  # fastrlhf.bench.cases LOGITS_TARGET, LOGITS_TARGET_50K
 DRY_SHAPES = ((1, 3, 300), (1, 3, 301))
-DRY_CONFIGS = ((64, 1), (128, 2, 32))  # the register variant and the REREAD one
+DRY_CONFIGS = ((64, 1), (128, 2, 64))  # the register variant and the REREAD one
 
 
 def _inputs(B: int, T: int, V: int, device: torch.device, seed: int = 0) -> dict:
