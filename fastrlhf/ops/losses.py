@@ -354,14 +354,16 @@ def agg_launch(agg: Agg, T: int):
                      agg.mode == "seq-mean-token-mean", grad_scale if known else 1.0, not known)
 
 
-def _agg_torch(row_sums: Tensor, agg: Agg, T: int):
-    """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float) from the per-row sums
-    [K, B] (row 0 the loss, row 1 n_b, then what the stats average), as the finish kernel. Reads the
-    totals on the host (this path is the CPU's; forced onto CUDA it syncs here)."""
-    totals = row_sums.sum(1)
+def _agg_torch(terms: Tensor, agg: Agg, T: int):
+    """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float) from the per-token terms
+    [K, B, T] (0 off the mask; row 0 the loss, row 1 the mask, then what the stats average), as the finish
+    kernel. Token modes sum each term in one reduction; the seq-mean modes sum the loss and the mask per
+    row first. Reads the totals on the host (this path is the CPU's; forced onto CUDA it syncs here)."""
+    totals = terms.sum((1, 2))
     n, *stat_sums = totals[1:].tolist()
     count, total, scale = n, totals[0], None
     if agg.mode.startswith("seq-mean"):
+        row_sums = terms[:2].sum(2)
         nonempty = row_sums[1] > 0
         count = float(nonempty.sum())
         if agg.mode == "seq-mean-token-mean":
@@ -373,7 +375,7 @@ def _agg_torch(row_sums: Tensor, agg: Agg, T: int):
     if agg.mode == "seq-mean-token-sum-norm":
         c /= max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor
     inv_n = 1.0 / n if n > 0 else 0.0
-    stats = torch.tensor([v * inv_n for v in stat_sums], dtype=row_sums.dtype, device=row_sums.device)
+    stats = torch.tensor([v * inv_n for v in stat_sums], dtype=terms.dtype, device=terms.device)
     return total * c, stats, (c if scale is None else (scale * c).unsqueeze(1))
 
 
@@ -431,7 +433,7 @@ def _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_h
     w = m if is_weights is None else m * as_dtype(is_weights, dtype)
     loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
     terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
-    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m).sum(2), agg, lp.shape[1])
+    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, lp.shape[1])
     return loss, stats, (_off_mask_zero(d_logp * w, m) * scale if need_grad else None)
 
 
@@ -516,7 +518,7 @@ def _value_torch(values, old_values, returns, mask, clip, agg, need_grad):
     v, ov, ret, m = (as_dtype(t, dtype) for t in (values, old_values, returns, mask))
     loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
     terms = torch.stack([loss * m, m, _masked_flags(clipped, m)])
-    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m).sum(2), agg, v.shape[1])
+    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, v.shape[1])
     return loss, stats, (_off_mask_zero(d * m, m) * scale if need_grad else None)
 
 
