@@ -120,8 +120,25 @@ def test_only_one_part(tmp_path):
     assert {p.name for p in out.iterdir()} == {"status.json", "bench.json", "bench.png", "logs.tar.gz"}
     status = json.loads((out / "status.json").read_text())
     assert [s["name"] for s in status["steps"]] == ["install", "env", "ops"] and status["ok"] is True
-    assert json.loads((out / "bench.json").read_text())["finished"] is True
+    record = json.loads((out / "bench.json").read_text())
+    assert record["finished"] is True
+    assert all({"host_us", "wall_ms"} <= row.keys() for row in record["results"])  # host and GPU apart
     assert "gpu_run (dry run) ok=True" in proc.stdout
+
+
+def test_the_ops_part_fits_eight_minutes():
+    """`--only ops` on a GPU: install and environment at their limits, the ops step at its own, and a few seconds
+    for the record stay within 8 minutes (the device call's limit); the bench's budget leaves the step time to
+    finish its last measurement and write the record."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_run.sh").read_text()
+    part = (ROOT / "bench" / "parts" / "ops.sh").read_text()
+    install, env = (int(x) for x in re.search(r"L_INSTALL=(\d+) L_ENV=(\d+)\n\s*fi", script).groups())
+    ops = int(re.search(r'L_OPS=\$\(\[ "\$DRY" = 1 \] && echo \d+ \|\| echo (\d+)\)', part).group(1))
+    assert install + env + ops + 20 <= 8 * 60, (install, env, ops)
+    margin = re.search(r"--budget-s \$\(\(L_OPS - (\d+)\)\)\)  #", part)
+    assert margin and int(margin.group(1)) >= 30, "the GPU bench budget: the step's less a margin"
 
 
 def test_bad_arguments():
