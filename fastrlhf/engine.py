@@ -34,9 +34,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from fastrlhf.data import left_pad
 from fastrlhf.models import lm_head, trunk, unwrap
@@ -102,7 +104,7 @@ class Spec:
     hidden: int
     vocab: int
     eps: float
-    act: str
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation (transformers' ACT2FN[hidden_act])
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     windows: tuple  # per layer: sliding window (keys at slots > q_slot - window), or None
     rope_scaling: float  # attention_scaling of the rotary embedding (yarn's mscale; 1 otherwise)
@@ -137,7 +139,7 @@ def _config_spec(lm, *, batch: int, prompt_len: int, new_tokens: int, temperatur
     windows = tuple(w if w is not None and w < max_len else None for w in windows)  # no effect past the cache
     return Spec(layers=config.num_hidden_layers, heads=heads, kv_heads=config.num_key_value_heads,
                 head_dim=head_dim, hidden=config.hidden_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
-                act=config.hidden_act, qk_norm=config.model_type == "qwen3", windows=windows,
+                act=ACT2FN[config.hidden_act], qk_norm=config.model_type == "qwen3", windows=windows,
                 rope_scaling=float(trunk(lm).rotary_emb.attention_scaling), batch=batch, prompt_len=prompt_len,
                 new_tokens=new_tokens, temperature=float(temperature), eos_id=int(eos_id),
                 logits_fp32_mm=logits_fp32_mm)
@@ -149,14 +151,15 @@ def rollout_memory_bytes(*, hidden: int, layers: int, heads: int, kv_heads: int,
     """Bytes the engine holds (plain arithmetic, for the planner): `weights` (the fused, merged
     layer matrices and norms, the embedding and lm_head unless `shares_head`: LoRA on one process,
     where the frozen base's own tensors are read), `kv_cache` [layers, B, kv_heads, T, head_dim] x 2
-    and `logits` (the step's fp32 [B, V] and its sampling noise)."""
+    and `logits` (the step's fp32 [B, V]). Biases and Qwen3's q/k norms, a few
+    vectors per layer, are left out."""
     d = head_dim or hidden // heads
     per_layer = hidden * (heads + 2 * kv_heads) * d + heads * d * hidden + 3 * hidden * intermediate + 2 * hidden
     weights = layers * per_layer + hidden
     if not shares_head:
         weights += vocab * hidden * (1 if tied else 2)
     return {"weights": weights * dtype_bytes, "kv_cache": 2 * layers * batch * kv_heads * max_len * d * dtype_bytes,
-            "logits": 2 * batch * vocab * 4}
+            "logits": batch * vocab * 4}
 
 
 # ---------------------------------------------------------------- weights
@@ -283,9 +286,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return out.view(B, spec.kv_heads, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, spec.heads * D)
 
 
-def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, write_kv, keys, allowed):
-    """One decoder layer on x [B, L, H]: attention (K/V written by `write_kv(k, v)` [B, kv, L, D] into
-    the cache, then read as returned by `keys()`) and the gated MLP, with HF's residual stream."""
+def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
+    """One decoder layer on x [B, L, H]: attention and the gated MLP, with HF's residual stream.
+    `store(k, v)` puts the new K/V [B, kv_heads, L, D] in the cache and returns the K/V to attend to."""
     B, L, _ = x.shape
     D = spec.head_dim
     qkv = linear(rms_norm(x, w.ln1, spec.eps), w.qkv, w.qkv_bias)
@@ -294,15 +297,10 @@ def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, write_kv, keys, allo
     if spec.qk_norm:
         q, k = rms_norm(q, w.q_norm, spec.eps), rms_norm(k, w.k_norm, spec.eps)
     q, k = rotary(q, cos[:, :, None], sin[:, :, None]), rotary(k, cos[:, :, None], sin[:, :, None])
-    write_kv(k.transpose(1, 2), v.transpose(1, 2))
-    k_all, v_all = keys()
+    k_all, v_all = store(k.transpose(1, 2), v.transpose(1, 2))
     x = x + linear(grouped_attention(q, k_all, v_all, allowed, spec), w.o, w.o_bias)
     gate, up = linear(rms_norm(x, w.ln2, spec.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return x + linear(_ACTS[spec.act](gate) * up, w.down, w.down_bias)
-
-
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+    return x + linear(spec.act(gate) * up, w.down, w.down_bias)
 
 
 def logits_of(h: torch.Tensor, weights: Weights, spec: Spec) -> torch.Tensor:
@@ -382,10 +380,12 @@ class State:
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        return cls([zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
-                   [zeros(*cache, dtype=dtype) for _ in range(spec.layers)], zeros(B, T, dtype=torch.bool), zeros(B, P),
-                   zeros(B, P, dtype=torch.bool), zeros(B, R), zeros(B, R, dtype=torch.float32), zeros(B), zeros(B),
-                   zeros(1), zeros(B, dtype=torch.bool), zeros(1, dtype=torch.bool), zeros(2))
+        return cls(k_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
+                   v_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
+                   valid=zeros(B, T, dtype=torch.bool), prompt_ids=zeros(B, P),
+                   prompt_mask=zeros(B, P, dtype=torch.bool),
+                   tokens=zeros(B, R), logps=zeros(B, R, dtype=torch.float32), last=zeros(B), position=zeros(B),
+                   t=zeros(1), done=zeros(B, dtype=torch.bool), all_done=zeros(1, dtype=torch.bool), rng=zeros(2))
 
     def tensors(self) -> list[torch.Tensor]:
         out = []
@@ -395,7 +395,8 @@ class State:
         return out
 
 
-def _window(allowed, q_slot, spec: Spec, layer: int):
+def _window(allowed: torch.Tensor, q_slot: torch.Tensor, spec: Spec, layer: int) -> torch.Tensor:
+    """`allowed` [B, L, T] narrowed to layer's sliding window: key slots > the query's slot - window."""
     w = spec.windows[layer]
     if w is None:
         return allowed
@@ -416,14 +417,12 @@ def prefill(weights: Weights, state: State, spec: Spec) -> None:
                                                                                    device=mask.device)
     x = weights.embed[state.prompt_ids]
     for i, w in enumerate(weights.layers):
-        k_cache, v_cache = state.k_cache[i], state.v_cache[i]
-
-        def write(k, v, k_cache=k_cache, v_cache=v_cache):
+        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # slots [0, P); attend to them
             k_cache[:, :, :P] = k
             v_cache[:, :, :P] = v
+            return k, v
 
-        x = decoder_layer(x, w, spec, cos, sin, write, lambda k_cache=k_cache, v_cache=v_cache: (
-            k_cache[:, :, :P], v_cache[:, :, :P]), _window(allowed, slots[None, :], spec, i))
+        x = decoder_layer(x, w, spec, cos, sin, store, _window(allowed, slots[None, :], spec, i))
     token, logp = sample(logits_of(x[:, -1], weights, spec), state.rng)
     state.valid.zero_()
     state.valid[:, :P] = mask
@@ -447,14 +446,12 @@ def decode_step(weights: Weights, state: State, spec: Spec) -> None:
     cos, sin = rotary_tables(state.position[:, None], weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
     x = weights.embed[state.last][:, None]  # [B, 1, H]
     for i, w in enumerate(weights.layers):
-        k_cache, v_cache = state.k_cache[i], state.v_cache[i]
-
-        def write(k, v, k_cache=k_cache, v_cache=v_cache):
+        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # at `slot`; attend to every slot
             k_cache.index_copy_(2, slot, k)
             v_cache.index_copy_(2, slot, v)
+            return k_cache, v_cache
 
-        x = decoder_layer(x, w, spec, cos, sin, write, lambda k_cache=k_cache, v_cache=v_cache: (k_cache, v_cache),
-                          _window(state.valid[:, None], slot.view(1, 1), spec, i))
+        x = decoder_layer(x, w, spec, cos, sin, store, _window(state.valid[:, None], slot.view(1, 1), spec, i))
     token, logp = sample(logits_of(x[:, 0], weights, spec), state.rng)
     state.tokens.index_copy_(1, t, token[:, None])
     state.logps.index_copy_(1, t, logp[:, None])
@@ -467,6 +464,18 @@ def decode_step(weights: Weights, state: State, spec: Spec) -> None:
 
 
 # ---------------------------------------------------------------- the engine
+
+
+def _mm_has_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) runs here for `dtype` inputs (CUDA, recent torch):
+    then the logits are accumulated and stored in fp32 instead of rounded to `dtype` first."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 2, device=device, dtype=dtype)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 class DecodeEngine:
@@ -504,7 +513,7 @@ class DecodeEngine:
             raise ValueError("rollout engine: cuda_graph needs a CUDA device")
         self.pad_id = pad_id
         self.share_frozen = share_frozen
-        fp32_mm = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        fp32_mm = self.dtype in (torch.bfloat16, torch.float16) and _mm_has_fp32_out(self.device, self.dtype)
         self.spec = _config_spec(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                                  temperature=temperature, eos_id=eos_id, logits_fp32_mm=fp32_mm)
         self.weights: Weights | None = None
