@@ -39,7 +39,7 @@ from fastrlhf.bench.environment import environment
 from fastrlhf.bench.measure import Settings, probes
 from fastrlhf.config import PPOConfig
 from fastrlhf.devices import autocast
-from fastrlhf.engine import CHECK_EVERY, prefill, rollout_memory_bytes
+from fastrlhf.engine import CHECK_EVERY, rollout_memory_bytes
 from fastrlhf.heads import ActorCritic
 from fastrlhf.models import hidden_states, load_causal_lm
 from fastrlhf.rewards import load_reward
@@ -204,8 +204,8 @@ def main(argv=None) -> int:
         capture_s = None
         record["prefill_s"] = prefill_s
     if engine is not None:  # the decode loop alone: its replays after a prefill
-        prefill(engine.weights, engine.state, engine.spec)
-        counts = launches(engine._decode, device, R - 1)
+        engine.prefill()
+        counts = launches(engine.decode, device, R - 1)
     else:  # a whole generate (its prefill included) over its decode steps
         profiled = R if args.engine == "static" else min(R, NEW_TOKENS_PROFILED)
         counts = launches(lambda: rollout(profiled), device, profiled - 1)

@@ -31,6 +31,7 @@ Supported: the decoder families of MODEL_TYPES (Llama, Qwen2/2.5, Qwen3, Mistral
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -610,7 +611,8 @@ class DecodeEngine:
     # ------------------------------------------------------------ a rollout
 
     @torch.no_grad()
-    def generate(self, lm, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def generate(self, lm, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
         """Sample for `prompt_ids` (at most `batch` rows of at most `prompt_len` tokens) with the
         weights of `lm`: (prompt ids [n, P'] and mask, left-padded to the longest prompt; sampled
         tokens [n, R']; the sampler's log-probs [n, R'] fp32). R' is the number of columns decoded
@@ -631,16 +633,32 @@ class DecodeEngine:
         st.prompt_mask.copy_(mask.bool(), non_blocking=True)
         st.rng[0] = int(torch.randint(0, 2 ** 32, (1,)))
         st.rng[1] = 0
-        t0 = time.perf_counter()
-        prefill(self.weights, st, s)
         if self.cuda_graph and self.graph is None:
+            self.prefill()  # a valid state for the warm-up steps, which advance it
             self._capture()
-            prefill(self.weights, st, s)  # warm-up steps advanced the state: start this rollout again
-        self.stats["prefill_s"] = time.perf_counter() - t0
-        columns = self._decode()
+        self.prefill()
+        columns = self.decode()
         P = s.prompt_len - longest
         return (st.prompt_ids[:n, P:].clone(), st.prompt_mask[:n, P:].long(), st.tokens[:n, :columns].clone(),
                 st.logps[:n, :columns].clone())
+
+    def _attention(self):
+        """On CUDA, SDPA may pick memory-efficient attention (bf16 K/V read once, fp32 inside, any mask) or
+        the math path, not cuDNN or flash (flash takes no mask; cuDNN's mask layouts vary by version):
+        the choice is made when the step is traced, so the captured graph keeps it."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    @torch.no_grad()
+    def prefill(self) -> None:
+        """Start the rollout of the prompts in the state (again): K/V of the prompt slots, the first token."""
+        t0 = time.perf_counter()
+        with self._attention():
+            prefill(self.weights, self.state, self.spec)
+        self.stats["prefill_s"] = time.perf_counter() - t0
 
     def _run_step(self) -> None:
         if self.graph is not None:
@@ -649,20 +667,29 @@ class DecodeEngine:
             self.step(self.weights, self.state, self.spec)
 
     @torch.no_grad()
-    def _decode(self) -> int:
-        """R - 1 steps, or fewer once every row has had EOS: the flag is read every CHECK_EVERY steps
-        from a copy issued CHECK_EVERY steps earlier, so the host never waits for the step it just
-        launched. Returns the number of columns written."""
-        s = self.spec
+    def decode(self) -> int:
+        """R - 1 steps after `prefill`, or fewer once every row has had EOS. Returns the number of
+        columns written."""
         t0 = time.perf_counter()
+        with self._attention():
+            steps = self._decode_loop(t0)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats["decode_s"] = time.perf_counter() - t0
+        self.stats["decode_steps"] = steps
+        return steps + 1
+
+    def _decode_loop(self, t0: float) -> int:
+        """The steps, the all-EOS flag read every CHECK_EVERY steps from a copy issued CHECK_EVERY steps
+        earlier (the host never waits for the step it just launched). Returns the steps run."""
         pending, t = False, 0
-        for t in range(1, s.new_tokens):
+        for t in range(1, self.spec.new_tokens):
             if t == 1 and self.compiled and not self.cuda_graph and not self.stats["compile_s"]:
                 self._run_step()  # the first call compiles (a real step all the same): timed apart
                 self.stats["compile_s"] = time.perf_counter() - t0
                 continue
             self._run_step()
-            if t % CHECK_EVERY == 0 and t < s.new_tokens - 1:
+            if t % CHECK_EVERY == 0 and t < self.spec.new_tokens - 1:
                 if pending:
                     if self.event is not None:
                         self.event.synchronize()
@@ -672,11 +699,7 @@ class DecodeEngine:
                 if self.event is not None:
                     self.event.record()
                 pending = True
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.stats["decode_s"] = time.perf_counter() - t0
-        self.stats["decode_steps"] = t
-        return t + 1
+        return t
 
     def _capture(self) -> None:
         """Compile (3 warm-up calls on a side stream), then capture one step as a CUDA graph."""

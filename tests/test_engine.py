@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from fastrlhf.engine import CHECK_EVERY, DecodeEngine, hash32, prefill, rollout_memory_bytes, sample, unsupported_reason
+from fastrlhf.engine import CHECK_EVERY, DecodeEngine, hash32, rollout_memory_bytes, sample, unsupported_reason
 from fastrlhf.heads import ActorCritic
 from fastrlhf.models import hidden_states
 from fastrlhf.rollout import choose_engine, engine_generate, sampler_gap, token_logprobs
@@ -195,9 +195,9 @@ def test_compiled_step_is_one_graph_replayed_without_recompiles():
 
     with torch.compiler.set_stance("fail_on_recompile"):
         engine.refresh(ac.policy)
-        prefill(engine.weights, engine.state, engine.spec)
+        engine.prefill()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            columns = engine._decode()
+            columns = engine.decode()
     assert [t.data_ptr() for t in _engine_tensors(engine)] == ptrs
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     top = [e.name for e in prof.events() if e.cpu_parent is None]
