@@ -207,7 +207,7 @@ def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, list]:
 
 @torch.no_grad()
 def _merged(m) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(W + s * B @ A, bias + s * b_B) of a Linear in fp32 (the weight as it is, uncast, without LoRA)."""
+    """(W + s * B @ A, bias + s * b_B) of a Linear, formed in fp32 (without LoRA: its own tensors)."""
     weight, bias, deltas = _linear_parts(m)
     if not deltas:
         return weight, bias
@@ -220,31 +220,44 @@ def _merged(m) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w, b
 
 
-def _stack(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The merged weights of `modules` stacked by output row, and their biases (None if none has one)."""
-    parts = [_merged(m) for m in modules]
-    w = torch.cat([p[0].float() for p in parts]) if len(parts) > 1 else parts[0][0]
-    if all(p[1] is None for p in parts):
-        return w, None
-    return w, torch.cat([p[1].float() if p[1] is not None else torch.zeros(p[0].shape[0], device=w.device)
-                         for p in parts])
+def _has_bias(m) -> bool:
+    weight, bias, deltas = _linear_parts(m)
+    return bias is not None or any(d[3] is not None for d in deltas)
 
 
-def _sources(lm) -> tuple[dict, list[dict]]:
-    """{name: (weight, bias)} of the model-wide tensors and one such dict per layer, merged in fp32."""
+def _sources(lm) -> tuple[dict, list[dict], list[dict]]:
+    """The policy's tensors the rollout weights are formed from: {name: (weight, bias)} of the
+    model-wide ones; per layer {name: tensor} of the norms and {name: [Linear, ...]} of the fused
+    matrices (their rows stacked in this order)."""
     body, head = trunk(lm), lm_head(lm)
     top = {"embed": (body.embed_tokens.weight, None), "norm": (body.norm.weight, None),
            "head": (head.weight, head.bias)}
-    layers = []
+    norms, linears = [], []
     for layer in body.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        entry = {"ln1": (layer.input_layernorm.weight, None), "ln2": (layer.post_attention_layernorm.weight, None),
-                 "qkv": _stack([attn.q_proj, attn.k_proj, attn.v_proj]), "o": _merged(attn.o_proj),
-                 "gate_up": _stack([mlp.gate_proj, mlp.up_proj]), "down": _merged(mlp.down_proj)}
+        norm = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
         if hasattr(attn, "q_norm"):
-            entry |= {"q_norm": (attn.q_norm.weight, None), "k_norm": (attn.k_norm.weight, None)}
-        layers.append(entry)
-    return top, layers
+            norm |= {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+        norms.append(norm)
+        linears.append({"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+                        "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]})
+    return top, norms, linears
+
+
+@torch.no_grad()
+def _merge_into(weight: torch.Tensor, bias: torch.Tensor | None, modules) -> None:
+    """Each module's merged weight (and bias, 0 where it has none) into its rows of `weight` / `bias`:
+    one fp32 temporary per projection, cast once by the copy."""
+    row = 0
+    for m in modules:
+        w, b = _merged(m)
+        rows = slice(row, row + w.shape[0])
+        weight[rows].copy_(w)
+        if bias is not None and b is not None:
+            bias[rows].copy_(b)
+        elif bias is not None:
+            bias[rows].zero_()
+        row += w.shape[0]
 
 
 # ---------------------------------------------------------------- the arithmetic of a step
@@ -254,10 +267,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -292,16 +301,16 @@ def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
     `store(k, v)` puts the new K/V [B, kv_heads, L, D] in the cache and returns the K/V to attend to."""
     B, L, _ = x.shape
     D = spec.head_dim
-    qkv = linear(rms_norm(x, w.ln1, spec.eps), w.qkv, w.qkv_bias)
+    qkv = F.linear(rms_norm(x, w.ln1, spec.eps), w.qkv, w.qkv_bias)
     q, k, v = qkv.split([spec.heads * D, spec.kv_heads * D, spec.kv_heads * D], dim=-1)
     q, k, v = q.view(B, L, spec.heads, D), k.view(B, L, spec.kv_heads, D), v.view(B, L, spec.kv_heads, D)
     if spec.qk_norm:
         q, k = rms_norm(q, w.q_norm, spec.eps), rms_norm(k, w.k_norm, spec.eps)
     q, k = rotary(q, cos[:, :, None], sin[:, :, None]), rotary(k, cos[:, :, None], sin[:, :, None])
     k_all, v_all = store(k.transpose(1, 2), v.transpose(1, 2))
-    x = x + linear(grouped_attention(q, k_all, v_all, allowed, spec), w.o, w.o_bias)
-    gate, up = linear(rms_norm(x, w.ln2, spec.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-    return x + linear(spec.act(gate) * up, w.down, w.down_bias)
+    x = x + F.linear(grouped_attention(q, k_all, v_all, allowed, spec), w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.ln2, spec.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(spec.act(gate) * up, w.down, w.down_bias)
 
 
 def logits_of(h: torch.Tensor, weights: Weights, spec: Spec) -> torch.Tensor:
@@ -312,7 +321,7 @@ def logits_of(h: torch.Tensor, weights: Weights, spec: Spec) -> torch.Tensor:
         if weights.head_bias is not None:
             logits = logits + weights.head_bias.float()
     else:
-        logits = linear(h, weights.head, weights.head_bias).float()
+        logits = F.linear(h, weights.head, weights.head_bias).float()
     return logits / spec.temperature
 
 
@@ -536,28 +545,28 @@ class DecodeEngine:
         """Re-form the rollout weights from `lm` in place (the same tensors, so a captured graph reads
         the new values): merged LoRA in fp32, cast once. The first call allocates them."""
         t0 = time.perf_counter()
-        top, layers = _sources(lm)
+        top, norms, linears = _sources(lm)
         if self.weights is None:
-            self.weights = self._allocate(lm, top, layers)
+            self.weights = self._allocate(lm, top, norms, linears)
         w = self.weights
         for name in self.copied:
             getattr(w, name).copy_(top[name][0])
         if w.head_bias is not None:
             w.head_bias.copy_(top["head"][1])
-        for lw, src in zip(w.layers, layers):
-            for name, (tensor, bias) in src.items():
+        for lw, norm, linear in zip(w.layers, norms, linears):
+            for name, tensor in norm.items():
                 getattr(lw, name).copy_(tensor)
-                if bias is not None:
-                    getattr(lw, f"{name}_bias").copy_(bias)
+            for name, modules in linear.items():
+                _merge_into(getattr(lw, name), getattr(lw, f"{name}_bias"), modules)
         self.stats["refresh_s"] = time.perf_counter() - t0
 
-    def _allocate(self, lm, top: dict, layers: list[dict]) -> Weights:
+    def _allocate(self, lm, top: dict, norms: list[dict], linears: list[dict]) -> Weights:
         """The engine's own tensors (empty; `refresh` fills them). The embedding and an untied lm_head
         are read from the policy in place where that is safe (`share_frozen`, frozen, of the engine's
-        dtype and device, not a shard); a tied lm_head is the embedding."""
+        dtype and device); a tied lm_head is the embedding."""
 
-        def own(t):
-            return torch.empty(t.shape, dtype=self.dtype, device=self.device)
+        def empty(*shape):
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
 
         def model_wide(name):
             t = top[name][0]
@@ -565,23 +574,23 @@ class DecodeEngine:
                 self.shared.append(t)
                 return t
             self.copied.append(name)
-            return own(t)
+            return empty(*t.shape)
 
         embed = model_wide("embed")
         head = embed if lm_head(lm).weight is trunk(lm).embed_tokens.weight else model_wide("head")
         self.copied.append("norm")
-        head_bias = top["head"][1]
-        lws = []
-        for src in layers:
+        head_bias = None if top["head"][1] is None else empty(*top["head"][1].shape)
+        layers = []
+        for norm, linear in zip(norms, linears):
             fields = {f.name: None for f in dataclasses.fields(LayerWeights)}
-            for name, (tensor, bias) in src.items():
-                fields[name] = own(tensor)
-                if bias is not None:
-                    fields[f"{name}_bias"] = own(bias)
-            lws.append(LayerWeights(**fields))
+            fields |= {name: empty(*t.shape) for name, t in norm.items()}
+            for name, modules in linear.items():
+                rows = sum(_linear_parts(m)[0].shape[0] for m in modules)
+                fields[name] = empty(rows, _linear_parts(modules[0])[0].shape[1])
+                fields[f"{name}_bias"] = empty(rows) if any(map(_has_bias, modules)) else None
+            layers.append(LayerWeights(**fields))
         inv_freq = trunk(lm).rotary_emb.inv_freq.detach().float().to(self.device).clone()
-        weights = Weights(embed, own(top["norm"][0]), head, None if head_bias is None else own(head_bias), inv_freq,
-                          lws)
+        weights = Weights(embed, empty(*top["norm"][0].shape), head, head_bias, inv_freq, layers)
         log.info("rollout engine: %s", self.memory_summary(weights))
         return weights
 
