@@ -47,7 +47,7 @@ from fastrlhf.rollout import engine_generate, generate, make_engine, sampler_gap
 
 ENGINES = ("graph", "static", "dynamic")
 ITERATIONS = 3  # timed PPO steps after the first rollout
-NEW_TOKENS_PROFILED = 32  # the dynamic cache's profiled rollout (its 256 tokens run 13 s without the profiler)
+NEW_TOKENS_PROFILED = 16  # the dynamic cache's profiled rollout (its 256 tokens run 13 s without the profiler)
 GPU = {"model": "qwen2-0.5b", "device": "cuda", "dtype": "bfloat16", "lora_rank": 16, "rollout_batch_size": 64,
        "mini_batch_size": 32, "micro_batch_size": 16, "max_new_tokens": 256}
 DRY = {"model": "tiny", "device": "cpu", "dtype": "float32", "lora_rank": 4, "rollout_batch_size": 8,

@@ -217,6 +217,7 @@ def test_state_and_weights_keep_their_addresses_across_rollouts():
     ptrs = [t.data_ptr() for t in _engine_tensors(engine)]
     engine_generate(engine, ac.policy, TOKENIZER, PROMPTS[:2], ["", ""])
     assert [t.data_ptr() for t in _engine_tensors(engine)] == ptrs
+    assert int(engine.state.rng[1]) == engine.stats["decode_steps"] + 1  # the prefill's draw and each step's
 
 
 def test_frozen_embedding_is_read_in_place_and_memory_is_counted():
@@ -282,3 +283,27 @@ def test_sampler_gap_is_mean_and_max_over_response_tokens():
     gap = sampler_gap(a, b, mask)
     assert gap["rollout/logp_gap_max"] == pytest.approx(0.5)
     assert gap["rollout/logp_gap_mean"] == pytest.approx(0.6 / 3)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_sample_the_hf_peft_distribution():
+    """CUDA only (prepared here, not run on CPU): the step compiled and captured as one CUDA graph, in
+    fp32, gives the HF + peft model's log-probs (1e-4: CUDA's reductions), fresh draws on every replay,
+    the same buffers across rollouts; in bf16 the sampler stays close to the trainer's fp32 scoring."""
+    cuda = torch.device("cuda")
+    ac = _policy("qwen2-tied").to(cuda)
+    engine = DecodeEngine(ac.policy, batch=ROWS, prompt_len=9, new_tokens=40, temperature=0.7, eos_id=EOS,
+                          pad_id=PAD, device=cuda, dtype=torch.float32)
+    rollout = engine_generate(engine, ac.policy, TOKENIZER, PROMPTS, [""] * ROWS)
+    assert engine.graph is not None and engine.stats["capture_s"] > 0
+    _assert_close(rollout.sampler_logp, _scored(ac.policy, rollout, 0.7) * rollout.batch.response_mask, atol=1e-4)
+    ptrs = [t.data_ptr() for t in _engine_tensors(engine)]
+    again = engine_generate(engine, ac.policy, TOKENIZER, PROMPTS, [""] * ROWS)
+    assert [t.data_ptr() for t in _engine_tensors(engine)] == ptrs
+    assert not torch.equal(again.batch.input_ids, rollout.batch.input_ids)  # a new seed, new draws
+    assert int(engine.state.rng[1]) == engine.stats["decode_steps"] + 1  # each replay advanced the sampler's counter
+    bf16 = DecodeEngine(ac.policy, batch=ROWS, prompt_len=9, new_tokens=40, temperature=0.7, eos_id=EOS, pad_id=PAD,
+                        device=cuda)
+    rollout = engine_generate(bf16, ac.policy, TOKENIZER, PROMPTS, [""] * ROWS)
+    gap = sampler_gap(rollout.sampler_logp, _scored(ac.policy, rollout, 0.7), rollout.batch.response_mask)
+    assert gap["rollout/logp_gap_mean"] < 0.05, gap
