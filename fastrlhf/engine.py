@@ -31,7 +31,6 @@ Supported: the decoder families of MODEL_TYPES (Llama, Qwen2/2.5, Qwen3, Mistral
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -114,7 +113,7 @@ class Spec:
     new_tokens: int  # R: tokens sampled per row, EOS included
     temperature: float
     eos_id: int
-    logits_fp32_mm: bool  # lm_head as a bf16/fp16 matmul with fp32 output (CUDA), else cast after
+    fp32_out_mm: bool  # lm_head and attention scores as bf16/fp16 matmuls with fp32 output (CUDA), else cast after
 
     @property
     def max_len(self) -> int:
@@ -126,7 +125,7 @@ class Spec:
 
 
 def _config_spec(lm, *, batch: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
-                 logits_fp32_mm: bool) -> Spec:
+                 fp32_out_mm: bool) -> Spec:
     config = unwrap(lm).config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -143,7 +142,7 @@ def _config_spec(lm, *, batch: int, prompt_len: int, new_tokens: int, temperatur
                 act=ACT2FN[config.hidden_act], qk_norm=config.model_type == "qwen3", windows=windows,
                 rope_scaling=float(trunk(lm).rotary_emb.attention_scaling), batch=batch, prompt_len=prompt_len,
                 new_tokens=new_tokens, temperature=float(temperature), eos_id=int(eos_id),
-                logits_fp32_mm=logits_fp32_mm)
+                fp32_out_mm=fp32_out_mm)
 
 
 def rollout_memory_bytes(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
@@ -283,17 +282,27 @@ def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: floa
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """a @ b (batched) as fp32: bf16/fp16 inputs accumulated and stored in fp32 where that runs (CUDA)."""
+    if spec.fp32_out_mm:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b).float()
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                       spec: Spec) -> torch.Tensor:
     """q [B, L, heads, D] against k, v [B, kv_heads, T, D] with `allowed` [B, L, T] bool -> [B, L, heads * D].
-    Each KV head's G query heads are packed as G * L queries of that head: K and V are read once,
-    at their own head count (no repeat_kv)."""
+    Each KV head's G query heads are packed as G * L queries of that head, so K and V are read once,
+    at their own head count (no repeat_kv): scores in fp32, softmax in fp32, probabilities @ V in the
+    cache's dtype (as flash attention keeps them)."""
     B, L = q.shape[:2]
-    G, D = spec.groups, spec.head_dim
-    q = q.view(B, L, spec.kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, spec.kv_heads, G * L, D)
-    mask = allowed[:, None, None].expand(B, 1, G, L, allowed.shape[-1]).reshape(B, 1, G * L, allowed.shape[-1])
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5)
-    return out.view(B, spec.kv_heads, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, spec.heads * D)
+    G, D, KV, T = spec.groups, spec.head_dim, spec.kv_heads, k.shape[2]
+    q = q.view(B, L, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * L, D)
+    scores = _bmm_fp32(q, k.reshape(B * KV, T, D).transpose(1, 2), spec).view(B, KV, G * L, T) * D ** -0.5
+    mask = allowed[:, None].expand(B, G, L, T).reshape(B, 1, G * L, T)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    out = torch.bmm(probs.view(B * KV, G * L, T), v.reshape(B * KV, T, D))
+    return out.view(B, KV, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, spec.heads * D)
 
 
 def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
@@ -316,7 +325,7 @@ def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
 def logits_of(h: torch.Tensor, weights: Weights, spec: Spec) -> torch.Tensor:
     """fp32 [B, V] logits / temperature of the last hidden states h [B, H]."""
     h = rms_norm(h, weights.norm, spec.eps)
-    if spec.logits_fp32_mm:
+    if spec.fp32_out_mm:
         logits = torch.mm(h, weights.head.t(), out_dtype=torch.float32)
         if weights.head_bias is not None:
             logits = logits + weights.head_bias.float()
@@ -477,13 +486,15 @@ def decode_step(weights: Weights, state: State, spec: Spec) -> None:
 
 
 def _mm_has_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch.mm(a, b, out_dtype=torch.float32) runs here for `dtype` inputs (CUDA, recent torch):
-    then the logits are accumulated and stored in fp32 instead of rounded to `dtype` first."""
+    """Whether torch.mm and torch.bmm(a, b, out_dtype=torch.float32) run here for `dtype` inputs (CUDA,
+    recent torch): then logits and attention scores are accumulated and stored in fp32, not rounded
+    to `dtype` first."""
     if device.type != "cuda":
         return False
     try:
         a = torch.ones(2, 2, device=device, dtype=dtype)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        return (torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+                and torch.bmm(a[None], a[None], out_dtype=torch.float32).dtype == torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         return False
 
@@ -525,7 +536,7 @@ class DecodeEngine:
         self.share_frozen = share_frozen
         fp32_mm = self.dtype in (torch.bfloat16, torch.float16) and _mm_has_fp32_out(self.device, self.dtype)
         self.spec = _config_spec(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                                 temperature=temperature, eos_id=eos_id, logits_fp32_mm=fp32_mm)
+                                 temperature=temperature, eos_id=eos_id, fp32_out_mm=fp32_mm)
         self.weights: Weights | None = None
         self.shared: list[torch.Tensor] = []  # the policy's own tensors the engine reads in place
         self.copied: list[str] = []  # the model-wide tensors (embed, head, norm) refresh copies
@@ -651,22 +662,11 @@ class DecodeEngine:
         return (st.prompt_ids[:n, P:].clone(), st.prompt_mask[:n, P:].long(), st.tokens[:n, :columns].clone(),
                 st.logps[:n, :columns].clone())
 
-    def _attention(self):
-        """On CUDA, SDPA may pick memory-efficient attention (bf16 K/V read once, fp32 inside, any mask) or
-        the math path, not cuDNN or flash (flash takes no mask; cuDNN's mask layouts vary by version):
-        the choice is made when the step is traced, so the captured graph keeps it."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
     @torch.no_grad()
     def prefill(self) -> None:
         """Start the rollout of the prompts in the state (again): K/V of the prompt slots, the first token."""
         t0 = time.perf_counter()
-        with self._attention():
-            prefill(self.weights, self.state, self.spec)
+        prefill(self.weights, self.state, self.spec)
         self.stats["prefill_s"] = time.perf_counter() - t0
 
     def _run_step(self) -> None:
@@ -680,8 +680,7 @@ class DecodeEngine:
         """R - 1 steps after `prefill`, or fewer once every row has had EOS. Returns the number of
         columns written."""
         t0 = time.perf_counter()
-        with self._attention():
-            steps = self._decode_loop(t0)
+        steps = self._decode_loop(t0)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.stats["decode_s"] = time.perf_counter() - t0
