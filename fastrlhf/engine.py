@@ -607,11 +607,12 @@ class DecodeEngine:
 
     def memory_bytes(self, weights: Weights | None = None) -> dict[str, int]:
         """Bytes the engine holds: `weights` (its own rollout weights), `weights_shared` (read from the
-        policy in place, no extra memory), `kv_cache`, `state` (the rest of the per-rollout buffers)."""
+        policy in place, no extra memory), `kv_cache`, `state` (the rest of the per-rollout buffers).
+        The weights are allocated by the first rollout: 0 before it."""
         weights = weights or self.weights
         shared = {t.data_ptr() for t in self.shared}
-        tensors = [weights.embed, weights.norm, weights.head, weights.head_bias]
-        tensors += [getattr(lw, f.name) for lw in weights.layers for f in dataclasses.fields(lw)]
+        tensors = [] if weights is None else [weights.embed, weights.norm, weights.head, weights.head_bias]
+        tensors += [getattr(lw, f.name) for lw in (weights.layers if weights else []) for f in dataclasses.fields(lw)]
         unique = {t.data_ptr(): t.nbytes for t in tensors if t is not None}
         kv = sum(t.nbytes for t in self.state.k_cache + self.state.v_cache)
         return {"weights": sum(b for p, b in unique.items() if p not in shared),
