@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -60,19 +61,31 @@ from fastrlhf.ops.advantages import DEFAULT_WHITEN, GROUPED
 from fastrlhf.ops.gae import mean_var
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward, reward_encoder
-from fastrlhf.rollout import ROLLOUT_CACHES, Rollout, generate
+from fastrlhf.rollout import (
+    ROLLOUT_CACHES,
+    ROLLOUT_ENGINES,
+    Rollout,
+    engine_generate,
+    generate,
+    make_engine,
+    sampler_gap,
+)
 from fastrlhf.run import (
     POSITIVE,
     StageRun,
     check_common,
     describe_data,
     evaluate_true_score,
+    holds_run_folder,
     resolve_data,
     stage_model,
     start_stage_dir,
     warn_if_batch_exceeds_data,
     warn_skipped,
 )
+
+if TYPE_CHECKING:
+    from fastrlhf.engine import DecodeEngine
 
 ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's global count: they sum over micro-batches
 # the auto max_new_tokens with your own data: at most this (verl's data.max_response_length and TRL's GRPO
@@ -194,7 +207,8 @@ def update_plan(exp: Experience, cfg: PPOConfig, device) -> list[tuple[list[pack
 @torch.no_grad()
 def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Experience:
     """Phase 3: one actor-critic forward (old log-probs, values) and one reference forward, over the
-    rollout in one padded forward or in packs of micro_batch_tokens."""
+    rollout in one padded forward or in packs of micro_batch_tokens; the sampler's own log-probs
+    come along from the rollout (the graph engine's; None on the hf path)."""
     b = rollout.batch
     lengths = packing.read_lengths(b)
     head, ref_head = ac.lm_head, ac.reference_lm_head()
@@ -217,7 +231,7 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
             mb.put(ref_logp, ref)
             if values is not None:
                 mb.put(values, v.float() * mb.response_mask(b))
-    return Experience(b, old_logp, ref_logp, values, lengths=lengths)
+    return Experience(b, old_logp, ref_logp, values, sampler_logp=rollout.sampler_logp, lengths=lengths)
 
 
 # ---------------------------------------------------------------- 4. rewards, advantages, returns
@@ -318,15 +332,14 @@ def read_minibatch(loss: torch.Tensor, stats: dict[str, torch.Tensor], grad_norm
     return {"loss": values[0], **dict(zip(keys, values[1:-1])), "grad_norm": values[-1]}
 
 
-def ppo_update(ac, optimizer, exp: Experience, cfg: PPOConfig, device, step: int, *, kl_coef: float = 0.0,
-               after_step: Callable[[], None] | None = None) -> dict:
+def ppo_update(ac, optimizer, exp: Experience, cfg: PPOConfig, device, step: int, *, kl_coef: float = 0.0) -> dict:
     """Phase 5: `ppo_epochs` passes over the experience in minibatches of `mini_batch_size`, each the
     sum of micro-batches (gradient accumulation; the losses divide by the minibatch's global token or
     sequence count, so the split, padded or packed, does not change the gradient), clipped to
     max_grad_norm. Nothing is read from the device inside a minibatch: token counts, losses, stats
     and the finiteness check stay there and are read once at its end (`read_minibatch`); a minibatch
-    with a non-finite loss or gradient norm is skipped (a warning) and counted. `after_step()` runs
-    after every optimizer step. Returns the mean stats and `skipped_nonfinite`.
+    with a non-finite loss or gradient norm is skipped (a warning) and counted. Returns the mean stats
+    and `skipped_nonfinite`.
 
     `ac`: the actor-critic, or the `ShardedModel` around it. Under torchrun the sizes are global:
     each rank takes its share of every minibatch and micro-batch from its own rollout (packed: as
@@ -356,8 +369,6 @@ def ppo_update(ac, optimizer, exp: Experience, cfg: PPOConfig, device, step: int
             skipped += 1
             continue
         optimizer.step()
-        if after_step is not None:  # the policy changed: e.g. a rollout engine's weight copy refreshes here
-            after_step()
         n_updates += 1
         del read["loss"]
         for k, v in read.items():
@@ -373,8 +384,11 @@ def rollout_cache(cfg: PPOConfig, device: torch.device) -> str:
     return "static" if device.type == "cuda" and not distributed.active() else "dynamic"
 
 
-def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device) -> Rollout:
-    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids})."""
+def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device, engine=None) -> Rollout:
+    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids}), by the
+    decode engine when there is one (it re-forms its weights from the policy first), else by `generate`."""
+    if engine is not None:
+        return engine_generate(engine, ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"])
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device))
 
@@ -438,6 +452,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_cache not in ("auto", *ROLLOUT_CACHES):
         raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
                          f"got {cfg.rollout_cache!r}")
+    if cfg.rollout_engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
     check_update(cfg, key_prefix)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
@@ -494,7 +510,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
                          f"sequence: max_prompt_len + max_new_tokens = {cfg.max_prompt_len} + {cfg.max_new_tokens} = "
                          f"{longest} tokens")
     eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
-    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="ppo")
+    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="ppo")
     log.info("ppo: policy %s; %s; data %s; prompts <= %d tokens, responses <= %d; %s", model.spec, reward_desc,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_new_tokens,
              "chat template" if encoder.uses_template else "plain prompt tokens")
@@ -522,6 +539,8 @@ class PPORun:
     kl_ctl: KLController
     timer: PhaseTimer
     run: StageRun
+    engine: DecodeEngine | None
+    """The decode engine of `--rollout_engine graph` (None: transformers' generate)."""
     data: Dataset
     compiled: bool
     step: int = 0
@@ -556,11 +575,17 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
                  compile_layers(ac))
     model = distributed.shard_model(ac, cfg.shard, device)
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
-    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
+    engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
+                         batch=cfg.rollout_batch_size // distributed.world_size(),
+                         prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                         device=device)  # None: the hf path
+    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
+                            clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
     optimizer = torch.optim.AdamW([p for p in ac.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer,
+                   updates_per_step=cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.mini_batch_size))
     s = PPORun(cfg, plan, device, lm, tokenizer, ac, model, reward_fn, advantage_estimator(cfg), optimizer,
-               KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon), PhaseTimer(device),
-               StageRun("ppo", cfg, model=ac, optimizer=optimizer),
+               KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon), PhaseTimer(device), run, engine,
                Dataset.from_dict({"prompt": plan.prompts, "prompt_ids": plan.prompt_ids}), compiled)
     s.step = s.run.step
     if s.run.resumed:
@@ -575,6 +600,7 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
     return s
 
 
+@holds_run_folder("ppo")
 def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     s = setup(cfg, plan)
     cfg, device, model = s.cfg, s.device, s.model
@@ -583,7 +609,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         # 1. rollout: num_generations responses per prompt, side by side (rank 0 draws the prompts; each
         #    rank its share, whole groups); generation gathers the policy, not a frozen reference copy
         with s.timer.phase("rollout"):
-            rollout = model.run(sample, s.tokenizer, draw_prompts(s), cfg, device, gathered=s.ac.policy)
+            rollout = model.run(sample, s.tokenizer, draw_prompts(s), cfg, device, s.engine,
+                                gathered=s.ac.policy)  # not the reference
         # 2. reward: one score per sequence
         with s.timer.phase("reward"):
             rollout = rollout._replace(scores=s.reward_fn(rollout))
@@ -628,6 +655,8 @@ def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: di
              "response_length": mask.sum(-1).mean().item(),
              "tokens_per_s": distributed.all_sum(mask.sum()).item() / seconds,
              "skipped_nonfinite": s.skipped, **update_stats, **s.timer.step_stats()}
+    if exp.sampler_logp is not None:  # how far the distribution sampled from is from the one trained
+        stats.update(sampler_gap(exp.sampler_logp, exp.old_logp, mask))
     if compiled:  # graphs compiled so far: a recompile per step would show here
         stats["compiled_graphs"] = compiled["graphs"]
     if exp.values is not None:
@@ -636,10 +665,10 @@ def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: di
         stats["group_reward_std"] = group_reward_std(rollout.scores, cfg.num_generations)
     if cfg.data == BUILTIN:
         stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
-    s.run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
+    s.run.advance(s.step, s.skipped, reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")  # guards; a signal ends here
     if s.run.due(s.step, cfg.log_every):
         s.run.log(s.step, stats)
-    if s.run.due(s.step, cfg.save_every):
+    if s.run.checkpoint_due(s.step):
         s.run.save(s.step, s.ac.trainable_state(),
                    {"kl_coef": s.kl_ctl.coef, "skipped_nonfinite": s.skipped, "true_before": s.true_before,
                     "phase_seconds": dict(s.timer.total_seconds),
@@ -675,6 +704,8 @@ def finish(s: PPORun) -> dict:
         "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
         "rollout_cache": rollout_cache(cfg, device), "micro_batch_tokens": cfg.micro_batch_tokens,
         "compiled": s.compiled, **({"compile": compile_stats()} if s.compiled else {}),
+        "rollout_engine": "hf" if s.engine is None else "graph",
+        **({} if s.engine is None else {"rollout_engine_stats": dict(s.engine.stats, **s.engine.memory_bytes())}),
         **state_bytes,
     }
     if distributed.active():  # per-rank figures: max above, mean here

@@ -141,17 +141,12 @@ def _counting(original, name: str, reads: collections.Counter):
     return read
 
 
-def test_the_update_reads_the_device_once_per_minibatch():
+def test_the_update_reads_the_device_once_per_minibatch(triton_backend):
     """ppo_update keeps token counts, losses, stats and the finiteness check on the device and reads
     them once at each minibatch's end: .item(), float(), bool(), int() and .tolist() of any tensor are
-    counted, padded and packed, 2 epochs x 2 minibatches x 2+ micro-batches. One read is left out:
-    ops.losses._off_mask_zero's CPU-only shortcut (a check of CPU tensors, guarded by
-    `device.type == "cpu"`: on CUDA that line never runs)."""
-    import inspect
-
-    from fastrlhf.ops import losses
-
-    assert 'products.device.type == "cpu" and bool(' in inspect.getsource(losses._off_mask_zero)
+    counted, padded and packed, 2 epochs x 2 minibatches x 2+ micro-batches. The losses run through
+    the Triton kernels, the path CUDA takes (here in the interpreter): the ops' torch path is the CPU's
+    and reads its totals on the host by design (ops.losses._agg_torch)."""
     torch.manual_seed(0)
     lm, tok = load_causal_lm("tiny", device=CPU)
     ac = ActorCritic(lm, lora_rank=4)

@@ -5,9 +5,9 @@ Whitening over data-parallel ranks: each rank takes `raw_moments(x, mask)` (n, s
 float64: additive), the caller all-reduces them, and `whiten(x, mask, moments=...)` whitens its
 share with the whole batch's mean and variance. The math stays here; fastrlhf.distributed only sums.
 
-Custom ops: fastrlhf::gae -> (advantages, returns), fastrlhf::whiten, fastrlhf::raw_moments,
-fastrlhf::whiten_with_moments. No gradient: advantages and returns are data (the public functions
-detach their inputs).
+Custom ops (what torch.compile sees; eager calls run the same bodies, ops._dispatch): fastrlhf::gae ->
+(advantages, returns), fastrlhf::whiten, fastrlhf::raw_moments, fastrlhf::whiten_with_moments. No
+gradient: advantages and returns are data (the public functions detach their inputs).
 """
 
 from __future__ import annotations
@@ -26,18 +26,36 @@ from fastrlhf.ops._common import (
     check_number,
     check_rows,
     check_same,
+    contiguous,
     out_dtype,
     use_triton,
 )
+from fastrlhf.ops._dispatch import register
 
 
 def _math(x: Tensor) -> Tensor:
     return x.to(out_dtype(x))
 
 
+def _whiten_host(x: Tensor, m: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+    """reference.whiten on CPU, its count, mean and variance read on the host (fewer ops than on the device)."""
+    n = float(m.sum())
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = float((x * m).sum()) / n
+    centered = x - mean
+    var = float((centered * centered).mul_(m).sum()) / (n - 1 if unbiased and n > 1 else n)
+    out = centered.mul_((var + WHITEN_EPS) ** -0.5)
+    if not shift_mean:
+        out = out.add_(mean)
+    return out.mul_(m)
+
+
 def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
     """reference.whiten without its host sync (an empty selection gives 0 without a branch)."""
     m = selected.to(x.dtype)
+    if x.device.type == "cpu":
+        return _whiten_host(x, m, unbiased, shift_mean)
     n = m.sum()
     mean = (x * m).sum() / n.clamp(min=1)
     centered = x - mean
@@ -52,23 +70,23 @@ def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool)
 # ---------------------------------------------------------------- fastrlhf::whiten
 
 
-@torch.library.custom_op("fastrlhf::whiten", mutates_args=())
-def _whiten_op(x: Tensor, mask: Tensor, unbiased: bool, shift_mean: bool, use_triton: bool) -> Tensor:
-    selected = mask != 0
+def _whiten_fwd(x: Tensor, mask: Tensor, unbiased: bool, shift_mean: bool, use_triton: bool) -> Tensor:
     if x.numel() == 0:
         return torch.zeros(x.shape, dtype=out_dtype(x), device=x.device)
     if not use_triton:
-        return _whiten_torch(_math(x), selected, unbiased, shift_mean)
+        return _whiten_torch(_math(x), mask != 0, unbiased, shift_mean)
     from fastrlhf.kernels import gae as kernels
 
-    out = kernels.whiten_fwd(as_rows(x).contiguous(), as_rows(selected).contiguous(), unbiased=unbiased,
+    out = kernels.whiten_fwd(contiguous(as_rows(x)), contiguous(as_rows(mask)), unbiased=unbiased,
                              shift_mean=shift_mean)
     return out.view(x.shape).to(out_dtype(x))
 
 
-@_whiten_op.register_fake
-def _(x, mask, unbiased, shift_mean, use_triton):
+def _fake_whiten(x, mask, unbiased, shift_mean, use_triton):
     return x.new_empty(x.shape, dtype=out_dtype(x))
+
+
+_whiten = register("whiten", _whiten_fwd, _fake_whiten)
 
 
 def whiten(x, mask, *, unbiased=True, shift_mean=True, moments=None):
@@ -91,28 +109,29 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True, moments=None):
     check_rows("x", x)
     check_mask(mask, x, "x")
     if moments is None:
-        return _whiten_op(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
+        return _whiten(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
     check_float("moments", moments)
     if tuple(moments.shape) != (3,):
         raise ValueError(f"moments must be [3] (n, sum x, sum x^2: raw_moments), got shape {tuple(moments.shape)}")
     check_device("moments", moments, "x", x)
-    return _whiten_with_moments_op(x.detach(), mask, moments.detach().to(torch.float64), bool(unbiased),
+    return _whiten_with_moments(x.detach(), mask, moments.detach().to(torch.float64), bool(unbiased),
                                    bool(shift_mean))
 
 
 # ---------------------------------------------------------------- fastrlhf::raw_moments, whiten_with_moments
 
 
-@torch.library.custom_op("fastrlhf::raw_moments", mutates_args=())
-def _raw_moments_op(x: Tensor, mask: Tensor) -> Tensor:
+def _raw_moments_fwd(x: Tensor, mask: Tensor) -> Tensor:
     selected = mask != 0
     xd = torch.where(selected, x.to(torch.float64), 0.0)
     return torch.stack([selected.sum().to(torch.float64), xd.sum(), (xd * xd).sum()])
 
 
-@_raw_moments_op.register_fake
-def _(x, mask):
+def _fake_raw_moments(x, mask):
     return x.new_empty(3, dtype=torch.float64)
+
+
+_raw_moments = register("raw_moments", _raw_moments_fwd, _fake_raw_moments)
 
 
 def raw_moments(x, mask):
@@ -125,7 +144,7 @@ def raw_moments(x, mask):
     """
     check_float("x", x)
     check_mask(mask, x, "x")
-    return _raw_moments_op(x.detach(), mask)
+    return _raw_moments(x.detach(), mask)
 
 
 def mean_var(moments: Tensor, *, unbiased: bool) -> tuple[Tensor, Tensor]:
@@ -139,8 +158,7 @@ def mean_var(moments: Tensor, *, unbiased: bool) -> tuple[Tensor, Tensor]:
     return mean, var
 
 
-@torch.library.custom_op("fastrlhf::whiten_with_moments", mutates_args=())
-def _whiten_with_moments_op(x: Tensor, mask: Tensor, moments: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+def _whiten_with_moments_fwd(x: Tensor, mask: Tensor, moments: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
     dtype = out_dtype(x)
     mean, var = (t.to(dtype) for t in mean_var(moments, unbiased=unbiased))
     out = (x.to(dtype) - mean) * torch.rsqrt(var + WHITEN_EPS)
@@ -149,35 +167,37 @@ def _whiten_with_moments_op(x: Tensor, mask: Tensor, moments: Tensor, unbiased: 
     return torch.where(mask != 0, out, torch.zeros((), dtype=dtype, device=x.device))
 
 
-@_whiten_with_moments_op.register_fake
-def _(x, mask, moments, unbiased, shift_mean):
+def _fake_whiten_with_moments(x, mask, moments, unbiased, shift_mean):
     return x.new_empty(x.shape, dtype=out_dtype(x))
+
+
+_whiten_with_moments = register("whiten_with_moments", _whiten_with_moments_fwd, _fake_whiten_with_moments)
 
 
 # ---------------------------------------------------------------- fastrlhf::gae
 
 
-@torch.library.custom_op("fastrlhf::gae", mutates_args=())
-def _gae_op(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, mask_mode: str, whiten: bool,
-            use_triton: bool) -> tuple[Tensor, Tensor]:
-    selected = mask != 0
+def _gae_fwd(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, mask_mode: str, whiten: bool,
+             use_triton: bool) -> tuple[Tensor, Tensor]:
     if rewards.numel() == 0:
         empty = torch.zeros(rewards.shape, dtype=out_dtype(rewards), device=rewards.device)
         return empty, empty.clone()
     if not use_triton:
-        return ref.gae(_math(rewards), _math(values), selected, gamma=gamma, lam=lam, mask_mode=mask_mode,
+        return ref.gae(_math(rewards), _math(values), mask != 0, gamma=gamma, lam=lam, mask_mode=mask_mode,
                        whiten=whiten)
     from fastrlhf.kernels import gae as kernels
 
-    adv, ret = kernels.gae_fwd(rewards.contiguous(), values.contiguous(), selected.contiguous(), gamma=gamma, lam=lam,
+    adv, ret = kernels.gae_fwd(contiguous(rewards), contiguous(values), contiguous(mask), gamma=gamma, lam=lam,
                                mask_mode=mask_mode, whiten=whiten)
     return adv.to(out_dtype(rewards)), ret.to(out_dtype(rewards))
 
 
-@_gae_op.register_fake
-def _(rewards, values, mask, gamma, lam, mask_mode, whiten, use_triton):
+def _fake_gae(rewards, values, mask, gamma, lam, mask_mode, whiten, use_triton):
     dtype = out_dtype(rewards)
     return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+
+
+_gae = register("gae", _gae_fwd, _fake_gae)
 
 
 def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=True):
@@ -204,4 +224,4 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
     gamma = check_number("gamma", gamma, nonnegative=True)
     lam = check_number("lam", lam, nonnegative=True)
     check_choice("mask_mode", mask_mode, MASK_MODES)
-    return _gae_op(rewards.detach(), values.detach(), mask, gamma, lam, mask_mode, bool(whiten), use_triton(rewards))
+    return _gae(rewards.detach(), values.detach(), mask, gamma, lam, mask_mode, bool(whiten), use_triton(rewards))
