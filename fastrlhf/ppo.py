@@ -34,10 +34,11 @@ from datasets import Dataset
 from fastrlhf import distributed, ops, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
+from fastrlhf.constants import PPO_PHASES
 from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
-from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
+from fastrlhf.metrics import PhaseTimer, log, setup_logging, to_floats
 from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_encoding
 from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
