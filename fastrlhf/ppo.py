@@ -42,11 +42,11 @@ from datasets import Dataset
 from fastrlhf import distributed, ops, packing, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
-from fastrlhf.constants import AGG_MODES, IGNORE_INDEX
+from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, PPO_PHASES
 from fastrlhf.data import BUILTIN, Batch, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
-from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging
+from fastrlhf.metrics import PhaseTimer, log, setup_logging
 from fastrlhf.models import (
     COMPILE_MODES,
     ModelSource,

@@ -22,7 +22,8 @@ from typing import NamedTuple
 import torch
 
 from fastrlhf import distributed, ops
-from fastrlhf.data import IGNORE_INDEX, Batch, left_pad, position_ids_from_mask
+from fastrlhf.constants import IGNORE_INDEX
+from fastrlhf.data import Batch, left_pad, position_ids_from_mask
 from fastrlhf.devices import autocast
 from fastrlhf.models import lm_head, unwrap
 
