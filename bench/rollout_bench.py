@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fastrlhf import distributed, ops, ppo
+from fastrlhf import distributed, ppo
 from fastrlhf.bench.environment import environment
 from fastrlhf.bench.measure import Settings, probes
 from fastrlhf.config import PPOConfig
@@ -83,15 +83,10 @@ def floor_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype_byte
 def rest_of_step(model, ac, optimizer, reward_fn, rollout, cfg: PPOConfig, device, step: int) -> dict:
     """Phases 2-5 of ppo.train on `rollout`: reward, log-probs (and the sampler gap), GAE, the update."""
     scores = reward_fn(rollout)
-    rollout = rollout._replace(scores=scores)
-    old_logp, old_values, ref_logp = model.run(ppo.forward_logprobs_values, rollout, temperature=cfg.temperature,
-                                               device=device)
-    mask = rollout.batch.response_mask
-    gap = {} if rollout.sampler_logp is None else sampler_gap(rollout.sampler_logp, old_logp, mask)
-    rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask, kl_coef=cfg.kl_coef, estimator=cfg.kl_estimator)
-    advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=False)
-    advantages = distributed.whiten(advantages, mask)
-    ppo.ppo_update(model, optimizer, rollout, old_logp, old_values, advantages, returns, cfg, device, step)
+    exp = model.run(ppo.experience, rollout._replace(scores=scores), cfg, device)
+    gap = {} if exp.sampler_logp is None else sampler_gap(exp.sampler_logp, exp.old_logp, exp.batch.response_mask)
+    exp = ppo.with_advantages(exp, scores, cfg.kl_coef, cfg, ppo.advantage_estimator(cfg))
+    ppo.ppo_update(model, optimizer, exp, cfg, device, step)
     optimizer.zero_grad(set_to_none=True)
     return gap
 

@@ -169,6 +169,17 @@ class PPOConfig(RunConfig):
     """Sequences per optimizer step inside the PPO epochs."""
     micro_batch_size: int = 32
     """Sequences per forward/backward; mini_batch_size / micro_batch_size steps of gradient accumulation."""
+    micro_batch_tokens: int = 0
+    """Pack micro-batches by tokens instead (verl's use_dynamic_bsz / ppo_max_token_len_per_gpu): each
+    forward/backward takes whole sequences, laid end to end without padding, up to this many tokens (prompt
+    and response) per rank; the log-prob forwards of phase 3 pack the same way. At least the longest
+    sequence (max_prompt_len + max_new_tokens); 0 = micro_batch_size padded rows (fastrlhf.packing). On CUDA
+    a varlen attention kernel keeps the sequences apart; on the CPU a block-diagonal mask, whose attention
+    grows with the square of the pack's length."""
+    loss_agg: str = "token-mean"
+    """How the per-token losses of a minibatch aggregate (verl's loss_agg_mode; fastrlhf.agg_loss): token-mean,
+    token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm; the global token or
+    sequence count of the minibatch divides, however it is split into micro-batches, packs and ranks."""
     ppo_epochs: int = 2
     """Passes over each rollout batch."""
     lr: float = 5e-4
@@ -239,6 +250,10 @@ class PPOConfig(RunConfig):
     """Gradient-norm clip: the gradient is scaled down to this norm when larger; inf = no clipping."""
     eval_prompts: int = 256
     """Built-in task only: held-out prompts to measure the true score before and after."""
+    compile: str = "auto"
+    """Compile the decoder layer (regional compilation, fastrlhf.models.compile_layers: one layer's compile
+    serves every layer, forward and backward, LoRA and gradient checkpointing inside) for the log-prob and
+    training forwards; generation stays eager. `on`, `off`, or `auto` = on with CUDA, off on CPU."""
     reward_clip_abs: float = 1e6
     """A score with |score| above this is an error naming the reward and the sample, as a NaN is (a
     reward of 1e30 makes every update non-finite)."""

@@ -22,7 +22,9 @@ before: every function here is then the identity or a no-op. Under torchrun:
   batch (the same draw as a single process), every rank takes its contiguous share of it
   (`local_rows`: `split_dataset_by_node`). Losses divide by global counts (`all_sum` of the
   local ones) and are multiplied by the world size (`loss_scale`), since FSDP averages
-  gradients over ranks; whitening uses global moments (`whiten`).
+  gradients over ranks; whitening uses global moments (`ops.raw_moments` of each rank's share,
+  summed here by `all_sum`, then `ops.whiten(..., moments=)`). This module only communicates: the
+  math is in fastrlhf.ops.
 - **Output**: rank 0 alone writes logs, metrics, plots, summaries and the final model; the
   metrics it writes are reduced over ranks (`reduce_metrics`: per-rank time and memory as
   max and mean).
@@ -251,6 +253,14 @@ def all_sum(x) -> torch.Tensor:
     return t.to(x.device) if isinstance(x, torch.Tensor) else t
 
 
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum over ranks of `x`, as float64 on x's device (x itself on one process)."""
+    t = _as_tensor(x, _comm_device(x))
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.to(x.device)
+
+
 def all_mean(x) -> float:
     """The mean over ranks of a number or 0-d tensor (its value on one process)."""
     return all_sum(x).item() / world_size() if active() else float(x)
@@ -325,66 +335,12 @@ def loss_scale() -> int:
     return world_size() if active() else 1
 
 
-def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean, biased variance, count) of the mask=1 entries of `x` over every rank, from
-    all-reduced float64 sums of x, x^2 and the count."""
-    m = (mask != 0).to(torch.float64)
-    xd = x.detach().to(torch.float64)
-    sums = all_sum(torch.stack([(xd * m).sum(), (xd * xd * m).sum(), m.sum()]))
-    n = sums[2]
-    mean = sums[0] / n.clamp(min=1)
-    var = (sums[1] / n.clamp(min=1) - mean * mean).clamp(min=0)
-    return mean, var, n
-
-
 def seed_per_rank(seed: int) -> None:
     """Ranks other than 0 reseed with seed + rank, so they sample different responses (call it
     after the model is built: initial weights must be the same on every rank); rank 0 keeps
     the single-process stream."""
     if active() and rank() > 0:
         torch.manual_seed(seed + rank())
-
-
-def mean_and_std(values: torch.Tensor) -> tuple[float, float]:
-    """Mean and unbiased standard deviation of `values` on every rank together."""
-    if not active():
-        return values.mean().item(), values.std().item()
-    mean, var, n = masked_moments(values, torch.ones_like(values))
-    return mean.item(), (var * n / (n - 1).clamp(min=1)).sqrt().item()
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`ops.whiten(x, mask)` (masked, unbiased, 1e-8 inside the square root) with the mean and
-    variance of the global batch. On one process it is `ops.whiten` itself."""
-    from fastrlhf import ops
-
-    if not active():
-        return ops.whiten(x, mask)
-    # TODO(ops): ops.whiten from given moments would keep this in the kernel
-    mean, var, n = masked_moments(x, mask)
-    if n.item() == 0:
-        return torch.zeros_like(x, dtype=torch.float32)
-    if n.item() > 1:
-        var = var * n / (n - 1)
-    m = (mask != 0).to(torch.float32)
-    return ((x.float() - mean.float()) * torch.rsqrt(var.float() + 1e-8)) * m
-
-
-def outcome_advantages(scores: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
-    """`ops.outcome_advantages(scores, mask, **kwargs)` with each prompt's group on one rank;
-    its whitening over the batch's tokens (the reinforce_pp estimators' default) then uses the
-    global batch's moments (`whiten`). On one process it is the op itself."""
-    from fastrlhf import ops
-    from fastrlhf.ops.advantages import DEFAULT_WHITEN
-
-    if not active():
-        return ops.outcome_advantages(scores, mask, **kwargs)
-    mode = kwargs.pop("whiten", None) or DEFAULT_WHITEN[kwargs.get("estimator", "grpo")]
-    if mode == "sequences" or kwargs.get("scale") == "batch":
-        raise ValueError("outcome_advantages: whiten='sequences' and scale='batch' use batch statistics that are not "
-                         "gathered over ranks; under torchrun use the group statistics or token whitening")
-    advantages = ops.outcome_advantages(scores, mask, whiten="none", **kwargs)
-    return whiten(advantages, mask) if mode == "tokens" else advantages
 
 
 # ---------------------------------------------------------------- sharding
@@ -465,14 +421,15 @@ def _tensors(obj):
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The decoder layers of every Hugging Face model inside `module` (its `_no_split_modules`)."""
+    """The decoder layers of every Hugging Face model inside `module` (its `_no_split_modules`): the
+    units FSDP shards, and what models.compile_layers compiles."""
     names = set()
     for m in module.modules():
         names.update(getattr(m, "_no_split_modules", None) or ())
     layers = [m for m in module.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"cannot shard {type(module).__name__}: no decoder layers found (no Hugging Face model "
-                         "with _no_split_modules inside it)")
+        raise ValueError(f"no decoder layers found in {type(module).__name__} (no Hugging Face model with "
+                         "_no_split_modules inside it)")
     return layers
 
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from fastrlhf.attention import install as install_attention
 from fastrlhf.checkpoint import save_model_dir
 from fastrlhf.models import hidden_states, lm_head, load_causal_lm, unwrap
 
@@ -30,6 +31,20 @@ def _scalar_head(hidden: int, device) -> nn.Linear:
     nn.init.normal_(head.weight, std=1.0 / (hidden + 1) ** 0.5)
     nn.init.zeros_(head.bias)
     return head
+
+
+def no_adapter_input_cast(model: nn.Module) -> None:
+    """Stop peft casting each adapter's input to the adapter's dtype. peft 0.21 keeps LoRA weights in
+    fp32 (get_peft_model's `autocast_adapter_dtype` upcasts bf16 adapters) and casts the bf16 input up
+    (`LoraLayer._cast_input_dtype`), and autocast casts it back down for the matmul: a round trip per
+    adapter call that changes no number (the matmul is bf16 under autocast either way). Turned off
+    (the switch `peft.helpers.disable_input_dtype_casting` flips), the fp32 adapter weights stay the
+    optimizer's master copy and autocast feeds the matmul their bf16 cast."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m.cast_input_dtype_enabled = False
 
 
 class ActorCritic(nn.Module):
@@ -55,28 +70,34 @@ class ActorCritic(nn.Module):
                 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
                                         category=FutureWarning)
                 self.policy = get_peft_model(lm, config)
+            if lm_head(lm).weight.device.type == "cuda":  # its forwards run under bf16 autocast (devices.autocast)
+                no_adapter_input_cast(self.policy)
             self.reference = None
         else:
             self.reference = copy.deepcopy(lm).eval().requires_grad_(False)
             self.policy = lm
         self.value_head = _scalar_head(unwrap(lm).config.hidden_size, lm_head(lm).weight.device) if value_head else None
+        for model in (unwrap(lm), self.reference):  # forwards with the host's attention plan (fastrlhf.attention)
+            if model is not None:
+                install_attention(model)
 
     @property
     def lm_head(self) -> nn.Linear:
         return lm_head(self.policy)
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        h = hidden_states(self.policy, input_ids, attention_mask, position_ids)
+    def forward(self, input_ids, attention_mask, position_ids, attention: dict | None = None):
+        """`attention`: the host's plan of this forward's attention (models.hidden_states)."""
+        h = hidden_states(self.policy, input_ids, attention_mask, position_ids, attention)
         values = self.value_head(h.float()).squeeze(-1) if self.value_head is not None else None
         return h, values
 
     @torch.no_grad()
-    def reference_hidden(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def reference_hidden(self, input_ids, attention_mask, position_ids, attention: dict | None = None) -> torch.Tensor:
         """Hidden states of the reference policy (LoRA disabled, or the frozen copy)."""
         if self.lora:
             with self.policy.disable_adapter():
-                return hidden_states(self.policy, input_ids, attention_mask, position_ids)
-        return hidden_states(self.reference, input_ids, attention_mask, position_ids)
+                return hidden_states(self.policy, input_ids, attention_mask, position_ids, attention)
+        return hidden_states(self.reference, input_ids, attention_mask, position_ids, attention)
 
     def reference_lm_head(self) -> nn.Linear:
         return self.lm_head if self.lora else lm_head(self.reference)

@@ -16,6 +16,7 @@ stage trained from one, counts as built-in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from pathlib import Path
@@ -24,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastrlhf.attention import planned_inputs
 from fastrlhf.checkpoint import read_json
 from fastrlhf.data import Encoder, ensure_pad_token
 from fastrlhf.devices import attention_backend, cpu_threads_for
+from fastrlhf.distributed import decoder_layers
 from fastrlhf.task import build_char_tokenizer
 
 log = logging.getLogger("fastrlhf")
@@ -269,8 +272,63 @@ def lm_head(lm) -> nn.Linear:
     return unwrap(lm).get_output_embeddings()
 
 
-def hidden_states(lm, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    """[B, T, H] final hidden states; logits would be `hidden @ lm_head.weight.T`."""
-    out = trunk(lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=False)
-    return out.last_hidden_state
+def hidden_states(lm, input_ids, attention_mask, position_ids, attention: dict | None = None) -> torch.Tensor:
+    """[B, T, H] final hidden states; logits would be `hidden @ lm_head.weight.T`. `attention`: the
+    forward's attention as the host planned it (fastrlhf.attention, on a model it was installed on;
+    the 2-D mask is then not read); None: transformers builds the mask from the 2-D mask itself."""
+    if attention is None:
+        inputs = {"attention_mask": attention_mask}
+    else:
+        inputs = planned_inputs(unwrap(lm).config, input_ids, attention)
+    return trunk(lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False, **inputs).last_hidden_state
+
+
+# ---------------------------------------------------------------- regional compilation
+
+COMPILE_MODES = ("auto", "on", "off")
+_COMPILED: dict = {}  # a decoder-layer class's forward -> its torch.compile (one per class, shared by every layer)
+
+
+def compile_wanted(mode: str, device: torch.device) -> bool:
+    """`--compile`: `auto` is on with CUDA, off on CPU (inductor's C++ compile of one layer costs
+    ~15-120 s there and the tiny default gains nothing from it)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return device.type == "cuda" if mode == "auto" else mode == "on"
+
+
+def _layer_forward(layer: nn.Module, *args, _backend: str = "inductor", **kwargs):
+    """A decoder layer's forward: compiled for the full-sequence forwards (training and scoring),
+    eager with a KV cache (generation's prefill and decode steps, whose lengths change every step)."""
+    forward = type(layer).forward  # with transformers' gradient-checkpointing wrapper, so that is compiled too
+    if kwargs.get("cache", kwargs.get("past_key_values")) is None:
+        if (forward, _backend) not in _COMPILED:
+            _COMPILED[forward, _backend] = torch.compile(forward, backend=_backend)
+        forward = _COMPILED[forward, _backend]
+    return forward(layer, *args, **kwargs)
+
+
+def compile_layers(module: nn.Module, enabled: bool = True, backend: str = "inductor") -> int:
+    """Regional compilation: every decoder layer inside `module` (the policy and a frozen reference
+    copy alike) runs one `torch.compile` of its class's forward: training forward and backward
+    (AOTAutograd), LoRA adapters and gradient checkpointing inside it. Layers share the compiled
+    code: one layer's compile serves the stack (a variant per grad mode, adapter state, first layer
+    and shape class, never per step). FSDP's hooks stay outside (they are the module call's, not
+    the forward's). `enabled` False: the layers run eagerly again. Returns the number of layers."""
+    layers = decoder_layers(module)
+    for layer in layers:
+        if enabled:
+            layer.forward = functools.partial(_layer_forward, layer, _backend=backend)
+        else:
+            layer.__dict__.pop("forward", None)
+    return len(layers)
+
+
+def compile_stats() -> dict[str, float]:
+    """What torch.compile has done in this process: graphs compiled (each recompile is one more)
+    and seconds spent compiling them, forward and backward (dynamo's own counters)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(compilation_time_metrics.get(k, ())) for k in ("_compile.compile_inner",
+                                                                     "compile_fx.<locals>.bw_compiler"))
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "seconds": float(seconds)}

@@ -6,41 +6,59 @@ Each iteration, top to bottom:
                  per prompt, a prompt's responses side by side
   2. reward      reward model at the last response token, or a rule `module:function`; every
                  score checked (count, type, finite: fastrlhf.rewards)
-  3. logprobs    one policy forward -> old log-probs (and values with a critic); reference log-probs
-  4. advantages  KL-shaped rewards (ops.kl_shaped_rewards; no KL there with kl_in_loss), then
-                 GAE (ops.gae), or one score per response -> ops.outcome_advantages over each
-                 prompt's group of responses
+  3. logprobs    one policy forward -> old log-probs (and values with a critic); reference log-probs:
+                 an `Experience`, the record the rest of the iteration reads
+  4. advantages  KL-shaped rewards (ops.kl_shaped_rewards; no KL there with kl_in_loss), then the
+                 estimator chosen once (`advantage_estimator`): GAE (ops.gae), or one score per
+                 response -> ops.outcome_advantages over each prompt's group of responses
   5. update      PPO epochs over minibatches with gradient accumulation: clipped policy loss
                  (ops.linear_ppo_actor_loss, from hidden states: no [B, T, V] logits; + kl_coef x k3
-                 KL with kl_in_loss) + value loss (ops.value_loss, with a critic), gradient clipping
+                 KL with kl_in_loss) + value loss (ops.value_loss, with a critic), gradient clipping;
+                 micro-batches of padded rows or packed by tokens (fastrlhf.packing), one read of
+                 the device per minibatch
 Then the KL coefficient is updated (fixed, or adaptive as Ziegler et al. 2019), metrics are
-logged and a checkpoint is written every `save_every` iterations.
+logged and a checkpoint is written every `save_every` iterations. With `--compile` the decoder
+layers of phases 3 and 5 run compiled (fastrlhf.models.compile_layers).
 
 `prepare` checks the whole configuration (policy, reward, data, lengths, the run folder)
-before a model loads; `train` runs it. Writes OUT/ppo/config.json, OUT/ppo/final (merged HF
-model + value head), OUT/ppo/checkpoints, rows with "stage": "ppo" in OUT/metrics.jsonl,
-OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
+before a model loads; `train` runs it: `setup`, the loop over the five phases, `finish`.
+Writes OUT/ppo/config.json, OUT/ppo/final (merged HF model + value head), OUT/ppo/checkpoints,
+rows with "stage": "ppo" in OUT/metrics.jsonl, OUT/summary.json["ppo"], OUT/plots/ppo_*.png.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from datasets import Dataset
 
-from fastrlhf import distributed, ops, task
+from fastrlhf import distributed, ops, packing, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
-from fastrlhf.constants import PPO_PHASES
-from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_prompts
+from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, PPO_PHASES
+from fastrlhf.data import BUILTIN, Batch, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
-from fastrlhf.metrics import PhaseTimer, log, setup_logging, to_floats
-from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_encoding
-from fastrlhf.ops.advantages import GROUPED
+from fastrlhf.metrics import PhaseTimer, log, setup_logging
+from fastrlhf.models import (
+    COMPILE_MODES,
+    ModelSource,
+    compile_layers,
+    compile_stats,
+    compile_wanted,
+    empty_copy,
+    load_causal_lm,
+    same_encoding,
+)
+from fastrlhf.ops.advantages import DEFAULT_WHITEN, GROUPED
+from fastrlhf.ops.gae import mean_var
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward, reward_encoder
 from fastrlhf.rollout import (
@@ -51,7 +69,6 @@ from fastrlhf.rollout import (
     generate,
     make_engine,
     sampler_gap,
-    token_logprobs,
 )
 from fastrlhf.run import (
     POSITIVE,
@@ -59,18 +76,24 @@ from fastrlhf.run import (
     check_common,
     describe_data,
     evaluate_true_score,
-    finite_or_warn,
     holds_run_folder,
     resolve_data,
     stage_model,
     start_stage_dir,
     warn_if_batch_exceeds_data,
+    warn_skipped,
 )
 
-ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's token count: they sum over micro-batches
+if TYPE_CHECKING:
+    from fastrlhf.engine import DecodeEngine
+
+ADDITIVE_STATS = ("pg_loss", "value_loss")  # divided by the minibatch's global count: they sum over micro-batches
 # the auto max_new_tokens with your own data: at most this (verl's data.max_response_length and TRL's GRPO
 # max_completion_length default, read from verl 0.9.1 and TRL 1.16.0)
 AUTO_MAX_NEW_TOKENS = 512
+# aggregations over the tokens alone: a pack's loss reads its real response tokens as one row ([1, n]); the
+# seq-mean ones read its sequences as rows ([n_seq, R'])
+TOKEN_AGGS = ("token-mean", "token-sum")
 
 
 class KLController:
@@ -86,14 +109,39 @@ class KLController:
             self.coef *= 1.0 + error * n_sequences / self.horizon
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+@dataclasses.dataclass
+class Experience:
+    """One rollout as the update reads it: the batch and, per response token ([B, R] float32, 0
+    where the response mask is 0), what phases 3 and 4 computed from it."""
+
+    batch: Batch
+    old_logp: torch.Tensor
+    """Log-probs of the sampled tokens under the policy before the update (phase 3)."""
+    ref_logp: torch.Tensor
+    """Log-probs under the reference policy (phase 3)."""
+    values: torch.Tensor | None = None
+    """The critic's values (phase 3); None without a critic."""
+    rewards: torch.Tensor | None = None
+    """KL-shaped per-token rewards (phase 4)."""
+    advantages: torch.Tensor | None = None
+    """Advantages (phase 4)."""
+    returns: torch.Tensor | None = None
+    """Value targets (phase 4); None without a critic."""
+    sampler_logp: torch.Tensor | None = None
+    """The rollout engine's own log-probs of the sampled tokens, where an engine reports them."""
+    lengths: packing.Lengths | None = None
+    """Real prompt and response tokens per row (host, read once in phase 3): the update plans from them."""
+
+
+def global_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`ops.raw_moments` of x's mask=1 entries over every rank (an all-reduce; x's own on one process)."""
+    return distributed.all_sum(ops.raw_moments(x, mask))
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """1 - Var(returns - values) / Var(returns) over the response tokens (of every rank)."""
-    _, var_r, _ = distributed.masked_moments(returns, mask)
-    _, var_d, _ = distributed.masked_moments(returns - values, mask)
+    _, var_r = mean_var(global_moments(returns, mask), unbiased=False)
+    _, var_d = mean_var(global_moments(returns - values, mask), unbiased=False)
     return 1.0 - var_d / var_r.clamp(min=1e-8)
 
 
@@ -102,105 +150,229 @@ def group_reward_std(scores: torch.Tensor, group_size: int) -> float:
     return scores.view(-1, group_size).std(-1).mean().item()
 
 
-@torch.no_grad()
-def forward_logprobs_values(ac: ActorCritic, rollout: Rollout, *, temperature: float, device):
-    """Phase 3: (old_logp, values, ref_logp), each [B, R] float32, 0 where the mask is 0;
-    values is None without a critic."""
-    b = rollout.batch
-    with autocast(device):
-        hidden, values = ac(b.input_ids, b.attention_mask, b.position_ids)
-        old_logp = token_logprobs(ac.policy, b, hidden, temperature=temperature)
-        ref_hidden = ac.reference_hidden(b.input_ids, b.attention_mask, b.position_ids)
-        ref_logp = token_logprobs(ac.policy, b, ref_hidden, temperature=temperature, head=ac.reference_lm_head())
-    P = b.prompt_len
-    if values is not None:
-        values = values[:, P - 1:-1].float() * b.response_mask
-    return old_logp, values, ref_logp
+# ---------------------------------------------------------------- micro-batches
 
 
-def micro_batch_losses(ac, b, idx, old_logp, old_values, advantages, returns, cfg: PPOConfig, device,
-                       num_tokens: int, ref_logp=None, kl_coef: float = 0.0):
-    """Actor loss and value loss (None without a critic) of the rows `idx` of the batch `b`, each
-    divided by `num_tokens` (the minibatch's token count over every rank), and their stats."""
-    P = b.prompt_len
-    mask, labels = b.response_mask[idx], b.labels[idx]
-    with autocast(device):
-        hidden, values = ac(b.input_ids[idx], b.attention_mask[idx], b.position_ids[idx])
-    h = hidden[:, P - 1:-1]
-    head = ac.lm_head
-    # Under torchrun each rank's loss is its share of the global mean (global_num_tokens); ppo_update
-    # multiplies only what it backpropagates by distributed.loss_scale() (FSDP averages gradients),
-    # rather than passing the ops' dp_size, so the logged losses stay true shares that sum over ranks.
-    actor_loss, stats = ops.linear_ppo_actor_loss(
-        h, head.weight.to(h.dtype), labels, old_logp[idx], advantages[idx], mask, bias=head.bias,
-        temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
-        ref_logp=None if ref_logp is None else ref_logp[idx], kl_coef=kl_coef, kl_estimator="k3",
-        global_num_tokens=num_tokens)
-    v_loss = None
-    if old_values is not None:
-        v_loss, v_stats = ops.value_loss(values[:, P - 1:-1].float(), old_values[idx], returns[idx], mask,
-                                         clip=cfg.value_clip, global_num_tokens=num_tokens)
-        stats = dict(stats, value_loss=v_loss.detach(), value_clipfrac=v_stats["clipfrac"])
-    return actor_loss, v_loss, stats
+def across_ranks(counts: list[tuple[int, int]], n_micro: list[int]) -> tuple[list[tuple[float, float]], list[int]]:
+    """Per minibatch: its (token, sequence) counts summed over ranks, and the stand-in micro-batches
+    this rank adds so that it runs as many as the rank with the most (FSDP: every rank must run the
+    same forwards). One all-reduce of each and one read, under torchrun only."""
+    if not distributed.active():
+        return [(float(t), float(q)) for t, q in counts], []
+    summed = distributed.all_sum(torch.tensor(counts, dtype=torch.float64).reshape(-1, 2))
+    most = distributed.all_max(torch.tensor(n_micro, dtype=torch.float64))
+    values = torch.cat([summed.reshape(-1), most]).tolist()
+    pairs = [(values[2 * k], values[2 * k + 1]) for k in range(len(counts))]
+    return pairs, [int(m) - n for m, n in zip(values[2 * len(counts):], n_micro)]
 
 
-def ppo_update(ac, optimizer, rollout: Rollout, old_logp, old_values, advantages, returns, cfg: PPOConfig,
-               device, step: int, *, ref_logp=None, kl_coef: float = 0.0) -> dict:
-    """Phase 5: `ppo_epochs` passes over the rollout in minibatches of `mini_batch_size`, each
-    the sum of micro-batches (gradient accumulation; the losses are divided by the minibatch's
-    token count, so the split does not change the gradient). With `ref_logp`, kl_coef x k3 KL
-    is part of the actor loss. Without a critic (`old_values` None) there is no value loss.
-    Returns mean stats.
+def scoring_micro_batches(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig, device) -> list[packing.MicroBatch]:
+    """Phase 3's forwards: the whole rollout in one padded forward, or packs of micro_batch_tokens."""
+    rows = np.arange(batch.input_ids.shape[0])
+    packed = cfg.micro_batch_tokens > 0
+    groups = [packing.partition(lengths.total, rows, cfg.micro_batch_tokens) if packed else [rows]]
+    _, stand_ins = across_ranks([(0, 0)], [len(groups[0])]) if packed else (None, [])
+    return packing.micro_batches(batch, groups, lengths, packed=packed, flat=True, device=device,
+                                 stand_ins=stand_ins)[0]
 
-    `ac`: the actor-critic, or the `ShardedModel` around it. Under torchrun the sizes are
-    global: each rank takes its share of every minibatch and micro-batch from its own
-    rollout, the losses divide by the minibatch's token count over all ranks, and the stats
-    are summed over ranks."""
-    model = distributed.as_sharded(ac)
-    b = rollout.batch
-    B = b.input_ids.shape[0]
+
+def update_plan(exp: Experience, cfg: PPOConfig, device) -> list[tuple[list[packing.MicroBatch], tuple[float, float]]]:
+    """Phase 5's plan, made on the host from the rollout's lengths: ppo_epochs passes over this rank's
+    rows, each a fresh permutation cut into minibatches of mini_batch_size / ranks rows, each cut into
+    micro-batches of micro_batch_size / ranks rows or packed into micro_batch_tokens; with each
+    minibatch its global (token, sequence) counts, the losses' divisors. The indices reach the device
+    in one transfer; nothing is read from it (under torchrun: one all-reduce and one read)."""
+    B = exp.batch.input_ids.shape[0]
     n = distributed.world_size()
-    mini_size, micro_size = cfg.mini_batch_size // n, cfg.micro_batch_size // n
+    mini, micro = cfg.mini_batch_size // n, cfg.micro_batch_size // n
+    packed = cfg.micro_batch_tokens > 0
+    groups = []
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B).numpy()  # the CPU generator: host data
+        for start in range(0, B, mini):
+            rows = order[start:start + mini]
+            groups.append(packing.partition(exp.lengths.total, rows, cfg.micro_batch_tokens) if packed
+                          else [rows[m:m + micro] for m in range(0, len(rows), micro)])
+    response = exp.lengths.response
+    counts = [(int(response[np.concatenate(g)].sum()), int((response[np.concatenate(g)] > 0).sum())) for g in groups]
+    counts, stand_ins = across_ranks(counts, [len(g) for g in groups])
+    micro_batches = packing.micro_batches(exp.batch, groups, exp.lengths, packed=packed,
+                                          flat=cfg.loss_agg in TOKEN_AGGS, device=device, stand_ins=stand_ins)
+    return list(zip(micro_batches, counts))
+
+
+# ---------------------------------------------------------------- 3. log-probs, values, reference
+
+
+@torch.no_grad()
+def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Experience:
+    """Phase 3: one actor-critic forward (old log-probs, values) and one reference forward, over the
+    rollout in one padded forward or in packs of micro_batch_tokens; the sampler's own log-probs
+    come along from the rollout (the graph engine's; None on the hf path)."""
+    b = rollout.batch
+    lengths = packing.read_lengths(b)
+    head, ref_head = ac.lm_head, ac.reference_lm_head()
+    dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32  # the ops' output dtype
+    old_logp, ref_logp = (torch.zeros(b.response_mask.shape, dtype=dtype, device=device) for _ in range(2))
+    values = torch.zeros_like(b.response_mask) if ac.value_head is not None else None  # the float32 value head's
+
+    def logprobs(h, mb, lm_head):
+        return ops.linear_logprobs(h, lm_head.weight.to(h.dtype), mb.take(b.labels), bias=lm_head.bias,
+                                   temperature=cfg.temperature, ignore_index=IGNORE_INDEX)
+
+    for mb in scoring_micro_batches(b, lengths, cfg, device):
+        with autocast(device):
+            hidden, v = packing.forward_responses(ac, b, mb)
+            old = logprobs(hidden, mb, head)
+            ref_hidden, = packing.forward_responses(lambda *x, **kw: (ac.reference_hidden(*x, **kw),), b, mb)
+            ref = logprobs(ref_hidden, mb, ref_head)
+        if mb.live:
+            mb.put(old_logp, old)
+            mb.put(ref_logp, ref)
+            if values is not None:
+                mb.put(values, v.float() * mb.response_mask(b))
+    return Experience(b, old_logp, ref_logp, values, sampler_logp=rollout.sampler_logp, lengths=lengths)
+
+
+# ---------------------------------------------------------------- 4. rewards, advantages, returns
+
+
+def whitened(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`ops.whiten` with the moments of the whole batch: all ranks' shares under torchrun."""
+    return ops.whiten(x, mask, moments=global_moments(x, mask) if distributed.active() else None)
+
+
+def advantage_estimator(cfg: PPOConfig) -> Callable:
+    """The estimator `cfg.advantage` names, chosen once: fn(rewards, values, mask) -> (advantages,
+    returns). `gae`: GAE over the KL-shaped rewards, whitened with the global batch's moments.
+    Critic-free: one score per response (verl's token_level_rewards.sum(-1)) compared within each
+    prompt's group of num_generations responses (each group lies on one rank), whitened over the
+    global batch's tokens where the estimator says so (reinforce_pp*); no returns."""
+    if cfg.advantage == "gae":
+        def gae(rewards, values, mask):
+            advantages, returns = ops.gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=False)
+            return whitened(advantages, mask), returns
+
+        return gae
+    # token whitening under torchrun needs the global batch's moments: the op without it, then `whitened`
+    apart = DEFAULT_WHITEN[cfg.advantage] == "tokens" and distributed.active()
+
+    def outcome(rewards, values, mask):
+        advantages = ops.outcome_advantages(rewards.sum(-1), mask, group_size=cfg.num_generations,
+                                            estimator=cfg.advantage, whiten="none" if apart else None)
+        return (whitened(advantages, mask) if apart else advantages), None
+
+    return outcome
+
+
+def with_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, cfg: PPOConfig,
+                    estimator: Callable) -> Experience:
+    """Phase 4: KL-shaped per-token rewards (no KL there with kl_in_loss: it goes to the loss), then
+    the advantages and returns of `estimator`."""
+    mask = exp.batch.response_mask
+    rewards = ops.kl_shaped_rewards(scores, exp.old_logp, exp.ref_logp, mask,
+                                    kl_coef=0.0 if cfg.kl_in_loss else kl_coef, estimator=cfg.kl_estimator)
+    advantages, returns = estimator(rewards, exp.values, mask)
+    return dataclasses.replace(exp, rewards=rewards, advantages=advantages, returns=returns)
+
+
+# ---------------------------------------------------------------- 5. the update
+
+
+def aggregation(cfg: PPOConfig, exp: Experience, counts: tuple[float, float]) -> dict:
+    """The ops' aggregation keywords: loss_agg with the minibatch's global token count (token-mean) or
+    sequence count (seq-mean-*), so a micro-batch's loss is its share of the minibatch's, however it
+    is split into micro-batches, packs and ranks."""
+    if cfg.loss_agg == "token-mean":
+        return {"agg": "token-mean", "global_num_tokens": max(1.0, counts[0])}
+    if cfg.loss_agg == "token-sum":
+        return {"agg": "token-sum"}
+    kwargs = {"agg": cfg.loss_agg, "global_num_seqs": max(1.0, counts[1])}
+    if cfg.loss_agg == "seq-mean-token-sum-norm":  # the rollout's response width, packed or not
+        kwargs["loss_scale_factor"] = float(exp.batch.response_mask.shape[1])
+    return kwargs
+
+
+def micro_batch_losses(ac: ActorCritic, exp: Experience, mb: packing.MicroBatch, cfg: PPOConfig, device,
+                       counts: tuple[float, float], kl_coef: float = 0.0):
+    """(loss, stats) of one micro-batch: the actor loss (+ kl_coef x k3 KL with kl_in_loss) plus vf_coef x
+    the value loss (with a critic), each aggregated by loss_agg over the minibatch whose global
+    (token, sequence) `counts` are given, so the micro-batches' losses add up to the minibatch's."""
+    b = exp.batch
+    mask = mb.response_mask(b)
+    labels = torch.where(mask.bool(), mb.take(b.responses), IGNORE_INDEX)
+    with autocast(device):
+        hidden, values = packing.forward_responses(ac, b, mb)
+    agg = aggregation(cfg, exp, counts)
+    head = ac.lm_head
+    # Under torchrun each rank's loss is its share of the global one (global counts); ppo_update multiplies
+    # only what it backpropagates by distributed.loss_scale() (FSDP averages gradients), so the logged losses
+    # stay true shares that sum over ranks.
+    loss, stats = ops.linear_ppo_actor_loss(
+        hidden, head.weight.to(hidden.dtype), labels, mb.take(exp.old_logp), mb.take(exp.advantages), mask,
+        bias=head.bias, temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
+        ref_logp=mb.take(exp.ref_logp) if cfg.kl_in_loss else None, kl_coef=kl_coef if cfg.kl_in_loss else 0.0,
+        kl_estimator="k3", **agg)
+    if "kl" in stats:  # the loss term's k3 per token; the logged "kl" is the per-sequence k1 of the rollout
+        stats["kl_k3"] = stats.pop("kl")
+    if exp.values is not None:
+        v_loss, v_stats = ops.value_loss(values.float(), mb.take(exp.values), mb.take(exp.returns), mask,
+                                         clip=cfg.value_clip, **agg)
+        loss = loss + cfg.vf_coef * v_loss
+        stats.update(value_loss=v_loss, value_clipfrac=v_stats["clipfrac"])
+    return loss, stats
+
+
+def read_minibatch(loss: torch.Tensor, stats: dict[str, torch.Tensor], grad_norm: torch.Tensor) -> dict[str, float]:
+    """The minibatch's one host read: its loss and stats summed over ranks (one all-reduce) and the
+    (global) gradient norm, as floats."""
+    keys = list(stats)
+    summed = distributed.all_sum(torch.stack([loss, *(stats[k] for k in keys)]))
+    values = torch.cat([summed, grad_norm.detach().reshape(1).to(summed)]).tolist()
+    return {"loss": values[0], **dict(zip(keys, values[1:-1])), "grad_norm": values[-1]}
+
+
+def ppo_update(ac, optimizer, exp: Experience, cfg: PPOConfig, device, step: int, *, kl_coef: float = 0.0) -> dict:
+    """Phase 5: `ppo_epochs` passes over the experience in minibatches of `mini_batch_size`, each the
+    sum of micro-batches (gradient accumulation; the losses divide by the minibatch's global token or
+    sequence count, so the split, padded or packed, does not change the gradient), clipped to
+    max_grad_norm. Nothing is read from the device inside a minibatch: token counts, losses, stats
+    and the finiteness check stay there and are read once at its end (`read_minibatch`); a minibatch
+    with a non-finite loss or gradient norm is skipped (a warning) and counted. Returns the mean stats
+    and `skipped_nonfinite`.
+
+    `ac`: the actor-critic, or the `ShardedModel` around it. Under torchrun the sizes are global:
+    each rank takes its share of every minibatch and micro-batch from its own rollout (packed: as
+    many micro-batches on every rank, one collective per update), the losses divide by global counts
+    and the stats are summed over ranks."""
+    model = distributed.as_sharded(ac)
     params = [p for p in model.parameters() if p.requires_grad]
     sums, n_updates, skipped = {}, 0, 0
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(B).tolist()
-        for start in range(0, B, mini_size):
-            mini = order[start:start + mini_size]
-            num_tokens = int(distributed.all_sum(b.response_mask[mini].sum()).item())
+    for micro_batches, counts in update_plan(exp, cfg, device):
+        optimizer.zero_grad(set_to_none=True)
+        total, acc = 0.0, {}
+        for mb in micro_batches:
+            loss, stats = model.run(micro_batch_losses, exp, mb, cfg, device, counts, kl_coef)
+            (loss * distributed.loss_scale()).backward()
+            total = total + loss.detach().double()
+            share = mb.n_tokens / max(1.0, counts[0])  # per-token means weigh by their token share of the minibatch
+            for k, v in stats.items():  # float64 sums on the device, read at the minibatch's end
+                v = v.detach().double()
+                acc[k] = acc.get(k, 0.0) + (v if k in ADDITIVE_STATS else v * share)
+        grad_norm = distributed.gradient_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        read = read_minibatch(total, acc, grad_norm)
+        bad = [(what, read[k]) for what, k in (("PPO loss", "loss"), ("gradient norm", "grad_norm"))
+               if not math.isfinite(read[k])]
+        if bad:
+            warn_skipped(*bad[0], step)
             optimizer.zero_grad(set_to_none=True)
-            finite, mini_stats = True, {}
-            for m0 in range(0, len(mini), micro_size):
-                idx = torch.tensor(mini[m0:m0 + micro_size], device=device)
-                actor_loss, v_loss, stats = model.run(micro_batch_losses, b, idx, old_logp, old_values, advantages,
-                                                      returns, cfg, device, num_tokens, ref_logp, kl_coef)
-                loss = actor_loss if v_loss is None else actor_loss + cfg.vf_coef * v_loss
-                if not finite_or_warn(loss, "PPO loss", step):
-                    finite = False
-                    break
-                (loss * distributed.loss_scale()).backward()
-                # losses add up over micro-batches (and ranks); per-token means are weighted by
-                # their token share of the minibatch
-                share = float(b.response_mask[idx].sum()) / max(1, num_tokens)
-                stats = to_floats(stats)
-                if "kl" in stats:  # the loss term's k3 per token; "kl" is the per-sequence k1 below
-                    stats["kl_k3"] = stats.pop("kl")
-                for k, v in stats.items():
-                    mini_stats[k] = mini_stats.get(k, 0.0) + (v if k in ADDITIVE_STATS else v * share)
-            if finite:
-                grad_norm = distributed.gradient_norm(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-                finite = finite_or_warn(grad_norm, "gradient norm", step)
-            if not finite:
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            optimizer.step()
-            n_updates += 1
-            for k, v in dict(mini_stats, grad_norm=grad_norm.item()).items():
-                sums[k] = sums.get(k, 0.0) + v
-    per_rank = [k for k in sums if k != "grad_norm"]  # the gradient norm is global already
-    totals = distributed.all_sum(torch.tensor([sums[k] for k in per_rank], dtype=torch.float64)).tolist()
-    sums.update(zip(per_rank, totals))
+            skipped += 1
+            continue
+        optimizer.step()
+        n_updates += 1
+        del read["loss"]
+        for k, v in read.items():
+            sums[k] = sums.get(k, 0.0) + v
     means = {k: v / max(1, n_updates) for k, v in sums.items()}
     return dict(means, skipped_nonfinite=skipped)
 
@@ -246,6 +418,20 @@ def check_advantage(cfg: PPOConfig) -> None:
     if cfg.advantage != "gae" and GROUPED[cfg.advantage] and cfg.num_generations < 2:
         raise ValueError(f"ppo: advantage {cfg.advantage!r} compares the responses to one prompt: pass "
                          "--num_generations 2 or more")
+    if cfg.advantage != "gae" and DEFAULT_WHITEN[cfg.advantage] == "sequences" and distributed.world_size() > 1:
+        raise ValueError(f"ppo: advantage {cfg.advantage!r} whitens over the batch's sequences, whose statistics are "
+                         "not gathered over ranks; under torchrun use an estimator that whitens over the tokens")
+
+
+def check_update(cfg: PPOConfig, key_prefix: str = "") -> None:
+    """The update's own keys: compile mode, loss aggregation, the packing budget (against the longest
+    sequence once the lengths are resolved: `prepare`)."""
+    for name, value, choices in (("compile", cfg.compile, COMPILE_MODES), ("loss_agg", cfg.loss_agg, AGG_MODES)):
+        if value not in choices:
+            raise ValueError(f"ppo: --{key_prefix}{name} must be one of {', '.join(choices)}, got {value!r}")
+    if cfg.micro_batch_tokens < 0:
+        raise ValueError(f"ppo: --{key_prefix}micro_batch_tokens must be >= 0 (0 = micro_batch_size padded rows), "
+                         f"got {cfg.micro_batch_tokens}")
 
 
 def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
@@ -269,6 +455,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_engine not in ROLLOUT_ENGINES:
         raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
+    check_update(cfg, key_prefix)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
                          f"(rollout_batch_size {cfg.rollout_batch_size} / num_generations {cfg.num_generations}) must "
@@ -317,6 +504,11 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if auto_new_tokens:  # what the prompt leaves of a long-context model would be a rollout of 30k tokens
         cfg.max_new_tokens = min(cfg.max_new_tokens, AUTO_MAX_NEW_TOKENS)
     prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
+    longest = cfg.max_prompt_len + cfg.max_new_tokens
+    if 0 < cfg.micro_batch_tokens < longest:
+        raise ValueError(f"ppo: --{key_prefix}micro_batch_tokens ({cfg.micro_batch_tokens}) must hold the longest "
+                         f"sequence: max_prompt_len + max_new_tokens = {cfg.max_prompt_len} + {cfg.max_new_tokens} = "
+                         f"{longest} tokens")
     eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
     check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
                   defaults=to_dict(type(cfg)()), what="ppo")
@@ -328,20 +520,59 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     return PPOPlan(cfg, model, prompts, prompt_ids, eval_prompts, eval_ids)
 
 
-@holds_run_folder("ppo")
-def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
+@dataclasses.dataclass
+class PPORun:
+    """What `setup` builds and the loop of `train` reads and advances (a plain record; `true_score`
+    samples the held-out prompts)."""
+
+    cfg: PPOConfig
+    plan: PPOPlan
+    device: torch.device
+    lm: torch.nn.Module
+    tokenizer: object
+    ac: ActorCritic
+    model: distributed.ShardedModel
+    reward_fn: Callable
+    estimator: Callable
+    """The advantage estimator (`advantage_estimator`), chosen once."""
+    optimizer: torch.optim.Optimizer
+    kl_ctl: KLController
+    timer: PhaseTimer
+    run: StageRun
+    engine: DecodeEngine | None
+    """The decode engine of `--rollout_engine graph` (None: transformers' generate)."""
+    data: Dataset
+    compiled: bool
+    step: int = 0
+    skipped: int = 0
+    true_before: float | None = None
+    held: dict | None = None
+    """state_bytes after the last update (with the gradients), for the summary."""
+
+    def true_score(self) -> float:
+        """The built-in task's score of responses sampled for the held-out prompts."""
+        return evaluate_true_score(self.model, self.tokenizer, self.plan.eval_ids, self.plan.eval_prompts,
+                                   max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                                   device=self.device)
+
+
+def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
+    """Everything before the first iteration: the process group, the run folder, the actor-critic
+    (+ reference; compiled layers; sharded under torchrun), the reward, the optimizer, the advantage
+    estimator, resume, and the true score before."""
     plan = plan or prepare(cfg)
     cfg = plan.cfg
-    out = Path(cfg.out)
     device = distributed.setup(cfg.device, to_dict(cfg), "ppo")  # torchrun: process group, same config everywhere
-    start_stage_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
-    # 0. setup: actor-critic (+ reference; sharded under torchrun), reward, optimizer; resume if asked
+    start_stage_dir(Path(cfg.out) / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
     lm, tokenizer = load_causal_lm(plan.model, device=device, dtype=dtype,
                                    gradient_checkpointing=cfg.gradient_checkpointing)
-    critic = cfg.advantage == "gae"
-    ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=critic)
+    ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=cfg.advantage == "gae")
+    compiled = compile_wanted(cfg.compile, device)
+    if compiled:
+        log.info("ppo: %d decoder layers compiled (one compile serves them all; generation stays eager)",
+                 compile_layers(ac))
     model = distributed.shard_model(ac, cfg.shard, device)
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
     engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
@@ -350,113 +581,118 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
                          device=device)  # None: the hf path
     reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
                             clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
-    builtin = cfg.data == BUILTIN
-    data = Dataset.from_dict({"prompt": plan.prompts, "prompt_ids": plan.prompt_ids})
-    trainable = [p for p in ac.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
-    kl_ctl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-    timer = PhaseTimer(device)
-
-    def true_score() -> float:  # the built-in task's score of responses sampled for held-out prompts
-        return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
-                                   max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
-
+    optimizer = torch.optim.AdamW([p for p in ac.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     run = StageRun("ppo", cfg, model=ac, optimizer=optimizer,
                    updates_per_step=cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.mini_batch_size))
-    step, skipped, true_before = run.step, 0, None
-    if run.resumed:
-        extra = run.extra
-        kl_ctl.coef, skipped, true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
-        timer.total_seconds.update(extra["phase_seconds"])
-        timer.total_peak.update(extra["phase_peak_memory_bytes"])
-    elif builtin:
-        true_before = true_score()
-        log.info("ppo: true score before PPO %.3f", true_before)
+    s = PPORun(cfg, plan, device, lm, tokenizer, ac, model, reward_fn, advantage_estimator(cfg), optimizer,
+               KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon), PhaseTimer(device), run, engine,
+               Dataset.from_dict({"prompt": plan.prompts, "prompt_ids": plan.prompt_ids}), compiled)
+    s.step = s.run.step
+    if s.run.resumed:
+        extra = s.run.extra
+        s.kl_ctl.coef, s.skipped, s.true_before = extra["kl_coef"], extra["skipped_nonfinite"], extra["true_before"]
+        s.timer.total_seconds.update(extra["phase_seconds"])
+        s.timer.total_peak.update(extra["phase_peak_memory_bytes"])
+    elif cfg.data == BUILTIN:
+        s.true_before = s.true_score()
+        log.info("ppo: true score before PPO %.3f", s.true_before)
     ac.train()
+    return s
 
-    held = None  # state_bytes after the last update
-    while step < run.stop:
+
+@holds_run_folder("ppo")
+def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
+    s = setup(cfg, plan)
+    cfg, device, model = s.cfg, s.device, s.model
+    while s.step < s.run.stop:
         t0 = time.perf_counter()
-        # 1. rollout: num_generations responses per prompt, side by side (rank 0 draws the prompts;
-        #    each rank its share, whole groups)
-        with timer.phase("rollout"):
-            G = cfg.num_generations
-            idx = distributed.draw(range(len(data)), cfg.rollout_batch_size // G)
-            rows = distributed.local_rows(data, [i for i in idx for _ in range(G)])
-            rollout = model.run(sample, tokenizer, rows, cfg, device, engine, gathered=ac.policy)  # not the reference
+        # 1. rollout: num_generations responses per prompt, side by side (rank 0 draws the prompts; each
+        #    rank its share, whole groups); generation gathers the policy, not a frozen reference copy
+        with s.timer.phase("rollout"):
+            rollout = model.run(sample, s.tokenizer, draw_prompts(s), cfg, device, s.engine,
+                                gathered=s.ac.policy)  # not the reference
         # 2. reward: one score per sequence
-        with timer.phase("reward"):
-            scores = reward_fn(rollout)
-            rollout = rollout._replace(scores=scores)
+        with s.timer.phase("reward"):
+            rollout = rollout._replace(scores=s.reward_fn(rollout))
         # 3. old log-probs and values (one actor-critic forward), reference log-probs
-        with timer.phase("logprobs"):
-            old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout,
-                                                       temperature=cfg.temperature, device=device)
-            gap = {} if rollout.sampler_logp is None else sampler_gap(rollout.sampler_logp, old_logp,
-                                                                      rollout.batch.response_mask)
-        # 4. KL-shaped per-token rewards (the KL goes to the loss instead with kl_in_loss), then GAE,
-        #    or critic-free: one score per response (verl's token_level_rewards.sum(-1)) compared
-        #    within each prompt's group of G responses
-        with timer.phase("advantages"):
-            mask = rollout.batch.response_mask
-            rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask,
-                                            kl_coef=0.0 if cfg.kl_in_loss else kl_ctl.coef, estimator=cfg.kl_estimator)
-            if critic:  # whitened with the global batch's moments
-                advantages, returns = ops.gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam, whiten=False)
-                advantages = distributed.whiten(advantages, mask)
-            else:
-                advantages = distributed.outcome_advantages(rewards.sum(-1), mask, group_size=G,
-                                                            estimator=cfg.advantage)
-                returns = None
+        with s.timer.phase("logprobs"):
+            exp = model.run(experience, rollout, cfg, device)
+        # 4. KL-shaped per-token rewards, then advantages and returns (the estimator chosen in setup)
+        with s.timer.phase("advantages"):
+            exp = with_advantages(exp, rollout.scores, s.kl_ctl.coef, cfg, s.estimator)
         # 5. PPO epochs: clipped policy loss (+ k3 KL with kl_in_loss) + value loss (with a critic)
-        with timer.phase("update"):
-            update_stats = ppo_update(model, optimizer, rollout, old_logp, old_values, advantages, returns, cfg,
-                                      device, step, ref_logp=ref_logp if cfg.kl_in_loss else None,
-                                      kl_coef=kl_ctl.coef if cfg.kl_in_loss else 0.0)
-            held = distributed.state_bytes(ac, optimizer)  # with the gradients, for the summary
+        with s.timer.phase("update"):
+            update_stats = ppo_update(model, s.optimizer, exp, cfg, device, s.step, kl_coef=s.kl_ctl.coef)
+            s.held = distributed.state_bytes(s.ac, s.optimizer)  # with the gradients, for the summary
             # Free the gradients: the next rollout, reward and log-prob passes need none (full fine-tuning
             # of a 0.5B model in bf16 held 2 GB of fp32 gradients through them; the planner counts none)
-            optimizer.zero_grad(set_to_none=True)
-        skipped += update_stats.pop("skipped_nonfinite")
-        # 6. KL controller, metrics (each rank's share; StageRun.log averages them), checkpoint
-        kl = distributed.all_mean(((old_logp - ref_logp) * mask).sum(-1).mean())  # per-sequence k1 KL, global
-        kl_ctl.update(kl, cfg.rollout_batch_size)
-        step += 1
-        n_tokens = distributed.all_sum(mask.sum()).item()
-        stats = {"reward": scores.mean().item(), "kl": kl, "kl_coef": kl_ctl.coef,
-                 "response_length": mask.sum(-1).mean().item(),
-                 "tokens_per_s": n_tokens / (time.perf_counter() - t0),
-                 "skipped_nonfinite": skipped, **gap, **update_stats, **timer.step_stats()}
-        if critic:
-            stats["explained_variance"] = explained_variance(old_values, returns, mask).item()
-        if G > 1:
-            stats["group_reward_std"] = group_reward_std(scores, G)
-        if builtin:
-            stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
-        run.advance(step, skipped, reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")  # guards; a signal ends here
-        if run.due(step, cfg.log_every):
-            run.log(step, stats)
-        if run.checkpoint_due(step):
-            run.save(step, ac.trainable_state(),
-                     {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
-                      "phase_seconds": dict(timer.total_seconds),
-                      "phase_peak_memory_bytes": dict(timer.total_peak)})
+            s.optimizer.zero_grad(set_to_none=True)
+        # 6. KL controller, metrics, checkpoint
+        end_iteration(s, rollout, exp, update_stats, time.perf_counter() - t0)
+    return finish(s)
 
-    if not run.finish(step):
-        return {"stopped_at": step}
+
+def draw_prompts(s: PPORun) -> dict[str, list]:
+    """This rank's prompts of the next rollout, each num_generations times side by side (rank 0 draws)."""
+    G = s.cfg.num_generations
+    idx = distributed.draw(range(len(s.data)), s.cfg.rollout_batch_size // G)
+    return distributed.local_rows(s.data, [i for i in idx for _ in range(G)])
+
+
+def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: dict, seconds: float) -> None:
+    """6. The KL controller, this iteration's metrics (each rank's share; StageRun.log averages them),
+    the progress bar and a checkpoint when due."""
+    cfg, mask = s.cfg, exp.batch.response_mask
+    s.skipped += update_stats.pop("skipped_nonfinite")
+    kl = distributed.all_mean(((exp.old_logp - exp.ref_logp) * mask).sum(-1).mean())  # per-sequence k1 KL, global
+    s.kl_ctl.update(kl, cfg.rollout_batch_size)
+    s.step += 1
+    compiled = compile_stats() if s.compiled else None
+    if compiled and s.step == s.run.step + 1:
+        log.info("ppo: compiling the decoder layers took %.1f s (%d graphs) in the first iteration",
+                 compiled["seconds"], compiled["graphs"])
+    stats = {"reward": rollout.scores.mean().item(), "kl": kl, "kl_coef": s.kl_ctl.coef,
+             "response_length": mask.sum(-1).mean().item(),
+             "tokens_per_s": distributed.all_sum(mask.sum()).item() / seconds,
+             "skipped_nonfinite": s.skipped, **update_stats, **s.timer.step_stats()}
+    if exp.sampler_logp is not None:  # how far the distribution sampled from is from the one trained
+        stats.update(sampler_gap(exp.sampler_logp, exp.old_logp, mask))
+    if compiled:  # graphs compiled so far: a recompile per step would show here
+        stats["compiled_graphs"] = compiled["graphs"]
+    if exp.values is not None:
+        stats["explained_variance"] = explained_variance(exp.values, exp.returns, mask).item()
+    if cfg.num_generations > 1:
+        stats["group_reward_std"] = group_reward_std(rollout.scores, cfg.num_generations)
+    if cfg.data == BUILTIN:
+        stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
+    s.run.advance(s.step, s.skipped, reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")  # guards; a signal ends here
+    if s.run.due(s.step, cfg.log_every):
+        s.run.log(s.step, stats)
+    if s.run.checkpoint_due(s.step):
+        s.run.save(s.step, s.ac.trainable_state(),
+                   {"kl_coef": s.kl_ctl.coef, "skipped_nonfinite": s.skipped, "true_before": s.true_before,
+                    "phase_seconds": dict(s.timer.total_seconds),
+                    "phase_peak_memory_bytes": dict(s.timer.total_peak)})
+
+
+def finish(s: PPORun) -> dict:
+    """7. The final policy (written by rank 0), the true score after, the summary and the plots."""
+    cfg, run, timer, device = s.cfg, s.run, s.timer, s.device
+    if not run.finish(s.step):
+        return {"stopped_at": s.step}
     # this rank's parameters, gradients (as the last update left them) and optimizer states
-    state_bytes = distributed.state_bytes_summary(ac, optimizer, held)
-    # 7. final policy (written by rank 0), true score after, summary, plots
-    distributed.export(ac, lambda: ActorCritic(empty_copy(lm), lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                               value_head=critic),
-                       lambda m: m.save_pretrained(run.dir / "final", tokenizer, lineage=plan.model.lineage(cfg.data)))
+    state_bytes = distributed.state_bytes_summary(s.ac, s.optimizer, s.held)
+    lineage = s.plan.model.lineage(cfg.data)
+    distributed.export(s.ac, lambda: ActorCritic(empty_copy(s.lm), lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                                 value_head=cfg.advantage == "gae"),
+                       lambda m: m.save_pretrained(run.dir / "final", s.tokenizer, lineage=lineage))
     logged = run.rows()
     phase_seconds, phase_seconds_mean = distributed.max_and_mean(
         {k: timer.total_seconds.get(k, 0.0) for k in PPO_PHASES})
     phase_peak, phase_peak_mean = distributed.max_and_mean(
         {k: timer.total_peak[k] for k in PPO_PHASES if k in timer.total_peak})
     summary = {
-        "steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped,
+        "steps": s.step, "seconds": run.seconds, "skipped_nonfinite": s.skipped,
         "reward_first": logged[0]["reward"] if logged else None,
         "reward_final": logged[-1]["reward"] if logged else None,
         "kl_final": logged[-1]["kl"] if logged else None,
@@ -466,22 +702,24 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         "device": str(device), "lora_rank": cfg.lora_rank, "advantage": cfg.advantage,
         "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
         "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
-        "rollout_cache": rollout_cache(cfg, device),
-        "rollout_engine": "hf" if engine is None else "graph",
-        **({} if engine is None else {"rollout_engine_stats": dict(engine.stats, **engine.memory_bytes())}),
+        "rollout_cache": rollout_cache(cfg, device), "micro_batch_tokens": cfg.micro_batch_tokens,
+        "compiled": s.compiled, **({"compile": compile_stats()} if s.compiled else {}),
+        "rollout_engine": "hf" if s.engine is None else "graph",
+        **({} if s.engine is None else {"rollout_engine_stats": dict(s.engine.stats, **s.engine.memory_bytes())}),
         **state_bytes,
     }
     if distributed.active():  # per-rank figures: max above, mean here
         summary.update(ranks=distributed.world_size(), shard=cfg.shard, phase_seconds_mean=phase_seconds_mean,
                        phase_peak_memory_bytes_mean=phase_peak_mean)
+    builtin = cfg.data == BUILTIN
     if builtin:
-        summary["true_score_before"] = true_before
-        summary["true_score_after"] = true_score()
+        summary["true_score_before"] = s.true_before
+        summary["true_score_after"] = s.true_score()
     run.write_summary(summary)
     run.plot(["reward", "true_score", "kl", "entropy"], "ppo_reward_kl.png")
     if distributed.is_main():
-        plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], out / "plots" / "ppo_phases.png",
-                    timer.memory_kind)
+        plot_phases(summary["phase_seconds"], summary["phase_peak_memory_bytes"], Path(cfg.out) / "plots" /
+                    "ppo_phases.png", timer.memory_kind)
     if builtin:
         log.info("ppo: done, true score %.3f -> %.3f, final KL %.3f", summary["true_score_before"],
                  summary["true_score_after"], summary["kl_final"])

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from fastrlhf import distributed, task
+from fastrlhf import distributed, ops, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import RMConfig, run_cli, to_dict
 from fastrlhf.data import (
@@ -40,6 +40,7 @@ from fastrlhf.devices import autocast
 from fastrlhf.heads import RewardModel
 from fastrlhf.metrics import log, setup_logging
 from fastrlhf.models import ModelSource, empty_copy, load_causal_lm
+from fastrlhf.ops.gae import mean_var
 from fastrlhf.run import (
     EVAL_BATCH_SIZE,
     StageRun,
@@ -114,8 +115,16 @@ def score_stats(model: distributed.ShardedModel, data: Dataset, idx: list[int], 
         parts = [torch.cat(_pair_scores(rm, rows, part, pad_id, device)) for part in _chunks(len(rows["prompt"]))]
         return torch.cat(parts) if parts else torch.zeros(0, device=device)  # a rank may get no rows
 
-    mean, std = distributed.mean_and_std(model.run(scores, gathered=True))
+    mean, std = mean_and_std(model.run(scores, gathered=True))
     return mean, max(std, 1e-6)
+
+
+def mean_and_std(values: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased standard deviation of `values` on every rank together."""
+    if not distributed.active():
+        return values.mean().item(), values.std().item()
+    mean, var = mean_var(distributed.all_sum(ops.raw_moments(values, torch.ones_like(values))), unbiased=True)
+    return mean.item(), var.sqrt().item()
 
 
 @dataclasses.dataclass

@@ -428,9 +428,13 @@ def finite_or_warn(value: torch.Tensor, what: str, step: int) -> bool:
     """True if `value` is finite (on every rank); otherwise warn that this optimizer step is skipped."""
     if distributed.all_finite(value):
         return True
-    warnings.warn(f"step {step}: non-finite {what} ({value.detach().float().flatten()[:1].item()}); "
-                  "skipping this optimizer step", stacklevel=2)
+    warn_skipped(what, value.detach().float().flatten()[:1].item(), step, stacklevel=3)
     return False
+
+
+def warn_skipped(what: str, value: float, step: int, stacklevel: int = 2) -> None:
+    """The warning of an optimizer step skipped for a non-finite `what` (its value, read already)."""
+    warnings.warn(f"step {step}: non-finite {what} ({value}); skipping this optimizer step", stacklevel=stacklevel + 1)
 
 
 def guarded_step(optimizer, loss: torch.Tensor, params, step: int, *, lr: float,

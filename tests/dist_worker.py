@@ -9,11 +9,13 @@ ratios clip) is the same global batch on every rank; each rank takes its contigu
 For every case rank 0 saves the full gradients after one optimizer step (AdamW at lr 0: the
 weights do not move, the gradients and optimizer states stay), the stats, every rank's
 bytes of parameters, gradients and optimizer states, and how far the decode engine's log-probs,
-its weights merged from the gathered policy, are from the policy's own (`engine_vs_policy`).
-Then `fastrlhf dpo` trains 3 steps (`dpo_rows`), and, under torchrun, `fastrlhf sft` starts with
+its weights merged from the gathered policy, are from the policy's own (`engine_vs_policy`); the
+PACKED cases again with padded and packed micro-batches for each loss aggregation of AGGS. Then
+`fastrlhf dpo` trains 3 steps (`dpo_rows`), and, under torchrun, `fastrlhf sft` starts with
 another learning rate on rank 1 (`configured_differently`).
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ from fastrlhf.data import pack
 from fastrlhf.engine import DecodeEngine
 from fastrlhf.heads import ActorCritic
 from fastrlhf.models import hidden_states, load_causal_lm
-from fastrlhf.ppo import forward_logprobs_values, ppo_update
+from fastrlhf.ppo import advantage_estimator, experience, ppo_update, with_advantages
 from fastrlhf.rollout import Rollout, engine_generate, token_logprobs
 
 B = 8  # sequences in the rollout (the global batch)
@@ -38,6 +40,9 @@ CASES = {  # name: (lora_rank, gradient_checkpointing, shard, advantage)
     "reinforce_pp": (0, False, "full", "reinforce_pp"),  # advantages whitened over the batch's tokens
 }
 GROUP = 2  # responses per prompt of the critic-free cases
+PACKED = ("full", "grpo_kl_in_loss")  # also run packed (micro_batch_tokens=BUDGET), for each of AGGS
+AGGS = ("token-mean", "seq-mean-token-mean")
+BUDGET = 16  # tokens per pack: the sequences hold 4-13, so packs hold 1-4 of them
 
 
 def dpo_config(folder: Path) -> DPOConfig:
@@ -77,7 +82,8 @@ def share(rollout: Rollout, *tensors):
     return (Rollout(mine, rollout.prompts[rows], rollout.responses[rows]), *(t[rows] for t in tensors))
 
 
-def one_update(case: str, dtype: torch.dtype, device) -> dict:
+def one_update(case: str, dtype: torch.dtype, device, micro_batch_tokens: int = 0, loss_agg: str = "token-mean"
+               ) -> dict:
     lora, checkpointing, shard, advantage = CASES[case]
     critic = advantage == "gae"
     torch.manual_seed(0)
@@ -86,26 +92,26 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
     model = distributed.shard_model(ac, shard, device)
     rollout, scores, noise = share(*fixed_rollout(tokenizer, device))
     mask = rollout.batch.response_mask
-    old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout, temperature=1.0, device=device)
-    ref_logp = ref_logp + 0.1 * noise
-    rewards = ops.kl_shaped_rewards(scores, old_logp, ref_logp, mask, kl_coef=0.1)
+    kl_in_loss = case == "grpo_kl_in_loss"
+    cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9,
+                    advantage=advantage, num_generations=GROUP if advantage != "gae" else 1, lam=0.95,
+                    kl_in_loss=kl_in_loss, micro_batch_tokens=micro_batch_tokens, loss_agg=loss_agg)
+    exp = model.run(experience, rollout, cfg, device)
+    exp.ref_logp = exp.ref_logp + 0.1 * noise
+    exp = with_advantages(exp, scores, 0.1, dataclasses.replace(cfg, kl_in_loss=False), advantage_estimator(cfg))
     if critic:
-        advantages, returns = ops.gae(rewards, old_values, mask, gamma=1.0, lam=0.95, whiten=False)
-        here = ops.whiten(advantages, mask)  # with this rank's moments only
-        advantages = distributed.whiten(advantages, mask)
-    else:
-        returns = None
-        here = ops.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
-        advantages = distributed.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
-    local_vs_global = (here - advantages).abs().max().item()
+        here = ops.whiten(ops.gae(exp.rewards, exp.values, mask, gamma=1.0, lam=0.95, whiten=False)[0], mask)
+    else:  # this rank's moments only
+        here = ops.outcome_advantages(exp.rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
+    local_vs_global = (here - exp.advantages).abs().max().item()
     generation_gathers = model.run(gathered_layers, gathered=ac.policy)  # what the rollout's generate sees
-    engine_gap = model.run(engine_vs_policy, tokenizer, device, gathered=ac.policy)
+    engine_gap = None  # checked in the plain runs; packing and the aggregation do not touch the engine
+    if micro_batch_tokens == 0 and loss_agg == "token-mean":
+        engine_gap = model.run(engine_vs_policy, tokenizer, device, gathered=ac.policy)
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
-    cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9)
-    kl_in_loss = case == "grpo_kl_in_loss"
-    stats = ppo_update(model, optimizer, rollout, old_logp + noise * mask, old_values, advantages, returns, cfg,
-                       device, step=0, ref_logp=ref_logp if kl_in_loss else None, kl_coef=0.05 if kl_in_loss else 0.0)
+    exp.old_logp = exp.old_logp + noise * mask
+    stats = ppo_update(model, optimizer, exp, cfg, device, step=0, kl_coef=0.05 if kl_in_loss else 0.0)
     grads = {}
     for name, p in ac.named_parameters():
         if p.requires_grad:
@@ -119,6 +125,17 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
     else:
         per_rank = [mine]
     return {"grads": grads, "stats": stats, "per_rank": per_rank, "generation_gathers": generation_gathers}
+
+
+def packed_runs(device, dtypes) -> dict:
+    """The PACKED cases with each loss aggregation of AGGS: padded in `dtypes`, packed in float32."""
+    runs = {}
+    for case in PACKED:
+        for agg in AGGS:
+            for dtype in dtypes:
+                runs[f"{case}/{agg}/padded/{str(dtype)[6:]}"] = one_update(case, dtype, device, loss_agg=agg)
+            runs[f"{case}/{agg}/packed/float32"] = one_update(case, torch.float32, device, BUDGET, agg)
+    return runs
 
 
 def engine_vs_policy(ac: ActorCritic, tokenizer, device) -> float:
@@ -154,6 +171,7 @@ def main(out: str) -> None:
     for case in CASES:
         for dtype in dtypes:
             runs[f"{case}/{str(dtype)[6:]}"] = one_update(case, dtype, device)
+    runs.update(packed_runs(device, dtypes))
     dpo_run = dpo_rows(Path(out).parent / "dpo")
     mismatch = configured_differently(Path(out).parent / "mismatch") if distributed.active() else None
     if distributed.is_main():

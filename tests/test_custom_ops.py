@@ -91,6 +91,11 @@ def _whiten(dtype):
     return (lambda: [ops.whiten(x, mask)]), []
 
 
+def _raw_moments(dtype):
+    x, mask = torch.randn(B, T, dtype=dtype), _mask()
+    return (lambda: [ops.raw_moments(x, mask), ops.whiten(x, mask, moments=ops.raw_moments(x, mask) * 2)]), []
+
+
 def _policy_loss(dtype):
     old, adv, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _mask()
 
@@ -220,6 +225,7 @@ CASES = {
     "kl_shaped_rewards": _kl_shaped_rewards,
     "gae": _gae,
     "whiten": _whiten,
+    "raw_moments": _raw_moments,
     "policy_loss": _policy_loss,
     "value_loss": _value_loss,
     "ppo_actor_loss": _ppo_actor_loss,
@@ -374,6 +380,9 @@ def _opcheck_samples(dtype, triton):
         "kl_shaped_rewards": (fl.kl_shaped_rewards, (g[:, 0], lp.detach(), ref_lp, mask, 0.1, "k1", None, triton)),
         "gae": (fl.gae, (g, ref_lp, mask, 0.99, 0.95, "skip", True, triton)),
         "whiten": (fl.whiten, (g, mask, True, True, triton)),
+        "raw_moments": (fl.raw_moments, (g, mask)),
+        "whiten_with_moments": (fl.whiten_with_moments, (g, mask, torch.tensor([7.0, 1.5, 9.0], dtype=torch.float64),
+                                                         True, False)),
         "policy_loss": (fl.policy_loss, (lp, ref_lp, adv, mask, None, 0.2, 0.28, 3.0, "seq-mean-token-mean", None,
                                          None, 1, None, True, triton)),
         "policy_loss-is_weights": (fl.policy_loss, (lp, ref_lp, adv, mask, w, 0.2, 0.28, None, "token-mean", 9.0,

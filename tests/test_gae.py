@@ -98,3 +98,38 @@ def test_whiten_degenerate_masks(backend, poison):
     out = ops.whiten(x, one)
     torch.testing.assert_close(out, ref.whiten(x.double(), one).float(), rtol=0, atol=0)
     assert ops.whiten(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool)).shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unbiased", [True, False])
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_with_the_summed_moments_of_the_parts_is_whitening_of_the_whole(dtype, unbiased, shift_mean):
+    """Data-parallel whitening: each part (a rank's share, of different token counts) whitened with
+    the sum of the parts' raw_moments equals reference.whiten of the whole batch."""
+    B, T = 6, 37
+    x = (torch.randn(B, T) * 0.5 + 300.0).to(dtype)
+    mask = make_mask(B, T)
+    parts = [slice(0, 2), slice(2, 6)]
+    moments = sum(ops.raw_moments(x[p], mask[p]) for p in parts)
+    assert moments.dtype == torch.float64 and moments[0].item() == mask.bool().sum().item()
+    kw = dict(unbiased=unbiased, shift_mean=shift_mean)
+    out = torch.cat([ops.whiten(x[p], mask[p], moments=moments, **kw) for p in parts])
+    assert out.dtype == torch.float32 and (out[~mask.bool()] == 0).all()
+    assert_close_to_ref(out, ref.whiten(x.double(), mask, **kw), ref.whiten(x, mask, **kw), atol=ATOL,
+                        name="whitened with moments")
+    # a part's own moments differ from the whole's: whitening it alone gives other numbers
+    assert (ops.whiten(x[:2], mask[:2], **kw) - out[:2]).abs().max() > 0.01
+
+
+def test_raw_moments_hand_worked_and_degenerate():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [3.0, -1.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    # n = 4, sum = 1 + 2 + 3 + 5 = 11, sum of squares = 1 + 4 + 9 + 25 = 39; the masked nan is not read
+    assert ops.raw_moments(x, mask).tolist() == [4.0, 11.0, 39.0]
+    empty = ops.raw_moments(x, torch.zeros(2, 3))
+    assert empty.tolist() == [0.0, 0.0, 0.0]
+    assert (ops.whiten(x, torch.zeros(2, 3), moments=empty) == 0).all()  # nothing selected anywhere: 0, not nan
+    with pytest.raises(ValueError, match=r"moments must be \[3\]"):
+        ops.whiten(x, mask, moments=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="moments"):
+        ops.whiten(x, mask, moments=torch.zeros(3, dtype=torch.long))

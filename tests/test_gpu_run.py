@@ -172,3 +172,29 @@ def test_bad_arguments():
         proc = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=30)
         assert proc.returncode == 2 and "usage" in proc.stderr, (args, proc.stderr)
         assert all(part in proc.stderr for part in parts), proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_update_part_dry_run(tmp_path):
+    """`--only update`: the update phase timed compile off/on x padded/packed and packed vs padded on a
+    length spread, against the planner's FLOP floor; lr 0 and one minibatch draw, so every entry on a
+    rollout has the same gradient norm (packed = padded, compiled = eager) to float32 rounding."""
+    out, proc = _dry_run(tmp_path, "--only", "update")
+    assert {p.name for p in out.iterdir()} == {"status.json", "update.json", "logs.tar.gz"}
+    status = json.loads((out / "status.json").read_text())
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "update"] and status["ok"] is True
+    record = json.loads((out / "update.json").read_text())
+    assert record["finished"] is True and record["dry_run"] is True and record["floor_s"] > 0
+    entries = {(e["rollout"], e["compile"], e["packed"]): e for e in record["entries"]}
+    assert set(entries) == {("uniform", c, p) for c in (False, True) for p in (False, True)} | {
+        ("spread", True, False), ("spread", True, True)}
+    for rollout in ("uniform", "spread"):
+        norms = [e["grad_norm"] for k, e in entries.items() if k[0] == rollout]
+        assert max(norms) - min(norms) <= 1e-5 * max(norms), (rollout, norms)
+    assert all(e["update_s"] > 0 and e["skipped_nonfinite"] == 0 for e in entries.values())
+    assert entries["uniform", True, False]["compiled_graphs"] > 0
+    assert all(entries["uniform", c, False]["ops_per_layer"] > 0 for c in (False, True))
+    assert record["floor_spread"]["padded_micro_batch_padding"]["trunk"] > 0.05  # 12% in the dry run
+    assert set(record["goals"]) >= {"update_vs_floor", "spread_packed_vs_padded"}

@@ -100,8 +100,12 @@ def _ppo_rows(out):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows if r["stage"] == "ppo"]
 
 
-def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
-    args = [f"--{k}={v}" for k, v in TINY_PPO.items()] + ["--steps", "4", "--lora_rank", "4"]
+@pytest.mark.parametrize("packing", [[], ["--micro_batch_tokens", "74"]], ids=["padded", "packed"])
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, packing):
+    """Stopped after 2 steps and resumed: the rows and the true score after are the uninterrupted run's,
+    bit for bit, with padded micro-batches and with packs of 74 tokens (two of the longest sequences,
+    32 + 5 tokens: the packed update plans its minibatches from the same generator)."""
+    args = [f"--{k}={v}" for k, v in TINY_PPO.items()] + ["--steps", "4", "--lora_rank", "4", *packing]
     full, split = tmp_path / "full", tmp_path / "split"
     r = _cli("ppo", "--out", str(full), *args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -122,7 +126,7 @@ def test_gradient_accumulation_does_not_change_the_update():
     """One minibatch of 8 as one micro-batch or as four micro-batches of 2: the same step."""
     from fastrlhf.heads import ActorCritic
     from fastrlhf.models import load_causal_lm
-    from fastrlhf.ppo import forward_logprobs_values, ppo_update
+    from fastrlhf.ppo import experience, ppo_update
     from fastrlhf.rollout import generate
     from fastrlhf.task import synthetic_prompt_rows
 
@@ -135,12 +139,12 @@ def test_gradient_accumulation_does_not_change_the_update():
     for micro in (8, 2):
         torch.manual_seed(0)
         ac = ActorCritic(copy.deepcopy(lm), lora_rank=0)
-        old_logp, old_values, _ = forward_logprobs_values(ac, rollout, temperature=1.0, device=cpu)
-        advantages = torch.randn_like(old_logp) * rollout.batch.response_mask
-        returns = torch.randn_like(old_logp) * rollout.batch.response_mask
-        opt = torch.optim.SGD([p for p in ac.parameters() if p.requires_grad], lr=0.1)
         cfg = PPOConfig(rollout_batch_size=8, mini_batch_size=8, micro_batch_size=micro, ppo_epochs=1)
-        stats = ppo_update(ac, opt, rollout, old_logp, old_values, advantages, returns, cfg, cpu, step=0)
+        exp = experience(ac, rollout, cfg, cpu)
+        mask = rollout.batch.response_mask
+        exp.advantages, exp.returns = torch.randn_like(mask) * mask, torch.randn_like(mask) * mask
+        opt = torch.optim.SGD([p for p in ac.parameters() if p.requires_grad], lr=0.1)
+        stats = ppo_update(ac, opt, exp, cfg, cpu, step=0)
         results.append((stats, {k: v.detach().clone() for k, v in ac.trainable_state().items()}))
     (stats_a, params_a), (stats_b, params_b) = results
     for k in params_a:

@@ -16,7 +16,7 @@ from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
 from fastrlhf.ops.advantages import ADVANTAGES, outcome_advantages, register_advantage
 from fastrlhf.ops.correction import rollout_correction
 from fastrlhf.ops.dpo import dpo_loss, linear_dpo_loss, linear_sequence_logprobs
-from fastrlhf.ops.gae import gae, whiten
+from fastrlhf.ops.gae import gae, raw_moments, whiten
 from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
 from fastrlhf.ops.linear import linear_logprobs, linear_ppo_actor_loss
 from fastrlhf.ops.logprobs import entropy, logprobs
@@ -40,6 +40,7 @@ __all__ = [
     "outcome_advantages",
     "policy_loss",
     "ppo_actor_loss",
+    "raw_moments",
     "register_advantage",
     "rollout_correction",
     "token_kl",

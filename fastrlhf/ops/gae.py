@@ -1,9 +1,13 @@
-"""Generalised advantage estimation and masked whitening: `gae`, `whiten`
+"""Generalised advantage estimation and masked whitening: `gae`, `whiten`, `raw_moments`
 (kernels: fastrlhf/kernels/gae.py; formulas: reference.gae / reference.whiten).
 
+Whitening over data-parallel ranks: each rank takes `raw_moments(x, mask)` (n, sum x, sum x^2 in
+float64: additive), the caller all-reduces them, and `whiten(x, mask, moments=...)` whitens its
+share with the whole batch's mean and variance. The math stays here; fastrlhf.distributed only sums.
+
 Custom ops (what torch.compile sees; eager calls run the same bodies, ops._dispatch): fastrlhf::gae ->
-(advantages, returns), fastrlhf::whiten. No gradient: advantages and returns are data (the public
-functions detach their inputs).
+(advantages, returns), fastrlhf::whiten, fastrlhf::raw_moments, fastrlhf::whiten_with_moments. No
+gradient: advantages and returns are data (the public functions detach their inputs).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from fastrlhf.constants import MASK_MODES, WHITEN_EPS
 from fastrlhf.ops._common import (
     as_rows,
     check_choice,
+    check_device,
     check_float,
     check_mask,
     check_number,
@@ -84,7 +89,7 @@ def _fake_whiten(x, mask, unbiased, shift_mean, use_triton):
 _whiten = register("whiten", _whiten_fwd, _fake_whiten)
 
 
-def whiten(x, mask, *, unbiased=True, shift_mean=True):
+def whiten(x, mask, *, unbiased=True, shift_mean=True, moments=None):
     """Masked whitening over all mask=1 entries (docs/ops.md).
 
     Args:
@@ -92,6 +97,9 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True):
         mask: x's shape, bool/int/float; any non-zero entry selects (it is not a weight).
         unbiased: the variance times n / (n - 1) (when n > 1).
         shift_mean: False adds the mean back after scaling.
+        moments: None (the mean and variance of x's own mask=1 entries), or a [3] float tensor
+            (n, sum x, sum x^2) of a larger batch: `raw_moments` of every data-parallel rank's
+            share, summed (all-reduced), so each rank whitens with the global batch's moments.
 
     Returns:
         (x - mean) / sqrt(var + 1e-8) where mask != 0, 0 elsewhere; float32 (float64 for
@@ -100,7 +108,70 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True):
     check_float("x", x)
     check_rows("x", x)
     check_mask(mask, x, "x")
-    return _whiten(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
+    if moments is None:
+        return _whiten(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
+    check_float("moments", moments)
+    if tuple(moments.shape) != (3,):
+        raise ValueError(f"moments must be [3] (n, sum x, sum x^2: raw_moments), got shape {tuple(moments.shape)}")
+    check_device("moments", moments, "x", x)
+    return _whiten_with_moments(x.detach(), mask, moments.detach().to(torch.float64), bool(unbiased),
+                                   bool(shift_mean))
+
+
+# ---------------------------------------------------------------- fastrlhf::raw_moments, whiten_with_moments
+
+
+def _raw_moments_fwd(x: Tensor, mask: Tensor) -> Tensor:
+    selected = mask != 0
+    xd = torch.where(selected, x.to(torch.float64), 0.0)
+    return torch.stack([selected.sum().to(torch.float64), xd.sum(), (xd * xd).sum()])
+
+
+def _fake_raw_moments(x, mask):
+    return x.new_empty(3, dtype=torch.float64)
+
+
+_raw_moments = register("raw_moments", _raw_moments_fwd, _fake_raw_moments)
+
+
+def raw_moments(x, mask):
+    """(n, sum x, sum x^2) over the mask != 0 entries of x, as a [3] float64 tensor: additive over
+    the parts of a batch, so their sum (an all-reduce over data-parallel ranks) is the whole
+    batch's, which `whiten(..., moments=)` and `mean_var` take. No gradient.
+
+    Args:
+        x: [...] float; mask: x's shape, bool/int/float (any non-zero entry selects).
+    """
+    check_float("x", x)
+    check_mask(mask, x, "x")
+    return _raw_moments(x.detach(), mask)
+
+
+def mean_var(moments: Tensor, *, unbiased: bool) -> tuple[Tensor, Tensor]:
+    """(mean, variance) from `raw_moments` (float64; the variance times n / (n - 1) when unbiased
+    and n > 1; 0 and 0 for n = 0)."""
+    n, total, squares = moments.unbind()
+    mean = total / n.clamp(min=1)
+    var = (squares / n.clamp(min=1) - mean * mean).clamp(min=0)
+    if unbiased:
+        var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), var)
+    return mean, var
+
+
+def _whiten_with_moments_fwd(x: Tensor, mask: Tensor, moments: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+    dtype = out_dtype(x)
+    mean, var = (t.to(dtype) for t in mean_var(moments, unbiased=unbiased))
+    out = (x.to(dtype) - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask != 0, out, torch.zeros((), dtype=dtype, device=x.device))
+
+
+def _fake_whiten_with_moments(x, mask, moments, unbiased, shift_mean):
+    return x.new_empty(x.shape, dtype=out_dtype(x))
+
+
+_whiten_with_moments = register("whiten_with_moments", _whiten_with_moments_fwd, _fake_whiten_with_moments)
 
 
 # ---------------------------------------------------------------- fastrlhf::gae
