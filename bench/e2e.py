@@ -328,6 +328,8 @@ def ratios(trainers: dict) -> dict:
         if ours.get("peak_memory_bytes") and theirs.get("peak_memory_bytes"):
             r["peak_memory"] = ours["peak_memory_bytes"] / theirs["peak_memory_bytes"]
         out[f"fastrlhf / {name}"] = {k: round(v, 3) for k, v in r.items()}
+        pairs = zip(ours["seconds_per_iteration_each_repetition"], theirs["seconds_per_iteration_each_repetition"])
+        out[f"fastrlhf / {name}"]["iteration_each_repetition"] = [round(a / b, 3) for a, b in pairs]
     return out
 
 
@@ -555,6 +557,13 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
     }
 
 
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _version(metadata, name):
     try:
         return metadata.version(name)
@@ -604,12 +613,14 @@ def main(argv: list[str] | None = None) -> int:
     name = "e2e-quick.json" if args.quick else f"{record['date'][:10]}-{args.device}-e2e.json"
     args.out = args.out or str((bench.work if args.quick else RESULTS) / name)
     start = time.time()
+    record["uptime"] = {"start": uptime()}
     with LoadSampler() as load:
         for part in parts:
             if part == "learning":
                 learning_part(bench)
             else:
                 timing_part(bench, part)
+    record["uptime"]["end"] = uptime()
     record["load_average"] = load.summary()
     record["measured_under_load"] = args.device == "cpu" and record["load_average"]["mean"] > 1.5
     record["seconds"] = round(time.time() - start, 1)
