@@ -136,6 +136,23 @@ PLANS = {
                   learning_configs=("fastrlhf", "trl_matched")),
 }
 PARTS = ("grpo", "ppo", "learning")
+# What the peers do, read from their code (TRL 1.16.0 and 1.12.0 as installed / in the wheel), and checked where said
+NOTES = [
+    "TRL 1.16 GRPOTrainer scores log-probs through its own chunked fused LM head (trl.trainer.utils."
+    "add_fused_lm_head: no [B, T, V] logits) and computes the entropy in every training forward "
+    "(compute_entropy=True).",
+    "TRL 1.16 GRPOTrainer builds its GenerationConfig with disable_compile=True: cache_implementation='static' "
+    "preallocates the cache but runs the decoding step eagerly.",
+    "TRL 1.12 PPOTrainer generates with output_scores=True (the [B, R, V] logits of the whole rollout are kept and "
+    "the old log-probs taken from them), runs the critic's backbone and the policy as two forwards even when they "
+    "share the trunk (PolicyAndValueWrapper.forward), calls gc.collect() every iteration and clips no gradient.",
+    "TRL 1.12 PPOTrainer steps the optimizer under accelerate's gradient accumulation: once per "
+    "gradient_accumulation_steps (= rollout / micro_batch) micro-batches, i.e. once per epoch over the whole rollout "
+    "whatever num_mini_batches is: 2 optimizer steps per iteration here where fastrlhf takes epochs x rollout / "
+    "mini_batch = 4 (counted on the wrapped optimizer). The forward and backward passes are the same in number.",
+    "fastrlhf's actor-critic takes the log-probs (through the lm_head weight, fastrlhf.ops.linear_logprobs) and the "
+    "values from one trunk forward; its reference is the policy with the LoRA adapter disabled, as TRL's with PEFT.",
+]
 CONFIGS = ("fastrlhf", "trl_shipped", "trl_matched")
 PHASES = ("rollout", "reward", "logprobs", "update", "other")
 
@@ -553,7 +570,7 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
                      "after it is not counted); phases: rollout (generation and decoding), reward, logprobs (old "
                      "policy and reference log-probs, and PPO's values, without grad), update (the PPO epochs), "
                      "other (advantages and the rest)",
-        "timing": [], "learning": {"sections": []},
+        "notes": NOTES, "timing": [], "learning": {"sections": []},
     }
 
 
