@@ -435,7 +435,9 @@ def goals(record: dict) -> list[dict]:
     for section in record["learning"]["sections"]:
         ours = section["trainers"].get("fastrlhf", {}).get("median_iterations")
         for name in ("trl_matched", "trl_shipped"):
-            theirs = section["trainers"].get(name, {}).get("median_iterations")
+            if name not in section["trainers"]:
+                continue
+            theirs = section["trainers"][name].get("median_iterations")
             out.append({"goal": f"learning {section['algo']}: fastrlhf's median iterations to true score "
                                 f"{TARGET_SCORE} <= {name}'s", "measured": [ours, theirs],
                         "met": None if ours is None or theirs is None else ours <= theirs})
@@ -494,6 +496,13 @@ def readme_table(records: list[dict]) -> str:
                     lines.append(f"| {section['algo']} | {name} | {_fmt(t['median_iterations'])} | "
                                  f"{_fmt(t['median_seconds'])} | {t['reached']} of budget "
                                  f"{section['budget_iterations']} iterations |")
+        if record.get("goals"):
+            lines += ["", "| goal (issue 27) | limit | measured | met |", "| --- | ---: | ---: | --- |"]
+            for g in record["goals"]:
+                m = g["measured"]
+                measured = " vs ".join(map(_fmt, m)) if isinstance(m, list) else _fmt(m)
+                met = {True: "yes", False: "no", None: "-"}[g["met"]]
+                lines.append(f"| {g['goal']} | {g.get('limit', '')} | {measured} | {met} |")
         lines.append("")
     return "\n".join(lines)
 
