@@ -518,10 +518,11 @@ def latest_records(results_dir: Path = RESULTS) -> list[dict]:
     return [best[d] for d in ("cpu", "cuda") if d in best]
 
 
-def update_readme(readme: Path = ROOT / "README.md") -> None:
-    records = latest_records()
+def update_readme(readme: Path = ROOT / "README.md", results_dir: Path = RESULTS) -> None:
+    """Rewrite the block between README_START and README_END from the latest records."""
+    records = latest_records(results_dir)
     if not records:
-        raise SystemExit(f"no finished e2e record in {RESULTS}")
+        raise SystemExit(f"no finished e2e record in {results_dir}")
     text = readme.read_text()
     if README_START not in text or README_END not in text:
         raise SystemExit(f"{readme} has no {README_START} ... {README_END} block")

@@ -91,6 +91,34 @@ def test_summaries():
     assert e2e.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
 
 
+def test_readme_block(tmp_path):
+    """`--readme` rewrites the README's block from the newest finished full record per device, and
+    only that block; a quick record, an unfinished one or an older one is passed over."""
+    def record(date, finished=True, quick=False, seconds=1.0):
+        trainer = {"seconds_per_iteration": seconds, "phases_s": dict.fromkeys(e2e.PHASES, seconds / 5),
+                   "tokens_per_s": 64 / seconds, "peak_memory_bytes": 2**30, "startup_s": 9.0}
+        section = {"algo": "grpo", "model": {"name": "tiny", "parameters": 867712, "vocab_size": 57},
+                   "trainers": {"fastrlhf": trainer, "trl_matched": dict(trainer, seconds_per_iteration=2.0)},
+                   "ratios": {"fastrlhf / trl_matched": {"iteration": seconds / 2.0}}}
+        return {"schema": e2e.SCHEMA, "date": date, "device": "cpu", "device_name": "CPU: x", "commit": "abcdef1234",
+                "command": "python bench/e2e.py", "finished": finished, "quick": quick, "timing": [section],
+                "learning": {"sections": []}, "goals": []}
+
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, rec in {"a": record("2026-01-01T00:00:00", seconds=1.5), "b": record("2026-02-01T00:00:00"),
+                      "c": record("2026-03-01T00:00:00", finished=False), "d": record("2026-04-01T00:00:00", quick=True)
+                      }.items():
+        (results / f"{name}-cpu-e2e.json").write_text(json.dumps(rec))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{e2e.README_START}\nold\n{e2e.README_END}\noutro\n")
+    e2e.update_readme(readme, results)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{e2e.README_END}\noutro\n") and "old" not in text
+    assert "| grpo | tiny (0.9M, V=57) | trl_matched | 2 |" in text and "from b-cpu-e2e.json" in text
+    assert text.count("| grpo |") == 2
+
+
 def test_bad_arguments(tmp_path):
     for args in (["--only", "grpo,nope"], ["--only", "ppo", "--trl-ppo-wheel", str(tmp_path / "missing.whl")]):
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), *args], capture_output=True, text=True,
