@@ -16,6 +16,9 @@ VENV="${1:-.venv}"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 "${PIP[@]}" --no-deps verl==0.9.1 openrlhf==0.11.2
+# Liger (the bench's log-prob peer, its kernels CUDA-only): pure Python over torch and triton, installed on CPU
+# too so that its provider's import is checked in CI (tests/test_bench.py)
+"${PIP[@]}" --no-deps liger-kernel==0.8.5
 # verl 0.9.1 pins tensordict <= 0.10.0. pip then lists the peers' other (deliberately skipped)
 # dependencies as missing: expected, and filtered from the log; a failing install still fails.
 log="$(mktemp)"
@@ -29,5 +32,5 @@ rm -f "$log"
 "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps "trl==1.12.0" -d .whl/trl-1.12
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "tensordict")))
+print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "liger-kernel", "tensordict")))
 PY

@@ -16,7 +16,6 @@ stage trained from one, counts as built-in.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastrlhf.checkpoint import read_json
 from fastrlhf.data import Encoder, ensure_pad_token
 from fastrlhf.devices import attention_backend, cpu_threads_for
 from fastrlhf.task import build_char_tokenizer
@@ -180,7 +180,9 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{where}: cannot load the tokenizer of {spec!r} ({str(e).splitlines()[0]})") from None
-        lineage = json.loads((path / LINEAGE_FILE).read_text()) if (path / LINEAGE_FILE).is_file() else {}
+        lineage_file = path / LINEAGE_FILE
+        fix = "fastrlhf wrote it with the model: restore it, or delete it (the model then has no recorded lineage)"
+        lineage = read_json(lineage_file, fix=fix) if lineage_file.is_file() else {}
         source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", str(path.resolve())),
                              trained_on=lineage.get("trained_on"))
     else:

@@ -27,9 +27,10 @@ from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PipelineConfig, run_cli, to_dict
 from fastrlhf.metrics import log, setup_logging, update_summary
 from fastrlhf.rewards import is_rule
-from fastrlhf.run import start_stage_dir
+from fastrlhf.run import holds_run_folder, start_stage_dir
 
-OUTPUTS = ("config.json", "sft", "rm", "ppo", "dpo", "metrics.jsonl", "summary.json", "plots", "tb")  # --overwrite
+# what a pipeline writes in OUT: what makes a folder hold a run, and all that --overwrite deletes
+OUTPUTS = ("config.json", "sft", "rm", "ppo", "dpo", "metrics.jsonl", "summary.json", "plots", "tb")
 ALGOS = ("ppo", "dpo")
 
 
@@ -41,12 +42,14 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
         raise ValueError(f"pipeline: algo must be one of {', '.join(ALGOS)}, got {cfg.algo!r}")
     for stage in (cfg.sft, cfg.rm, cfg.ppo, cfg.dpo):
         stage.out, stage.seed, stage.resume, stage.overwrite = cfg.out, cfg.seed, cfg.resume, cfg.overwrite
+        stage.dist_timeout_s = cfg.dist_timeout_s
     sft_plan = sft.prepare(cfg.sft, key_prefix="sft.")
     if cfg.algo == "dpo":
         dpo_plan = dpo.prepare(cfg.dpo, upstream=sft_plan.produces, key_prefix="dpo.")
         resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), dpo=to_dict(dpo_plan.cfg),
                         rm="not run (algo dpo)", ppo="not run (algo dpo)")
-        check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline")
+        check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline",
+                      own=OUTPUTS, defaults=to_dict(PipelineConfig()))
         return resolved, [("sft", sft.train, sft_plan), ("dpo", dpo.train, dpo_plan)]
     own_rm = str(Path(cfg.out) / "rm" / "final")
     train_rm = cfg.ppo.reward in ("", own_rm)
@@ -59,11 +62,13 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     skipped = f"skipped (ppo.reward {cfg.ppo.reward})"
     resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), ppo=to_dict(ppo_plan.cfg),
                     rm=to_dict(rm_plan.cfg) if rm_plan else skipped, dpo="not run (algo ppo)")
-    check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline")
+    check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS,
+                  defaults=to_dict(PipelineConfig()))
     stages = [("sft", sft.train, sft_plan), ("rm", rm.train, rm_plan), ("ppo", ppo.train, ppo_plan)]
     return resolved, [s for s in stages if s[2] is not None]
 
 
+@holds_run_folder("pipeline")
 def run(cfg: PipelineConfig) -> dict:
     resolved, stages = prepare(cfg)
     distributed.setup(stages[0][2].cfg.device, resolved, "pipeline")  # torchrun: every rank, the same config

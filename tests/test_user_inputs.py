@@ -22,6 +22,7 @@ from fastrlhf.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, help
 from fastrlhf.metrics import update_summary
 from fastrlhf.rewards import check_scores, import_rule, load_reward
 from fastrlhf.rollout import Rollout
+from fastrlhf.run import start_stage_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=4, mini_batch_size=4,
@@ -149,6 +150,29 @@ def test_3_a_fresh_run_in_a_used_folder_is_refused_unless_overwrite(tmp_path):
     sft.train(plan.cfg, plan)
     assert sorted(p.name for p in (tmp_path / "sft" / "checkpoints").glob("step_*")) == ["step_000002"]
     assert json.loads((tmp_path / "sft" / "config.json").read_text())["steps"] == 2  # stand-alone: config.json
+
+
+def test_3_a_log_written_into_the_run_folder_is_not_a_run(tmp_path):
+    """Issue 29: `fastrlhf pipeline --out D > D/train.log` creates D/train.log before the run starts.
+    Only a run's own files make a folder hold a run (listed in the refusal); --overwrite deletes
+    those and nothing else."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train.log").write_text("what the shell redirected\n")
+    cfg = PipelineConfig(out=str(out))
+    cfg.sft.num_examples, cfg.rm.num_pairs, cfg.ppo.eval_prompts = 40, 40, 4
+    resolved, _ = pipeline.prepare(cfg)  # not refused
+    start_stage_dir(out, resolved, resume=False, overwrite=False, remove=pipeline.OUTPUTS)
+    (out / "metrics.jsonl").write_text("")
+    (out / "plots").mkdir()
+    with pytest.raises(ValueError, match=r"pipeline: .*run already holds a run \(config\.json; metrics\.jsonl; "
+                                         r"plots/\); pass --resume"):
+        pipeline.prepare(cfg)
+    cfg.overwrite = True
+    resolved, _ = pipeline.prepare(cfg)
+    start_stage_dir(out, resolved, resume=False, overwrite=True, remove=pipeline.OUTPUTS)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "train.log"]  # the log is kept
+    assert (out / "train.log").read_text() == "what the shell redirected\n"
 
 
 def test_3_a_new_checkpoint_is_never_pruned_and_latest_never_dangles(tmp_path):

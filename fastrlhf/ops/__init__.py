@@ -4,7 +4,9 @@ autograd), dispatch. The contract (formulas, conventions, tolerances, tie rules)
 One module per op family, mirroring kernels/: logprobs, kl, gae, losses (policy, value and the
 actor loss from logits), linear (from hidden states + lm_head); and two without kernels (their
 work is over B sequences): advantages (critic-free outcome advantages and their registry), dpo
-(the DPO losses, and the per-sequence log-prob sums from hidden states through linear). CUDA
+(the DPO losses, and the per-sequence log-prob sums from hidden states through linear); and
+correction (rollout_correction: sampler-vs-trainer importance weights and rejection) and
+policy_modes (the policy-loss family's per-token math, for policy_loss / ppo_actor_loss). CUDA
 tensors run the Triton kernels; CPU tensors a torch path with the same conventions. `FASTRLHF_BACKEND=triton` forces
 the kernels (on CPU they need `TRITON_INTERPRET=1`), `FASTRLHF_BACKEND=torch` the torch path.
 Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile traces it whole.
@@ -12,6 +14,7 @@ Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile trace
 
 from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
 from fastrlhf.ops.advantages import ADVANTAGES, outcome_advantages, register_advantage
+from fastrlhf.ops.correction import rollout_correction
 from fastrlhf.ops.dpo import dpo_loss, linear_dpo_loss, linear_sequence_logprobs
 from fastrlhf.ops.gae import gae, whiten
 from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
@@ -38,6 +41,7 @@ __all__ = [
     "policy_loss",
     "ppo_actor_loss",
     "register_advantage",
+    "rollout_correction",
     "token_kl",
     "value_loss",
     "whiten",
