@@ -232,10 +232,15 @@ class Bench:
         return out / "sft" / "final", shlex.join(["python", *cmd[1:]])
 
     def run(self, name: str, spec: dict) -> dict:
-        """One worker process; its result, or {"error": ...} / {"skipped": ...}."""
+        """One worker process; its result, or {"error": ...} / {"skipped": ...}. With --resume, the
+        result a finished run of the same spec left in the work folder instead."""
+        spec_path, result = self.work / "specs" / f"{name}.json", self.work / "results" / f"{name}.json"
+        if self.args.resume and (out := finished_run(spec_path, result, spec)):
+            print(f"== {name}: reused ({result})", flush=True)
+            self.record["resumed_from"]["reused_runs"].append(name)
+            return out
         if self.left_s() < 30:
             return {"skipped": "no time left before the deadline"}
-        spec_path, result = self.work / "specs" / f"{name}.json", self.work / "results" / f"{name}.json"
         log = self.work / "logs" / f"{name}.log"
         spec = dict(spec, result=str(result), spawn_time=time.time())
         spec_path.write_text(json.dumps(spec, indent=1))
@@ -252,12 +257,47 @@ class Bench:
             print(f"   failed ({rc}):\n{tail(log, 15)}", flush=True)
             return {"error": f"exit {rc}", "log_tail": tail(log, 40)}
         out = json.loads(result.read_text())
-        out["spec"] = {k: v for k, v in spec.items() if k not in ("result", "spawn_time")}
+        out["spec"] = run_spec(spec)
         timed = out["iterations"][spec["warmup"]:]
         if timed:
             print(f"   {statistics.median(i['seconds'] for i in timed):.3f} s/iteration, start-up "
                   f"{out['startup_s']:.1f} s", flush=True)
         return out
+
+
+def run_spec(spec: dict) -> dict:
+    """A run's spec without what differs between two runs of the same work (its result's path, its spawn time)."""
+    return {k: v for k, v in spec.items() if k not in ("result", "spawn_time")}
+
+
+def finished_run(spec_path: Path, result: Path, spec: dict) -> dict | None:
+    """The result a finished run of exactly `spec` left (its spec file and result), or None."""
+    if not (spec_path.is_file() and result.is_file()) or run_spec(json.loads(spec_path.read_text())) != spec:
+        return None
+    out = json.loads(result.read_text())
+    return dict(out, spec=spec) if "iterations" in out else None
+
+
+def resumed_from(path: Path) -> dict:
+    """What a --resume record keeps of the unfinished record it continues (the runs it reuses are added)."""
+    if not path.is_file():
+        raise SystemExit(f"--resume: no record at {path} to continue (pass --out)")
+    old = json.loads(path.read_text())
+    if old.get("schema") != SCHEMA or old.get("finished"):
+        raise SystemExit(f"--resume: {path} is not an unfinished e2e record of schema {SCHEMA}")
+    return {"file": path.name, "date": old["date"], "commit": old["commit"], "command": old["command"],
+            "uptime_start": old.get("uptime", {}).get("start"), "reused_runs": [],
+            "note": "the runs named in reused_runs were made by the record this one continues (its commit, date, "
+                    "command and load at its start are above) and read back from the work folder, where their "
+                    "spec matched exactly; the others, the load average and the summaries are this command's"}
+
+
+def start_load(uptime_line: str | None) -> float | None:
+    """The 1-minute load average in an `uptime` line."""
+    try:
+        return float(uptime_line.split("load average:")[1].split(",")[0])
+    except (AttributeError, IndexError, ValueError):
+        return None
 
 
 def worker_env(args, threads: int) -> dict:
@@ -458,6 +498,10 @@ def record_heading(record: dict) -> str:
     if record.get("measured_under_load"):
         text += (f"; measured under load (1-minute load average {load['mean']} mean, {load['max']} max, on "
                  f"{load['cpus']} CPUs shared with other jobs)")
+    if earlier := record.get("resumed_from"):
+        text += (f"; continues the record of `{earlier['command']}` (commit {earlier['commit'][:7]}, started "
+                 f"{earlier['date']}, load at its start: {start_load(earlier['uptime_start'])}), of which it "
+                 f"reuses {len(earlier['reused_runs'])} runs")
     return text
 
 
@@ -614,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", help="timing models instead of the plan's, comma-separated (bench/e2e_model.py)")
     parser.add_argument("--reps", type=int, help="repetitions of the timing runs instead of the plan's")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the unfinished record at --out (default path included): reuse the runs "
+                             "whose spec and result are in --work, run the rest")
     parser.add_argument("--readme", action="store_true", help="rewrite the README's table from the latest records")
     args = parser.parse_args(argv)
     args.argv = argv
@@ -635,10 +682,14 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, grpo_models=models, ppo_models=models)
     if args.reps:
         plan = dataclasses.replace(plan, reps=args.reps)
+    if args.resume and not args.work:
+        parser.error("--resume needs --work: the folder of the runs it continues")
     record = new_record(args, plan, parts)
     bench = Bench(args, plan, record)
     name = "e2e-quick.json" if args.quick else f"{record['date'][:10]}-{args.device}-e2e.json"
     args.out = args.out or str((bench.work if args.quick else RESULTS) / name)
+    if args.resume:
+        record["resumed_from"] = resumed_from(Path(args.out))
     start = time.time()
     record["uptime"] = {"start": uptime()}
     with LoadSampler() as load:
@@ -649,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
                 timing_part(bench, part)
     record["uptime"]["end"] = uptime()
     record["load_average"] = load.summary()
-    record["measured_under_load"] = args.device == "cpu" and record["load_average"]["mean"] > 1.5
+    earlier = start_load(record.get("resumed_from", {}).get("uptime_start")) or 0.0
+    record["measured_under_load"] = args.device == "cpu" and max(record["load_average"]["mean"], earlier) > 1.5
     record["seconds"] = round(time.time() - start, 1)
     record["goals"] = goals(record)
     record["finished"] = True
