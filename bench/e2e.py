@@ -3,7 +3,7 @@ GRPOTrainer (installed, 1.16) and TRL 1.12's PPOTrainer (the last TRL with PPO),
 work, in alternating runs; and how many iterations and seconds each needs to learn the built-in task.
 
     python bench/e2e.py --device cpu                # the CPU record -> bench/results/<date>-cpu-e2e.json (~30-60 min)
-    python bench/e2e.py --device cpu --quick --out OUT.json   # every part at a small size, ~3 min (CI)
+    python bench/e2e.py --device cpu --quick --out OUT.json   # every part at a small size (CI)
     python bench/e2e.py --device cuda --only grpo   # the GPU record: qwen2-0.5b, 8 prompts x 8 x 256 tokens
     python bench/e2e.py --readme                    # the README's table from the latest records
     bash bench/gpu_run.sh OUT --only e2e            # the GPU record in one call (bench/parts/e2e.sh)
@@ -112,6 +112,9 @@ class Plan:
     extra_generation: str | None = None
     """Run trl_matched once more with this generation, as trl_matched_cb, if time is left."""
     learning_configs: tuple[str, ...] = ("fastrlhf", "trl_shipped", "trl_matched")
+    learning_algos: tuple[str, ...] = ("grpo", "ppo")
+    ppo_configs: tuple[str, ...] = ("fastrlhf", "trl_shipped", "trl_matched")
+    """The PPO timing runs (GRPO's are always all of CONFIGS)."""
     run_timeout_s: int = 1200
 
 
@@ -132,8 +135,9 @@ PLANS = {
                   ppo=Work(prompts=16, generations=1, response_len=8, mini_batch=8, micro_batch=4, lora_rank=8),
                   learning_grpo=Work(prompts=4, generations=4, response_len=12, mini_batch=8, micro_batch=4),
                   learning_ppo=Work(prompts=16, generations=1, response_len=12, mini_batch=8, micro_batch=4),
-                  iterations=1, reps=1, seeds=(0,), budget=2, sft_steps=10, eval_prompts=4, run_timeout_s=300,
-                  learning_configs=("fastrlhf", "trl_matched")),
+                  warmup=0, iterations=1, reps=1, seeds=(0,), budget=2, sft_steps=10, eval_prompts=4,
+                  run_timeout_s=300, learning_configs=("fastrlhf", "trl_matched"), learning_algos=("grpo",),
+                  ppo_configs=("fastrlhf", "trl_matched")),
 }
 PARTS = ("grpo", "ppo", "learning")
 # What the peers do, read from their code (TRL 1.16.0 and 1.12.0 as installed / in the wheel), and checked where said
@@ -329,7 +333,7 @@ def spec_for(bench: Bench, config: str, algo: str, work: Work, model_dir: Path, 
 
 
 def configs_for(bench: Bench, algo: str) -> list[str]:
-    configs = list(CONFIGS)
+    configs = list(CONFIGS if algo == "grpo" else bench.plan.ppo_configs)
     if algo == "grpo" and bench.plan.extra_generation:
         configs.append("trl_matched_cb")
     return configs
@@ -434,7 +438,8 @@ def learning_part(bench: Bench) -> None:
     plan = bench.plan
     model_dir, sft_command = bench.sft_model()
     bench.record["learning"]["sft"] = {"command": sft_command, "steps": plan.sft_steps}
-    for algo, work in (("grpo", plan.learning_grpo), ("ppo", plan.learning_ppo)):
+    for algo in plan.learning_algos:
+        work = plan.learning_grpo if algo == "grpo" else plan.learning_ppo
         configs = list(plan.learning_configs)
         section = {"algo": algo, "work": dataclasses.asdict(work), "budget_iterations": plan.budget,
                    "target_true_score": TARGET_SCORE, "trainers": {}}

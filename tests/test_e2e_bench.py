@@ -1,7 +1,8 @@
 """bench/e2e.py: fastrlhf beside TRL's GRPOTrainer and TRL 1.12's PPOTrainer doing the same work.
 
-The quick run (`bench/e2e.py --device cpu --quick`) runs every trainer, configuration and part at a
-small size and writes the record; the other tests check the pieces it is made of: models whose
+The quick run (`bench/e2e.py --device cpu --quick`) runs both trainers in every part at a small size
+(at CI's cost: TRL's GRPO as shipped and matched, TRL 1.12's PPO matched, GRPO's learning) and writes
+the record; the other tests check the pieces it is made of: models whose
 EOS and pad cannot be sampled, and the summaries the record is built from.
 """
 
@@ -120,16 +121,45 @@ def test_readme_block(tmp_path):
 
 
 def test_bad_arguments(tmp_path):
-    for args in (["--only", "grpo,nope"], ["--only", "ppo", "--trl-ppo-wheel", str(tmp_path / "missing.whl")]):
+    for args, says in ((["--only", "grpo,nope"], "unknown part"),
+                       (["--only", "ppo", "--trl-ppo-wheel", str(tmp_path / "missing.whl")], "wheel is not at"),
+                       (["--only", "grpo", "--resume"], "--resume needs --work")):
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), *args], capture_output=True, text=True,
                               timeout=120)
-        assert proc.returncode == 2 and ("unknown part" in proc.stderr or "wheel is not at" in proc.stderr)
+        assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_resume_reuses_only_a_finished_run_of_the_same_spec(tmp_path):
+    """--resume reads back a run only when its spec file holds exactly the spec asked for (its result
+    path and spawn time aside) and its result holds iterations; and it continues only an unfinished record."""
+    spec = {"trainer": "trl", "algo": "ppo", "seed": 2, "iterations": 3}
+    spec_path, result = tmp_path / "spec.json", tmp_path / "result.json"
+    assert e2e.finished_run(spec_path, result, spec) is None  # nothing there
+    spec_path.write_text(json.dumps(dict(spec, result=str(result), spawn_time=123.0)))
+    assert e2e.finished_run(spec_path, result, spec) is None  # the run left no result
+    result.write_text(json.dumps({"iterations": [{"seconds": 1.5}], "startup_s": 9.0}))
+    assert e2e.finished_run(spec_path, result, spec) == {"iterations": [{"seconds": 1.5}], "startup_s": 9.0,
+                                                         "spec": spec}
+    assert e2e.finished_run(spec_path, result, dict(spec, seed=3)) is None  # another run's work
+    result.write_text(json.dumps({"error": "exit 1"}))
+    assert e2e.finished_run(spec_path, result, spec) is None
+
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"schema": e2e.SCHEMA, "finished": False, "date": "2026-11-27T07:09:26",
+                                  "commit": "f33af71", "command": "python bench/e2e.py --device cpu",
+                                  "uptime": {"start": "07:09:26 up 1:32, 0 user, load average: 11.56, 11.01, 9.96"}}))
+    earlier = e2e.resumed_from(record)
+    assert earlier["commit"] == "f33af71" and earlier["reused_runs"] == []
+    assert e2e.start_load(earlier["uptime_start"]) == 11.56 and e2e.start_load(None) is None
+    record.write_text(json.dumps({"schema": e2e.SCHEMA, "finished": True}))
+    with pytest.raises(SystemExit, match="not an unfinished"):
+        e2e.resumed_from(record)
 
 
 @pytest.mark.slow
 def test_quick_record(tmp_path):
-    """`bench/e2e.py --device cpu --quick` runs fastrlhf and both TRL configurations for GRPO (TRL 1.16)
-    and PPO (TRL 1.12 from its wheel), and learning from an SFT checkpoint, and writes the record:
+    """`bench/e2e.py --device cpu --quick` runs fastrlhf and both TRL configurations for GRPO (TRL 1.16),
+    TRL 1.12's PPO (from its wheel) matched, and GRPO's learning from an SFT checkpoint, and writes the record:
     every trainer did the same work (exactly prompts x generations x R response tokens per
     iteration), its phases add up to its iteration, and the settings are the ones named."""
     pytest.importorskip("trl", reason="TRL is not installed (.ci/install_peers.sh installs it)")
@@ -149,7 +179,8 @@ def test_quick_record(tmp_path):
     for section in record["timing"]:
         work = section["work"]
         per_iteration = work["prompts"] * work["generations"] * work["response_len"]
-        assert set(section["trainers"]) == {"fastrlhf", "trl_shipped", "trl_matched"}
+        quick = e2e.PLANS["quick"]  # at CI's cost: PPO's TRL as shipped (its own critic) is left to the full record
+        assert set(section["trainers"]) == set(e2e.CONFIGS if section["algo"] == "grpo" else quick.ppo_configs)
         for name, t in section["trainers"].items():
             assert not t["failed"], (name, t["failed"])
             assert t["seconds_per_iteration"] > 0 and t["startup_s"] > 0 and t["peak_memory_bytes"] > 0
@@ -160,17 +191,19 @@ def test_quick_record(tmp_path):
                 assert sum(it[p] for p in e2e.PHASES) == pytest.approx(it["seconds"])
                 assert min(it[p] for p in e2e.PHASES if p != "other") >= 0 and it["rollout"] > 0 and it["update"] > 0
             assert t["command"]
-        trl = section["trainers"]["trl_shipped"]
+        trl = section["trainers"]["trl_matched"]
         assert trl["versions"]["trl"] == ("1.16.0" if section["algo"] == "grpo" else e2e.TRL_PPO_VERSION)
-        assert trl["settings"]["gradient_checkpointing"] is True and trl["settings"]["bf16"] is True
-        matched = section["trainers"]["trl_matched"]["settings"]
+        if "trl_shipped" in section["trainers"]:
+            shipped = section["trainers"]["trl_shipped"]["settings"]
+            assert shipped["gradient_checkpointing"] is True and shipped["bf16"] is True
+        matched = trl["settings"]
         assert matched["gradient_checkpointing"] is False and matched["bf16"] is False
         assert "adamw_torch" in matched["optim"].lower() and "fused" not in matched["optim"].lower()
         assert section["trainers"]["fastrlhf"]["command"].startswith("fastrlhf ppo ")
-        assert set(section["ratios"]) == {"fastrlhf / trl_shipped", "fastrlhf / trl_matched"}
+        assert set(section["ratios"]) == {f"fastrlhf / {name}" for name in section["trainers"] if name != "fastrlhf"}
 
     sections = record["learning"]["sections"]
-    assert [s["algo"] for s in sections] == ["grpo", "ppo"]
+    assert [s["algo"] for s in sections] == ["grpo"]  # quick: PPO's learning is left to the full record
     for section in sections:
         assert set(section["trainers"]) == {"fastrlhf", "trl_matched"}
         for t in section["trainers"].values():
