@@ -5,7 +5,9 @@
 # GPU serving stacks the tested loss / log-prob code never calls; tests/integrations/peer_stubs.py
 # stands in for their imports), plus the few light modules that importing their core_algos,
 # models and losses needs. TRL comes with its own (light) dependencies. Versions are pinned:
-# the tests compare against these releases' numbers.
+# the tests compare against these releases' numbers. TRL 1.12's wheel (the last TRL with
+# PPOTrainer) is only downloaded, to .whl/trl-1.12/: bench/e2e.py imports it from that file in
+# its own process, beside the installed TRL.
 #
 # usage: .ci/install_peers.sh [VENV_DIR]   (relative to the repository root, or absolute)
 set -euo pipefail
@@ -27,6 +29,7 @@ fi
 grep -v -e "^ERROR: pip's dependency resolver" -e "^verl 0.9.1 requires" -e "^openrlhf 0.11.2 requires" \
   -e "^WARNING: Location" "$log" || true
 rm -f "$log"
+"$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps "trl==1.12.0" -d .whl/trl-1.12
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "liger-kernel", "tensordict")))

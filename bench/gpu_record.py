@@ -13,7 +13,8 @@ end: then `summary` is null and the rows say how far it got.
 issue 26's goals as ratios of this run; an engine whose process left no record is named with
 its missing file.
 `status`: every step of gpu_run.sh (rc, seconds, limit, timed out) with the environment and
-source revision. `summary`: a short text of both and the bench targets, printed last.
+source revision. `summary`: a short text of both, the bench targets and bench/e2e.py's figures
+(OUT/e2e.json), printed last.
 """
 
 from __future__ import annotations
@@ -147,7 +148,27 @@ def summary_text(out: Path) -> str:
             value = "-" if g["value"] is None else f"{g['value']:.3g}"
             lines.append(f"  {g['name']:<70} {g['goal']:>16} {value:>8}  "
                          f"{ {True: 'MET', False: 'missed', None: '-'}[g['met']]}")
+    e2e_path = out / "e2e.json"
+    if e2e_path.is_file():
+        lines += e2e_summary(json.loads(e2e_path.read_text()))
     return "\n".join(lines)
+
+
+def e2e_summary(record: dict) -> list[str]:
+    """bench/e2e.py's record: seconds per iteration and peak memory per trainer, and the ratios."""
+    lines = [f"e2e ({record['device']}, finished={record['finished']}):"]
+    for section in record["timing"]:
+        where = f"{section['algo']} {section['model']['name']}"
+        for name, t in section["trainers"].items():
+            if "seconds_per_iteration" not in t:
+                lines.append(f"  {where} {name:<15} failed or not run")
+                continue
+            peak, first = t.get("peak_memory_bytes"), t.get("first_iteration_s")
+            lines.append(f"  {where} {name:<15} {t['seconds_per_iteration']:.3f} s/iteration (the first "
+                         f"{'-' if first is None else f'{first:.1f}'} s), peak "
+                         f"{'-' if peak is None else round(peak / 2**20)} MiB, start-up {t['startup_s']:.0f} s")
+        lines += [f"  {where} {name}: {r}" for name, r in section.get("ratios", {}).items()]
+    return lines
 
 
 def main(argv: list[str]) -> int:

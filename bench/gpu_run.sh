@@ -25,6 +25,7 @@
 #   experiments  the candidates in bench/experiments/, FSDP2 peak memory -> one JSON each
 #   rollout      bench/rollout_bench.py: the graph decode engine vs generate's static and dynamic caches
 #                on qwen2-0.5b (issue 26)                                -> rollout.json
+#   e2e          fastrlhf's GRPO iteration beside TRL's GRPOTrainer      -> e2e.json
 # and always status.json (every step's rc, seconds and limit; commit, kernels tree hash; the environment) and
 # logs.tar.gz (every step's log, env.json and what the parts add to WORK). The device tool returns at most 8
 # files, 16 MiB each, and no folders: keep a call's parts within that.
@@ -79,7 +80,8 @@ fi
 has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 
 bundle() {  # logs.tar.gz of everything in WORK but model weights and installed wheels; cheap, redone after each step
-  tar czf "$OUT/logs.tar.gz.tmp" -C "$WORK" --exclude=./ppo_run/ppo . 2>/dev/null \
+  tar czf "$OUT/logs.tar.gz.tmp" -C "$WORK" --exclude=./ppo_run/ppo --exclude=./e2e/models --exclude=./e2e/learn . \
+    2>/dev/null \
     && mv "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
 }
 

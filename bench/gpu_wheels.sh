@@ -2,7 +2,8 @@
 # Fetch, on a machine with network, the wheels bench/gpu_run.sh installs on the GPU machine (which has
 # none): what its image lacks of fastrlhf's dependencies (datasets and its own), and the peers the tests
 # and the bench compare against (verl, OpenRLHF, TRL, Liger, at .ci/install_peers.sh's versions, with what
-# their imported modules need). Python 3.12, x86-64 manylinux, no dependencies resolved.
+# their imported modules need; accelerate for TRL's trainers, which bench/e2e.py runs). Python 3.12,
+# x86-64 manylinux, no dependencies resolved.
 #
 #   bash bench/gpu_wheels.sh [DIR]     # DIR defaults to .whl (add /.whl/ to .git/info/exclude)
 set -euo pipefail
@@ -12,6 +13,7 @@ mkdir -p "$DIR"
 WHEELS=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19                       # fastrlhf's data loading
   verl==0.9.1 openrlhf==0.11.2 trl==1.16.0 liger-kernel==0.8.5            # the peers
+  accelerate==1.15.0                                                       # TRL's trainers (bench/e2e.py)
   tensordict==0.10.0 pyvers==0.1.0 orjson==3.13.0 importlib_metadata==10.2.0  # verl's imports
   omegaconf==2.4.0 codetiming==1.4.0 pylatexenc==2.11
 )
