@@ -1,7 +1,12 @@
-"""Assertions and inputs shared by the op tests (import as `from helpers import ...`)."""
+"""Assertions, inputs and runners shared by the tests (import as `from helpers import ...`)."""
 
 import importlib
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -80,3 +85,25 @@ def poison_outputs(monkeypatch, *modules: str):
 
     for name in modules:
         monkeypatch.setattr(importlib.import_module(name), "torch", _NaNTorch())
+
+
+# ---------------------------------------------------------------- the stages' tests
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=4, mini_batch_size=4,
+                micro_batch_size=4, eval_prompts=4, max_new_tokens=4)  # a PPO step in well under a second
+TIMING_KEYS = ("time/", "time_mean/", "memory/", "memory_mean/", "tokens_per_s")  # differ between equal runs
+
+
+def run_cli(*args, timeout=300) -> subprocess.CompletedProcess:
+    """`python -m fastrlhf ARGS...` from the repository root, output captured."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def metric_rows(out: Path, stage: str, *, timing: bool = True) -> list[dict]:
+    """The rows a stage logged in OUT/metrics.jsonl; timing=False drops the keys that differ between runs."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["stage"] == stage]
+    return rows if timing else [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]

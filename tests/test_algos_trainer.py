@@ -4,17 +4,18 @@ and, at a reduced size of the embedded default, that each raises the true score 
 from the same SFT model (the full-size runs and their figures are in the README)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import metric_rows, run_cli
 
 from fastrlhf import dpo, ops, ppo, sft
 from fastrlhf.config import DPOConfig, PPOConfig, SFTConfig
 from fastrlhf.heads import VALUE_HEAD_FILE
+
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GRPO = dict(model="tiny", reward="fastrlhf.task:true_score", advantage="grpo", num_generations=4,
@@ -22,27 +23,6 @@ TINY_GRPO = dict(model="tiny", reward="fastrlhf.task:true_score", advantage="grp
                  save_every=1)
 TINY_DPO = dict(model="tiny", data="builtin", num_pairs=40, batch_size=4, eval_every=2, log_every=1, save_every=1,
                 eval_prompts=8, max_new_tokens=5)
-TIMING_KEYS = ("time/", "memory/", "tokens_per_s")
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-def _cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _rows(out: Path, stage: str, timing: bool = False) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["stage"] == stage]
-    return rows if timing else [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows]
 
 
 def _spy(monkeypatch, names):
@@ -73,7 +53,7 @@ def test_grpo_is_critic_free_and_puts_k3_kl_in_the_loss(tmp_path, monkeypatch):
     assert summary["advantage"] == "grpo" and summary["num_generations"] == 4
     final = tmp_path / "ppo" / "final"
     assert (final / "config.json").is_file() and not (final / VALUE_HEAD_FILE).exists()
-    row = _rows(tmp_path, "ppo")[-1]
+    row = metric_rows(tmp_path, "ppo", timing=False)[-1]
     assert "value_loss" not in row and "explained_variance" not in row
     for key in ("group_reward_std", "kl_k3", "kl", "clipfrac", "entropy", "pg_loss"):
         assert key in row, key
@@ -109,8 +89,8 @@ def test_critic_free_resume_gives_the_same_metrics(tmp_path):
     ppo.train(PPOConfig(out=str(full), **cfg))
     assert ppo.train(PPOConfig(out=str(split), stop_after=2, **cfg)) == {"stopped_at": 2}
     ppo.train(PPOConfig(out=str(split), resume=True, **cfg))
-    assert [r["step"] for r in _rows(split, "ppo")] == [1, 2, 3]
-    assert _rows(split, "ppo") == _rows(full, "ppo")
+    assert [r["step"] for r in metric_rows(split, "ppo", timing=False)] == [1, 2, 3]
+    assert metric_rows(split, "ppo", timing=False) == metric_rows(full, "ppo", timing=False)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -141,14 +121,14 @@ def test_dpo_stage_calls_the_fused_ops_and_resumes(tmp_path, monkeypatch):
     for key in ("true_score_before", "true_score_after", "accuracy", "loss_final", "reward_margin_final"):
         assert isinstance(full[key], float), key
     assert (tmp_path / "full" / "dpo" / "final" / "config.json").is_file()
-    row = _rows(tmp_path / "full", "dpo")[-1]
+    row = metric_rows(tmp_path / "full", "dpo", timing=False)[-1]
     for key in ("loss", "reward_margin", "reward_accuracy", "reward_chosen", "logp_chosen", "accuracy"):
         assert key in row, key
 
     split = tmp_path / "split"
     assert dpo.train(DPOConfig(out=str(split), stop_after=2, **cfg)) == {"stopped_at": 2}
     resumed = dpo.train(DPOConfig(out=str(split), resume=True, **cfg))
-    assert _rows(split, "dpo") == _rows(tmp_path / "full", "dpo")
+    assert metric_rows(split, "dpo", timing=False) == metric_rows(tmp_path / "full", "dpo", timing=False)
     assert resumed["true_score_before"] == full["true_score_before"]
 
 
@@ -169,23 +149,23 @@ def test_pipeline_algo_dpo(tmp_path):
     out = tmp_path / "run"
     args = ["--algo", "dpo", "--out", str(out), "--sft.steps", "4", "--dpo.steps", "3", "--dpo.num_pairs", "40",
             "--dpo.batch_size", "4", "--dpo.eval_prompts", "8", "--dpo.log_every", "1"]
-    r = _cli("pipeline", *args)
+    r = run_cli("pipeline", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"sft", "dpo", "pipeline"}
     assert isinstance(summary["dpo"]["true_score_after"], float)
     assert not (out / "rm").exists() and not (out / "ppo").exists()
-    assert [r["step"] for r in _rows(out, "dpo")] == [1, 2, 3]
+    assert [r["step"] for r in metric_rows(out, "dpo", timing=False)] == [1, 2, 3]
     assert (out / "plots" / "dpo_curves.png").stat().st_size > 1000
     recorded = json.loads((out / "config.json").read_text())
     assert recorded["algo"] == "dpo" and recorded["dpo"]["steps"] == 3 and recorded["ppo"] == "not run (algo dpo)"
-    r = _cli("pipeline", *args, "--resume")
+    r = run_cli("pipeline", *args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 2
 
 
 def test_pipeline_rejects_an_unknown_algo(tmp_path):
-    r = _cli("pipeline", "--algo", "kto", "--out", str(tmp_path / "run"))
+    r = run_cli("pipeline", "--algo", "kto", "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and "algo must be one of ppo, dpo" in r.stderr
 
 

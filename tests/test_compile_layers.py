@@ -7,6 +7,7 @@ these tests are marked slow."""
 
 import json
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -18,8 +19,7 @@ from fastrlhf.heads import ActorCritic
 from fastrlhf.models import compile_layers, compile_stats, compile_wanted, load_causal_lm
 
 CPU = torch.device("cpu")
-TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=8, mini_batch_size=4,
-                micro_batch_size=2, eval_prompts=8, max_new_tokens=5)
+TINY_PPO = dict(helpers.TINY_PPO, rollout_batch_size=8, micro_batch_size=2, eval_prompts=8, max_new_tokens=5)
 
 pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 

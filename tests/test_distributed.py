@@ -20,12 +20,15 @@ from pathlib import Path
 import dist_worker
 import pytest
 import torch
+from helpers import metric_rows
 
 from fastrlhf import checkpoint, distributed, dpo, ppo, sft
 from fastrlhf.config import PPOConfig, SFTConfig
 
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+
+
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("time/", "time_mean/", "memory/", "memory_mean/", "tokens_per_s")
 PIPELINE = ["--sft.steps", "10", "--sft.batch_size", "8", "--sft.log_every", "1", "--sft.save_every", "5",
             "--sft.num_examples", "200",
             "--rm.steps", "4", "--rm.batch_size", "8", "--rm.num_pairs", "80", "--rm.eval_every", "4",
@@ -48,19 +51,6 @@ def _torchrun_cmd(*args) -> list[str]:
 def _torchrun(*args, timeout=240) -> subprocess.CompletedProcess:
     return subprocess.run(_torchrun_cmd(*args), cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _rows(out: Path, stage: str) -> list[dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows if r["stage"] == stage]
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 # ---------------------------------------------------------------- one PPO update, 1 vs 2 ranks
@@ -218,7 +208,7 @@ def test_sft_loss_curve_is_the_same_on_1_and_2_ranks(pipeline_2, tmp_path):
     out, _ = pipeline_2
     sft.train(SFTConfig(out=str(tmp_path), steps=10, batch_size=8, log_every=1, save_every=5, num_examples=200,
                         device="cpu"))
-    one, two = _rows(tmp_path, "sft"), _rows(out, "sft")
+    one, two = metric_rows(tmp_path, "sft", timing=False), metric_rows(out, "sft", timing=False)
     assert [r["step"] for r in two] == list(range(1, 11))
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
@@ -292,7 +282,7 @@ def test_killed_2_rank_run_resumes_with_the_same_metrics(pipeline_2, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"resumed from {out / 'ppo' / 'checkpoints'}" in r.stderr and f"(step {killed_at})" in r.stderr
     for stage in ("sft", "rm", "ppo"):
-        assert _rows(out, stage) == _rows(reference, stage), stage
+        assert metric_rows(out, stage, timing=False) == metric_rows(reference, stage, timing=False), stage
 
 
 # ---------------------------------------------------------------- bad setups fail fast

@@ -12,15 +12,10 @@ from fastrlhf.heads import ActorCritic, RewardModel
 from fastrlhf.models import hidden_states, load_causal_lm
 from fastrlhf.rollout import generate, response_mask_after_eos, token_logprobs
 
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -31,13 +26,6 @@ def tiny():
 
 def _random_seqs(n, lo, hi, vocab, low_id=4):
     return [torch.randint(low_id, vocab, (int(torch.randint(lo, hi + 1, ())),)).tolist() for _ in range(n)]
-
-
-def assert_close(actual, expected, atol):
-    err = (actual - expected).abs()
-    worst = int(err.argmax())
-    assert err.max() <= atol, f"max |diff| {err.max():.3e} at flat index {worst}: {actual.flatten()[worst]} vs " \
-                              f"{expected.flatten()[worst]}"
 
 
 def test_left_padded_logprobs_equal_unpadded(tiny):
@@ -52,7 +40,7 @@ def test_left_padded_logprobs_equal_unpadded(tiny):
             assert alone.attention_mask.all()
             h = hidden_states(lm, alone.input_ids, alone.attention_mask, alone.position_ids)
             expected = token_logprobs(lm, alone, h)[0]
-            assert_close(logp[b, :len(r)], expected, atol=1e-5)
+            torch.testing.assert_close(logp[b, :len(r)], expected, atol=1e-5, rtol=0)
             assert (logp[b, len(r):] == 0).all()  # masked response tokens give 0
     # left padding really happened: the shortest prompt sits after pad tokens
     assert (batch.attention_mask[:, :batch.prompt_len] == 0).any()
@@ -74,7 +62,7 @@ def test_lora_disabled_reference_equals_base_model(tiny):
                              head=ac.reference_lm_head())
         policy_h, _ = ac(batch.input_ids, batch.attention_mask, batch.position_ids)
         policy = token_logprobs(ac.policy, batch, policy_h)
-    assert_close(ref, expected, atol=1e-6)
+    torch.testing.assert_close(ref, expected, atol=1e-6, rtol=0)
     assert (policy - expected).abs().max() > 1e-3  # the adapter is active outside the reference
     assert ac.reference is None  # no second copy of the weights with LoRA
 

@@ -2,22 +2,14 @@
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = {"rollout", "reward", "logprobs", "advantages", "update"}
-
-
-def _cli(*args, timeout=180):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def test_pipeline_smoke(tmp_path):
@@ -26,7 +18,7 @@ def test_pipeline_smoke(tmp_path):
             "--rm.num_pairs", "120", "--ppo.steps", "3", "--ppo.rollout_batch_size", "16",
             "--ppo.mini_batch_size", "8", "--ppo.micro_batch_size", "4", "--ppo.eval_prompts", "16",
             "--ppo.max_new_tokens", "6", "--ppo.tensorboard"]
-    r = _cli("pipeline", *args)
+    r = run_cli("pipeline", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "attention=sdpa" in r.stderr  # the attention backend is logged
     summary = json.loads((out / "summary.json").read_text())
@@ -59,7 +51,7 @@ def test_pipeline_smoke(tmp_path):
         assert (out / stage / "final" / "config.json").is_file(), stage
 
     # a finished pipeline resumes to a no-op that keeps every result
-    r = _cli("pipeline", *args, "--resume")
+    r = run_cli("pipeline", *args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 3
     assert json.loads((out / "summary.json").read_text())["ppo"] == ppo
@@ -73,12 +65,12 @@ def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):
                                for i in range(20)))
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}:"}) + "\n" for i in range(20)))
     out = tmp_path / "run"
-    r = _cli("sft", "--out", str(out), "--data", str(sft_data), "--steps", "3", "--batch_size", "4")
+    r = run_cli("sft", "--out", str(out), "--data", str(sft_data), "--steps", "3", "--batch_size", "4")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _cli("rm", "--out", str(out), "--data", str(rm_data), "--steps", "3", "--batch_size", "4",
+    r = run_cli("rm", "--out", str(out), "--data", str(rm_data), "--steps", "3", "--batch_size", "4",
              "--eval_fraction", "0.25")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _cli("ppo", "--out", str(out), "--data", str(prompts), "--steps", "2", "--lora_rank", "0",
+    r = run_cli("ppo", "--out", str(out), "--data", str(prompts), "--steps", "2", "--lora_rank", "0",
              "--rollout_batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "4",
              "--max_new_tokens", "4", "--kl_target", "1.0", "--gradient_checkpointing")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -10,8 +10,10 @@ import shutil
 import warnings
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
+from helpers import metric_rows
 from local_model import write_jsonl
 
 from fastrlhf import cli, dpo, pipeline, ppo, rm, sft, task
@@ -19,15 +21,10 @@ from fastrlhf.checkpoint import config_changes
 from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", data="builtin", rollout_batch_size=4,
-                mini_batch_size=4, micro_batch_size=4, eval_prompts=4, max_new_tokens=4, steps=1)
+TINY_PPO = dict(helpers.TINY_PPO, data="builtin", steps=1)
 
 
 pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
-
-
-def _rows(out: Path, stage: str) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["stage"] == stage]
 
 
 # ---------------------------------------------------------------- numeric keys, before a model loads
@@ -134,7 +131,7 @@ def test_a_run_resumes_under_another_spelling_of_out_and_after_its_folder_moved(
     assert cli.main([*args, "--out", "moved", "--resume"]) == 0
     # log_every 10: the row of the last step alone, as an uninterrupted run writes (an invocation that
     # stops between two rows writes none: its logging window goes into the checkpoint)
-    assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [3]
+    assert [r["step"] for r in metric_rows(tmp_path / "moved", "sft")] == [3]
     assert (tmp_path / "moved" / "sft" / "final").is_dir()
 
 
@@ -151,7 +148,7 @@ def test_rm_evaluates_every_eval_every_steps_and_loads_as_the_readme_says(tmp_pa
     out = tmp_path / "run"
     rm.train(RMConfig(out=str(out), model="tiny", data="builtin", num_pairs=40, steps=6, batch_size=4,
                       log_every=2, eval_every=3, device="cpu"))
-    rows = _rows(out, "rm")
+    rows = metric_rows(out, "rm")
     assert [r["step"] for r in rows] == [2, 3, 4, 6]
     assert [r["step"] for r in rows if "accuracy" in r] == [3, 6]
     # the README's snippet: batched scores equal one row at a time (read at each row's EOS)
@@ -175,7 +172,7 @@ def test_dpo_evaluates_every_eval_every_steps(tmp_path):
     out = tmp_path / "run"
     dpo.train(DPOConfig(out=str(out), model="tiny", data=str(pairs), steps=4, batch_size=4, log_every=4,
                         eval_every=3, lora_rank=4, device="cpu"))
-    rows = _rows(out, "dpo")
+    rows = metric_rows(out, "dpo")
     assert [r["step"] for r in rows] == [3, 4]
     assert all("accuracy" in r and "loss" in r for r in rows)
 

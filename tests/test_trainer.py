@@ -3,13 +3,12 @@
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
+from helpers import metric_rows, run_cli
 
 from fastrlhf import ops
 from fastrlhf.config import PPOConfig
@@ -17,17 +16,12 @@ from fastrlhf.ppo import KLController
 from fastrlhf.ppo import train as ppo_train
 from fastrlhf.rm import bradley_terry_loss
 
+pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=8, mini_batch_size=4,
-                micro_batch_size=2, eval_prompts=8, max_new_tokens=5, save_every=1)
-
-
-@pytest.fixture(autouse=True)
-def keep_threads():
-    """load_causal_lm drops to one intra-op thread for tiny CPU models; undo it for other tests."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+TINY_PPO = dict(helpers.TINY_PPO, rollout_batch_size=8, micro_batch_size=2, eval_prompts=8, max_new_tokens=5,
+                save_every=1)
 
 
 def test_bradley_terry_hand_worked():
@@ -86,20 +80,6 @@ def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
     assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "model.safetensors").is_file()
 
 
-def _cli(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-TIMING_KEYS = ("time/", "memory/", "tokens_per_s")
-
-
-def _ppo_rows(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)} for r in rows if r["stage"] == "ppo"]
-
-
 @pytest.mark.parametrize("packing", [[], ["--micro_batch_tokens", "74"]], ids=["padded", "packed"])
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, packing):
     """Stopped after 2 steps and resumed: the rows and the true score after are the uninterrupted run's,
@@ -107,15 +87,15 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, packing
     32 + 5 tokens: the packed update plans its minibatches from the same generator)."""
     args = [f"--{k}={v}" for k, v in TINY_PPO.items()] + ["--steps", "4", "--lora_rank", "4", *packing]
     full, split = tmp_path / "full", tmp_path / "split"
-    r = _cli("ppo", "--out", str(full), *args)
+    r = run_cli("ppo", "--out", str(full), *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = _cli("ppo", "--out", str(split), *args, "--stop_after", "2")
+    r = run_cli("ppo", "--out", str(split), *args, "--stop_after", "2")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert len(_ppo_rows(split)) == 2 and not (split / "ppo" / "final").exists()
-    r = _cli("ppo", "--out", str(split), *args, "--resume")
+    assert len(metric_rows(split, "ppo", timing=False)) == 2 and not (split / "ppo" / "final").exists()
+    r = run_cli("ppo", "--out", str(split), *args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr
-    expected, resumed = _ppo_rows(full), _ppo_rows(split)
+    expected, resumed = metric_rows(full, "ppo", timing=False), metric_rows(split, "ppo", timing=False)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed == expected  # exact: same weights, optimizer, RNG and KL coefficient after step 2
     summaries = [json.loads((d / "summary.json").read_text())["ppo"] for d in (full, split)]

@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from local_model import REWARD_FILE, bpe_tokenizer, make_local_model, task_rows, write_jsonl, write_task_data
@@ -25,8 +26,7 @@ from fastrlhf.rollout import Rollout
 from fastrlhf.run import start_stage_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=4, mini_batch_size=4,
-                micro_batch_size=4, eval_prompts=4, max_new_tokens=4, steps=1, data="builtin")
+TINY_PPO = dict(helpers.TINY_PPO, steps=1, data="builtin")
 
 
 pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")

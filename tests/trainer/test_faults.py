@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -30,8 +31,7 @@ from fastrlhf.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT = dict(steps=6, batch_size=4, num_examples=40, log_every=2, save_every=2)
-TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=4, mini_batch_size=4,
-                micro_batch_size=4, eval_prompts=4, max_new_tokens=4, save_every=1)
+TINY_PPO = dict(helpers.TINY_PPO, save_every=1)
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "state.pt", checkpoint.MANIFEST)
 
 # Run `fastrlhf ARGS...` after patching it to stop at a known point:
