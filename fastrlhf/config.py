@@ -213,6 +213,19 @@ class PPOConfig(RunConfig):
     says which and why; with graph, rollout/logp_gap_mean and _max log how far the sampler's log-probs
     are from the trainer's. The default stays hf until the engine's GPU record is in (bench/gpu_run.sh
     --only rollout)."""
+    rollout_correction: str = "none"
+    """Weigh each token's policy loss by how much likelier the trained policy makes it than the sampler
+    did (importance weights pi_train / pi_sampler from the sampler's own log-probs, ops.rollout_correction:
+    verl's rollout_is, TRL's vllm_importance_sampling_correction): `none`, or the weight's unit, `token`,
+    `sequence` (the row's product) or `geometric` (the row's geometric mean). Needs a sampler that reports
+    its log-probs: --rollout_engine graph. Logged as rollout_corr/* (verl's names)."""
+    rollout_correction_mode: str = "truncate"
+    """`truncate` (each weight clamped into [low, high]: TIS) or `mask` (a unit whose weight leaves [low, high]
+    weighs 0: IcePop, TRL's *_mask)."""
+    rollout_correction_low: float = 0.0
+    """Lower bound of the weights (0 = none)."""
+    rollout_correction_high: float = 2.0
+    """Upper bound of the weights (verl's rollout_is_threshold, TRL's vllm_importance_sampling_cap)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's

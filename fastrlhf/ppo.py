@@ -42,7 +42,7 @@ from datasets import Dataset
 from fastrlhf import distributed, ops, packing, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
-from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, PPO_PHASES
+from fastrlhf.constants import AGG_MODES, CORRECTION_LEVELS, CORRECTION_MODES, IGNORE_INDEX, PPO_PHASES
 from fastrlhf.data import BUILTIN, Batch, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
@@ -129,6 +129,10 @@ class Experience:
     """Value targets (phase 4); None without a critic."""
     sampler_logp: torch.Tensor | None = None
     """The rollout engine's own log-probs of the sampled tokens, where an engine reports them."""
+    is_weights: torch.Tensor | None = None
+    """Importance weights pi_train / pi_sampler of the policy loss (--rollout_correction; phase 4)."""
+    correction: dict[str, torch.Tensor] | None = None
+    """The rollout correction's metrics (0-dim tensors, read with the iteration's metrics)."""
     lengths: packing.Lengths | None = None
     """Real prompt and response tokens per row (host, read once in phase 3): the update plans from them."""
 
@@ -273,7 +277,18 @@ def with_advantages(exp: Experience, scores: torch.Tensor, kl_coef: float, cfg: 
     rewards = ops.kl_shaped_rewards(scores, exp.old_logp, exp.ref_logp, mask,
                                     kl_coef=0.0 if cfg.kl_in_loss else kl_coef, estimator=cfg.kl_estimator)
     advantages, returns = estimator(rewards, exp.values, mask)
-    return dataclasses.replace(exp, rewards=rewards, advantages=advantages, returns=returns)
+    return corrected(dataclasses.replace(exp, rewards=rewards, advantages=advantages, returns=returns), cfg)
+
+
+def corrected(exp: Experience, cfg: PPOConfig) -> Experience:
+    """--rollout_correction: the policy loss's importance weights pi_train / pi_sampler (old log-probs
+    against the sampler's own) and their metrics; the experience as it is without it."""
+    if cfg.rollout_correction == "none":
+        return exp
+    weights, _, metrics = ops.rollout_correction(
+        exp.old_logp, exp.sampler_logp, exp.batch.response_mask, level=cfg.rollout_correction,
+        mode=cfg.rollout_correction_mode, low=cfg.rollout_correction_low or None, high=cfg.rollout_correction_high)
+    return dataclasses.replace(exp, is_weights=weights, correction=metrics)
 
 
 # ---------------------------------------------------------------- 5. the update
@@ -312,7 +327,7 @@ def micro_batch_losses(ac: ActorCritic, exp: Experience, mb: packing.MicroBatch,
         hidden, head.weight.to(hidden.dtype), labels, mb.take(exp.old_logp), mb.take(exp.advantages), mask,
         bias=head.bias, temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
         ref_logp=mb.take(exp.ref_logp) if cfg.kl_in_loss else None, kl_coef=kl_coef if cfg.kl_in_loss else 0.0,
-        kl_estimator="k3", **agg)
+        kl_estimator="k3", is_weights=None if exp.is_weights is None else mb.take(exp.is_weights), **agg)
     if "kl" in stats:  # the loss term's k3 per token; the logged "kl" is the per-sequence k1 of the rollout
         stats["kl_k3"] = stats.pop("kl")
     if exp.values is not None:
@@ -434,6 +449,21 @@ def check_update(cfg: PPOConfig, key_prefix: str = "") -> None:
                          f"got {cfg.micro_batch_tokens}")
 
 
+def check_correction(cfg: PPOConfig, key_prefix: str = "") -> None:
+    """--rollout_correction's keys, and a sampler that reports its log-probs."""
+    k = f"--{key_prefix}rollout_correction"
+    for name, value, choices in (("", cfg.rollout_correction, ("none", *CORRECTION_LEVELS)),
+                                 ("_mode", cfg.rollout_correction_mode, CORRECTION_MODES)):
+        if value not in choices:
+            raise ValueError(f"ppo: {k}{name} must be one of {', '.join(choices)}, got {value!r}")
+    if not 0 <= cfg.rollout_correction_low < cfg.rollout_correction_high:
+        raise ValueError(f"ppo: {k}_low ({cfg.rollout_correction_low}) must be >= 0 and below {k}_high "
+                         f"({cfg.rollout_correction_high})")
+    if cfg.rollout_correction != "none" and cfg.rollout_engine == "hf":
+        raise ValueError(f"ppo: {k} {cfg.rollout_correction} weighs by the sampler's own log-probs, which "
+                         f"transformers' generate does not report: pass --{key_prefix}rollout_engine graph")
+
+
 def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
             key_prefix: str = "") -> PPOPlan:
     """Check the whole configuration and resolve its defaults, loading no model weights.
@@ -456,6 +486,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
     check_update(cfg, key_prefix)
+    check_correction(cfg, key_prefix)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
                          f"(rollout_batch_size {cfg.rollout_batch_size} / num_generations {cfg.num_generations}) must "
@@ -579,6 +610,9 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
                          batch=cfg.rollout_batch_size // distributed.world_size(),
                          prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                          device=device)  # None: the hf path
+    if engine is None and cfg.rollout_correction != "none":
+        raise ValueError(f"ppo: --rollout_correction {cfg.rollout_correction} needs the sampler's log-probs, and "
+                         f"the decode engine cannot run this model (the log says why): pass --rollout_correction none")
     reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
                             clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
     optimizer = torch.optim.AdamW([p for p in ac.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
@@ -657,6 +691,10 @@ def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: di
              "skipped_nonfinite": s.skipped, **update_stats, **s.timer.step_stats()}
     if exp.sampler_logp is not None:  # how far the distribution sampled from is from the one trained
         stats.update(sampler_gap(exp.sampler_logp, exp.old_logp, mask))
+    if exp.correction is not None:  # one read of the correction's metrics
+        names = list(exp.correction)
+        stats.update(zip((f"rollout_corr/{k}" for k in names),
+                         torch.stack([exp.correction[k].double() for k in names]).tolist()))
     if compiled:  # graphs compiled so far: a recompile per step would show here
         stats["compiled_graphs"] = compiled["graphs"]
     if exp.values is not None:
