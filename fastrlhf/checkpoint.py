@@ -563,13 +563,17 @@ def _paths(d: dict, out: str | None = None, prefix: str = "") -> dict:
     return paths
 
 
-def config_changes(recorded: dict, current: dict, free=RESUME_FREE_KEYS) -> list[str]:
+def config_changes(recorded: dict, current: dict, free=RESUME_FREE_KEYS, defaults: dict | None = None) -> list[str]:
     """'key: recorded -> current' for every key that differs, keys in `free` (at any depth) aside.
     Path-valued keys (PATH_KEYS) differ only when they name other paths (`_as_path`): `m` and
-    `/abs/m` are the same model, and OUT/sft/final is the same in a run folder that moved."""
+    `/abs/m` are the same model, and OUT/sft/final is the same in a run folder that moved. A key
+    the recorded configuration lacks (a run recorded by an older fastrlhf) is no change while it
+    holds its default (`defaults`: the configuration class's own values)."""
     a, b = _flat(recorded), _flat(current)
     pa, pb = _paths(recorded), _paths(current)
-    keys = [k for k in sorted(set(a) | set(b)) if k.rsplit(".", 1)[-1] not in free]
+    default = _flat(defaults or {})
+    keys = [k for k in sorted(set(a) | set(b)) if k.rsplit(".", 1)[-1] not in free
+            and not (k not in a and k in default and default[k] == b.get(k))]
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys
             if a.get(k) != b.get(k) and (k not in pa or k not in pb or pa[k] != pb[k])]
 
@@ -609,11 +613,11 @@ def describe_run(folder: Path, own: tuple[str, ...] = STAGE_FILES) -> str | None
 
 
 def check_run_dir(folder: Path, config: dict, *, resume: bool, overwrite: bool, what: str,
-                  own: tuple[str, ...] = STAGE_FILES) -> None:
+                  own: tuple[str, ...] = STAGE_FILES, defaults: dict | None = None) -> None:
     """Refuse, before any model loads, a run that would silently mix with an earlier one in
     `folder` (a stage folder, or the pipeline's OUT, whose entries are `own`): a fresh run where
     one exists (unless `overwrite`), or `resume` with a configuration that differs from the
-    recorded one or with fewer steps than its checkpoints hold."""
+    recorded one (`defaults`: see `config_changes`) or with fewer steps than its checkpoints hold."""
     if resume and overwrite:
         raise ValueError(f"{what}: --resume and --overwrite contradict each other; pass one")
     found = describe_run(folder, own)
@@ -625,7 +629,7 @@ def check_run_dir(folder: Path, config: dict, *, resume: bool, overwrite: bool, 
     recorded = Path(folder) / CONFIG_FILE
     if recorded.is_file():
         fix = "restore it, or start over with --overwrite (it deletes the run)"
-        changes = config_changes(read_json(recorded, fix=fix), config)
+        changes = config_changes(read_json(recorded, fix=fix), config, defaults=defaults)
         if changes:
             raise ValueError(f"{what}: --resume with a configuration that differs from the one recorded in "
                              f"{recorded}: {'; '.join(changes)}. Restore those values, or start over with "

@@ -193,6 +193,15 @@ class PPOConfig(RunConfig):
     H100, bench/results/2026-11-23-h100-ppo-*.json); `auto` = static on one CUDA process, else dynamic
     (on CPU nothing is compiled; under torchrun it is not measured yet). The default stays dynamic
     until the test suite has run on CUDA with static (each test's first rollout would compile)."""
+    rollout_engine: str = "hf"
+    """Sampler of the rollouts: `hf` (transformers' generate with rollout_cache: the exact reference),
+    `graph` (fastrlhf's own decode engine, fastrlhf/engine.py: the LoRA merged into a private bf16 copy
+    re-formed in place before each rollout, its own static KV cache, sampling inside one compiled step
+    captured as a CUDA graph; on CPU the same step runs eagerly; Llama, Qwen2/2.5, Qwen3, Mistral, other
+    models fall back to hf) or `auto` (graph on CUDA where the model is supported, else hf). The log
+    says which and why; with graph, rollout/logp_gap_mean and _max log how far the sampler's log-probs
+    are from the trainer's. The default stays hf until the engine's GPU record is in (bench/gpu_run.sh
+    --only rollout)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's

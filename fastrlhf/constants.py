@@ -4,6 +4,7 @@ triton only), the ops, the trainer and the planner (which imports no torch) may 
 IGNORE_INDEX = -100  # labels equal to it get log-prob 0 and no gradient (PyTorch's cross-entropy default)
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp (policy ratio; k3 KL, both of its terms), as verl
 K3_SERIES_BELOW = 0.5  # |r| below which float32 k3 = exp(-r) - 1 + r is summed as its Taylor series (no cancellation)
+PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")  # a PPO step's phases, in order
 WHITEN_EPS = 1e-8  # (x - mean) * rsqrt(var + WHITEN_EPS)
 
 # KL estimator names users write -> the formula they select (verl's and OpenRLHF's names)

@@ -48,11 +48,11 @@ from typing import NamedTuple
 import torch
 
 from fastrlhf import distributed
+from fastrlhf.constants import IGNORE_INDEX
 from fastrlhf.metrics import progress
 
 log = logging.getLogger("fastrlhf")
 
-IGNORE_INDEX = -100  # label of a token that is not scored (the ops' `ignore_index`)
 BUILTIN = "builtin"  # `--data builtin`: the built-in task
 AUTO = "auto"  # `--data auto`: the built-in task where it fits the model, else an error
 TABLE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

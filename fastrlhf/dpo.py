@@ -157,7 +157,8 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
         eval_ids = truncate_prompts(Encoder(model.tokenizer, chat_template=cfg.chat_template).prompts(eval_prompts),
                                     cfg.max_prompt_len, what="evaluation prompts")
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else LORA_LR if cfg.lora_rank else MODEL_LR)
-    check_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="dpo")
+    check_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="dpo")
     log.info("dpo: model %s; data %s; prompts <= %d tokens, responses <= %d; %s loss, beta %g; lr %g; "
              "%d pairs held out", model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)),
              cfg.max_prompt_len, cfg.max_response_len, cfg.loss_type, cfg.beta, cfg.lr, len(eval_idx))

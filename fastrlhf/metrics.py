@@ -29,9 +29,6 @@ from fastrlhf.checkpoint import json_safe, read_json, temp_path, write_json_atom
 
 log = logging.getLogger("fastrlhf")
 
-PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
-
-
 def setup_logging() -> None:
     """INFO lines with a time stamp on stderr; Python warnings go through logging too (so they
     never land on a progress bar's line). Without a terminal, the Hugging Face libraries' own

@@ -49,7 +49,7 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
         resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), dpo=to_dict(dpo_plan.cfg),
                         rm="not run (algo dpo)", ppo="not run (algo dpo)")
         check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline",
-                      own=OUTPUTS)
+                      own=OUTPUTS, defaults=to_dict(PipelineConfig()))
         return resolved, [("sft", sft.train, sft_plan), ("dpo", dpo.train, dpo_plan)]
     own_rm = str(Path(cfg.out) / "rm" / "final")
     train_rm = cfg.ppo.reward in ("", own_rm)
@@ -62,7 +62,8 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     skipped = f"skipped (ppo.reward {cfg.ppo.reward})"
     resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), ppo=to_dict(ppo_plan.cfg),
                     rm=to_dict(rm_plan.cfg) if rm_plan else skipped, dpo="not run (algo ppo)")
-    check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS)
+    check_run_dir(Path(cfg.out), resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS,
+                  defaults=to_dict(PipelineConfig()))
     stages = [("sft", sft.train, sft_plan), ("rm", rm.train, rm_plan), ("ppo", ppo.train, ppo_plan)]
     return resolved, [s for s in stages if s[2] is not None]
 

@@ -34,15 +34,25 @@ from datasets import Dataset
 from fastrlhf import distributed, ops, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
+from fastrlhf.constants import PPO_PHASES
 from fastrlhf.data import BUILTIN, Encoder, auto_lengths, load_table, truncate_prompts
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
-from fastrlhf.metrics import PPO_PHASES, PhaseTimer, log, setup_logging, to_floats
+from fastrlhf.metrics import PhaseTimer, log, setup_logging, to_floats
 from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_encoding
 from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward, reward_encoder
-from fastrlhf.rollout import ROLLOUT_CACHES, Rollout, generate, token_logprobs
+from fastrlhf.rollout import (
+    ROLLOUT_CACHES,
+    ROLLOUT_ENGINES,
+    Rollout,
+    engine_generate,
+    generate,
+    make_engine,
+    sampler_gap,
+    token_logprobs,
+)
 from fastrlhf.run import (
     POSITIVE,
     StageRun,
@@ -202,8 +212,11 @@ def rollout_cache(cfg: PPOConfig, device: torch.device) -> str:
     return "static" if device.type == "cuda" and not distributed.active() else "dynamic"
 
 
-def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device) -> Rollout:
-    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids})."""
+def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device, engine=None) -> Rollout:
+    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids}), by the
+    decode engine when there is one (it re-forms its weights from the policy first), else by `generate`."""
+    if engine is not None:
+        return engine_generate(engine, ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"])
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device))
 
@@ -253,6 +266,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_cache not in ("auto", *ROLLOUT_CACHES):
         raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
                          f"got {cfg.rollout_cache!r}")
+    if cfg.rollout_engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
@@ -303,7 +318,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         cfg.max_new_tokens = min(cfg.max_new_tokens, AUTO_MAX_NEW_TOKENS)
     prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
     eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
-    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="ppo")
+    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="ppo")
     log.info("ppo: policy %s; %s; data %s; prompts <= %d tokens, responses <= %d; %s", model.spec, reward_desc,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_new_tokens,
              "chat template" if encoder.uses_template else "plain prompt tokens")
@@ -328,6 +344,10 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=critic)
     model = distributed.shard_model(ac, cfg.shard, device)
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
+    engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
+                         batch=cfg.rollout_batch_size // distributed.world_size(),
+                         prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                         device=device)  # None: the hf path
     reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
                             clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
     builtin = cfg.data == BUILTIN
@@ -363,7 +383,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
             G = cfg.num_generations
             idx = distributed.draw(range(len(data)), cfg.rollout_batch_size // G)
             rows = distributed.local_rows(data, [i for i in idx for _ in range(G)])
-            rollout = model.run(sample, tokenizer, rows, cfg, device, gathered=ac.policy)  # not the reference
+            rollout = model.run(sample, tokenizer, rows, cfg, device, engine, gathered=ac.policy)  # not the reference
         # 2. reward: one score per sequence
         with timer.phase("reward"):
             scores = reward_fn(rollout)
@@ -372,6 +392,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         with timer.phase("logprobs"):
             old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout,
                                                        temperature=cfg.temperature, device=device)
+            gap = {} if rollout.sampler_logp is None else sampler_gap(rollout.sampler_logp, old_logp,
+                                                                      rollout.batch.response_mask)
         # 4. KL-shaped per-token rewards (the KL goes to the loss instead with kl_in_loss), then GAE,
         #    or critic-free: one score per response (verl's token_level_rewards.sum(-1)) compared
         #    within each prompt's group of G responses
@@ -404,7 +426,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         stats = {"reward": scores.mean().item(), "kl": kl, "kl_coef": kl_ctl.coef,
                  "response_length": mask.sum(-1).mean().item(),
                  "tokens_per_s": n_tokens / (time.perf_counter() - t0),
-                 "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
+                 "skipped_nonfinite": skipped, **gap, **update_stats, **timer.step_stats()}
         if critic:
             stats["explained_variance"] = explained_variance(old_values, returns, mask).item()
         if G > 1:
@@ -445,6 +467,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
         "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
         "rollout_cache": rollout_cache(cfg, device),
+        "rollout_engine": "hf" if engine is None else "graph",
+        **({} if engine is None else {"rollout_engine_stats": dict(engine.stats, **engine.memory_bytes())}),
         **state_bytes,
     }
     if distributed.active():  # per-rank figures: max above, mean here

@@ -189,7 +189,8 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     cfg.model = model.spec
     enc, train_idx, eval_idx = prepare_pairs(cfg, model, "rm", key_prefix)
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
-    check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="rm")
+    check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="rm")
     log.info("rm: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %d pairs held out",
              model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)), cfg.max_prompt_len,
              cfg.max_response_len, cfg.lr, len(eval_idx))

@@ -92,7 +92,8 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
     response_ids = truncate_responses(response_ids, cfg.max_response_len)
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
-    check_run_dir(Path(cfg.out) / "sft", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="sft")
+    check_run_dir(Path(cfg.out) / "sft", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="sft")
     log.info("sft: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %s", model.spec,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_response_len, cfg.lr,
              "chat template" if encoder.uses_template else "plain prompt + response tokens")

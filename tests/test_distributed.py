@@ -139,6 +139,15 @@ def test_generation_gathers_the_policy_and_not_the_frozen_reference(one_rank, tw
 
 
 @pytest.mark.parametrize("case", list(dist_worker.CASES))
+def test_decode_engine_on_each_rank_samples_the_gathered_policy(case, one_rank, two_ranks):
+    """Under FSDP2 each rank's decode engine merges its rollout weights from the gathered policy
+    (LoRA or full weights): its log-probs are the policy's within 1e-5 (fp32), as on one process."""
+    assert one_rank[f"{case}/float32"]["per_rank"][0]["engine_vs_policy"] < 1e-5
+    gaps = [r["engine_vs_policy"] for r in two_ranks["runs"][f"{case}/float32"]["per_rank"]]
+    assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
+
+
+@pytest.mark.parametrize("case", list(dist_worker.CASES))
 def test_sharding_saves_what_it_claims(case, one_rank, two_ranks):
     """--shard full: each rank holds half the bytes of parameters, gradients and optimizer
     states (within 5%, padding included); grad_op: half the gradients and optimizer states;

@@ -141,6 +141,29 @@ def test_the_ops_part_fits_eight_minutes():
     assert margin and int(margin.group(1)) >= 30, "the GPU bench budget: the step's less a margin"
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_rollout_dry_run(tmp_path):
+    """`--only rollout --dry-run`: the three samplers, each in its own step, merged into rollout.json with
+    every figure issue 26 asks for (at the tiny size on CPU: no CUDA graph, no launch counts, no goal judged)."""
+    out, proc = _dry_run(tmp_path, "--only", "rollout")
+    assert {p.name for p in out.iterdir()} == {"status.json", "rollout.json", "logs.tar.gz"}
+    status = json.loads((out / "status.json").read_text())
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "rollout_graph", "rollout_static",
+                                                    "rollout_dynamic"] and status["ok"] is True, status["steps"]
+    rollout = json.loads((out / "rollout.json").read_text())
+    assert [e["engine"] for e in rollout["engines"]] == ["graph", "static", "dynamic"] and rollout["missing"] == []
+    for e in rollout["engines"]:
+        for key in ("decode_ms_per_step", "floor_ms_per_step", "rollout_s", "step_s", "compile_s"):
+            assert e[key] is not None and e[key] >= 0, (e["engine"], key)
+        assert e["decode_ms_per_step"] > 0 and e["rollout_s"] > 0 and e["step_s"] > e["rollout_s"]
+        assert e["launches"] is None  # CPU
+    graph = rollout["engines"][0]
+    assert graph["capture_s"] == 0.0 and 0 <= graph["logp_gap"]["max"] < 1e-5  # fp32 on CPU: the same numbers
+    assert [g["met"] for g in rollout["goals"]] == [None] * 4
+    assert "rollout graph" in proc.stdout
+
+
 def test_bad_arguments():
     script = str(ROOT / "bench" / "gpu_run.sh")
     parts = sorted(p.stem for p in (ROOT / "bench" / "parts").glob("*.sh"))

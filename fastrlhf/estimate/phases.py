@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import fastrlhf.estimate.timing as T
 import fastrlhf.estimate.work as W
+from fastrlhf.constants import PPO_PHASES
 from fastrlhf.estimate.arch import Arch
 from fastrlhf.estimate.hardware import Device
 from fastrlhf.estimate.memory import (
@@ -545,5 +546,4 @@ def train_step(ctx: Context) -> Phase:
     return Phase("train", {m.pool: mem}, {m.pool: work}, flops, work_by_model={m.name: work}, optimizer_steps=1)
 
 
-PPO_PHASES = tuple(STAGE_PHASES["ppo"])  # the trainer's phases, in order (fastrlhf.metrics.PPO_PHASES; a test keeps
-# them equal: the planner imports no torch, which fastrlhf.metrics does)
+assert tuple(STAGE_PHASES["ppo"]) == PPO_PHASES, "the planner's PPO phases are the trainer's, in order"

@@ -334,8 +334,8 @@ def test_critic_and_reward_of_their_own_size():
 
 
 def test_phase_names_are_the_trainers():
+    from fastrlhf.constants import PPO_PHASES
     from fastrlhf.estimate.compare import PPO_PHASES as compared
-    from fastrlhf.metrics import PPO_PHASES
 
     assert est.PPO_PHASES == compared == PPO_PHASES
 
