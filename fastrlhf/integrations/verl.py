@@ -28,8 +28,8 @@ core_algos.compute_value_loss                 value_loss                as the p
                                                                         where verl's mask.sum(-1) + 1e-8 != n_b
                                                                         (a float64 mask, rows of weights summing
                                                                         below ~0.2)
-core_algos.compute_policy_loss_reinforce      -                         always (bypass_mode's reinforce branch):
-                                                                        not patched yet
+core_algos.compute_policy_loss_reinforce      policy_loss(loss_mode=    as the registry entries
+  (bypass_mode's reinforce branch)              "reinforce")
 
 Every agg mode (token-mean, token-sum, seq-mean-token-sum(-norm), seq-mean-token-mean), dp_size,
 batch_num_tokens, global_batch_size and loss_scale_factor, the straight-through names ("k1+",
@@ -66,6 +66,7 @@ Not kept (fastrlhf's op conventions, docs/ops.md), so not verl's gradients or er
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -136,6 +137,9 @@ def _patch_policy_losses(p: Patcher, core_algos, agg_loss) -> None:
         p.item(registry, name, adapter, "core_algos.POLICY_LOSS_REGISTRY")
         if getattr(core_algos, original.__name__, None) is original:
             p.function(core_algos, original.__name__, adapter)
+    # not in the registry: bypass_mode's reinforce branch calls it by name
+    p.function(core_algos, "compute_policy_loss_reinforce",
+               _policy_loss("reinforce", core_algos.compute_policy_loss_reinforce, core_algos, agg_loss))
 
 
 def _patch_rollout_correction(p: Patcher) -> None:
@@ -338,7 +342,8 @@ def _masked_mean_factor(mask: torch.Tensor):
 
 # verl's metric keys -> fastrlhf's stats, per registry entry (the metrics each of verl's functions returns)
 _POLICY_METRIC_STATS = dict(zip(_POLICY_METRICS, ("clipfrac", "approx_kl", "clipfrac_lower")))
-_METRICS_BY_LOSS = {"gpg": {}, "dro": {"actor/ppo_kl": "approx_kl"}, "kl_cov": {"actor/ppo_kl": "approx_kl_abs"},
+_METRICS_BY_LOSS = {"gpg": {}, "reinforce": {"actor/ppo_kl": "approx_kl_unclamped"},
+                    "dro": {"actor/ppo_kl": "approx_kl"}, "kl_cov": {"actor/ppo_kl": "approx_kl_abs"},
                     "clip_cov": {"actor/pg_clipfrac": "clipfrac", "actor/ppo_kl": "approx_kl"}}
 # POLICY_LOSS_REGISTRY entries that run on fastrlhf (bypass_mode runs on them through its parts)
 FUSED_POLICY_LOSSES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov",
@@ -356,6 +361,7 @@ def _mode_of(name: str, config, clip_low: float, clip_high: float, clip_c: float
         "cispo": ("cispo", clips),
         "sapo": ("sapo", dict(tau_pos=config.tau_pos, tau_neg=config.tau_neg)),
         "gpg": ("gpg", {}),
+        "reinforce": ("reinforce", {}),
         "dro": ("dro", dict(beta=pl.dro_beta)),
         "dppo_tv": ("dppo_tv", dict(clips, ratio_max=clip_c)),
         "dppo_kl": ("dppo_kl", dict(clips, ratio_max=clip_c)),
@@ -381,9 +387,13 @@ def _policy_loss(name, original, core_algos, agg_loss):
     options, aggregation, metric keys and dtypes; verl's own function for what it cannot answer exactly."""
     seq_mode = name == "geo_mean"  # verl's geo_mean: one loss per sequence, a mean over the B rows
 
-    def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                            config=None, rollout_is_weights=None):
-        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    signature = inspect.signature(original)  # reinforce names its first argument rollout_log_prob
+
+    def compute_policy_loss(*call_args, **call_kwargs):
+        bound = signature.bind(*call_args, **call_kwargs)
+        bound.apply_defaults()
+        args = tuple(bound.arguments.values())
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights = args
         if config is None or isinstance(config, core_algos.AlgoConfig):
             return original(*args)  # verl asserts
         agg_mode = "seq-mean-token-mean" if name == "sapo" else loss_agg_mode  # verl's sapo always is
@@ -404,7 +414,7 @@ def _policy_loss(name, original, core_algos, agg_loss):
                 all_finite(old_log_prob, log_prob, advantages, rollout_is_weights)):
             why = "non-finite inputs"  # checked first: the selection draws from the default generator once
         if why is not None:
-            _fallback(name, why)
+            _fallback(original.__name__, why)
             return original(*args)
         loss_dtype = promoted(old_log_prob, log_prob, advantages, rollout_is_weights)  # verl's pg_losses
         weights = rollout_is_weights
@@ -427,7 +437,7 @@ def _policy_loss(name, original, core_algos, agg_loss):
         finite = all_finite(old_log_prob, log_prob, advantages, rollout_is_weights)
         finite, *metrics = torch.cat([finite.to(metrics.dtype).view(1), metrics.to(metrics.dtype)]).tolist()
         if not finite:  # verl's NaN / inf conventions, gradients included, are its own function's
-            _fallback(name, "non-finite inputs")
+            _fallback(original.__name__, "non-finite inputs")
             return original(*args)
         if seq_mode:
             dtype = loss_dtype

@@ -88,17 +88,26 @@ def test_what_fastrlhf_cannot_answer_runs_verls_own_logged_once(verl, op_calls, 
     assert sum("verl's own compute_policy_loss_clip_cov runs" in r.message for r in caplog.records) == 1
 
 
-def test_bypass_mode_runs_on_the_patched_losses(verl, op_calls):
-    """bypass_mode's ppo_clip branch calls compute_policy_loss_vanilla by name: the patched one."""
+BYPASS = [("ppo_clip", "sequence", 2.0, None, None), ("reinforce", "token", 2.0, None, None),
+          ("reinforce", "sequence", "0.1_10.0", "token_k1", 1.5)]
+
+
+@pytest.mark.parametrize("setting", BYPASS, ids=lambda s: "-".join(str(v) for v in s))
+@pytest.mark.parametrize("agg", AGGS)
+def test_bypass_mode_runs_on_the_patched_losses(verl, setting, agg, op_calls):
+    """bypass_mode calls the rollout-correction helper, then compute_policy_loss_vanilla (ppo_clip) or
+    compute_policy_loss_reinforce by name: the patched ones, loss, metrics and gradient as verl's."""
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
 
     integration, originals, core_algos = verl
     rollout, logp, adv, mask = float32_inputs()
-    correction = RolloutCorrectionConfig(loss_type="ppo_clip", rollout_is="sequence", rollout_is_threshold=2.0)
-    config = verl_config("token-mean", {}, {"rollout_correction": correction})
+    loss_type, level, threshold, rs, rs_threshold = setting
+    correction = RolloutCorrectionConfig(loss_type=loss_type, rollout_is=level, rollout_is_threshold=threshold,
+                                         rollout_rs=rs, rollout_rs_threshold=rs_threshold)
+    config = verl_config(agg, {}, {"rollout_correction": correction})
     compare(core_algos.get_policy_loss_fn("bypass_mode"), unpatched(integration, originals["bypass_mode"]),
-            [rollout, logp, adv, mask, "token-mean", config], diff=(1,), upstream=torch.tensor(0.8, dtype=F64))
-    assert op_calls["policy_loss"] == 1
+            [rollout, logp, adv, mask, agg, config], diff=(1,), upstream=torch.tensor(0.8, dtype=F64))
+    assert op_calls["policy_loss"] == 1 and op_calls["rollout_correction"] == 1
 
 
 # ---------------------------------------------------------------- rollout_corr_helper
