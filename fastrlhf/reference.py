@@ -321,20 +321,33 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
 
 def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0,
                    kl_estimator="k3", kl_clamp=None, kl_straight_through=False, entropy_coef=0.0,
-                   temperature=1.0, clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None,
-                   agg="token-mean", **agg_kw):
+                   temperature=1.0, loss_mode="vanilla", clip_low=0.2, clip_high=None, dual_clip=None,
+                   is_weights=None, agg=None, **kw):
     """The whole actor loss from logits:
-    policy_loss(logp) + kl_coef * agg(KL(logp, ref_logp)) - entropy_coef * agg(entropy).
+    policy term (loss_mode: POLICY_LOSSES) + kl_coef * agg(KL(logp, ref_logp)) - entropy_coef * agg(entropy).
 
     is_weights weigh the policy term only; the KL term is token_kl(estimator=kl_estimator,
-    clamp=kl_clamp, straight_through=kl_straight_through). Returns (loss, stats): clipfrac,
-    clipfrac_lower, approx_kl, `pg_loss` (the aggregated policy term), `entropy` (masked mean)
-    and, with a reference, `kl` (masked mean).
+    clamp=kl_clamp, straight_through=kl_straight_through). `kw`: the aggregation keywords (agg_loss's) and
+    the mode's options (its POLICY_LOSSES function's). agg=None: the mode's own default aggregation; geo_mean
+    aggregates one loss per sequence over all B sequences (or global_num_seqs), and its KL and entropy terms
+    as "seq-mean-token-mean" over as many. Returns (loss, stats): the mode's stats but approx_kl_unclamped,
+    `pg_loss` (the aggregated policy term), `entropy` (masked mean) and, with a reference, `kl` (masked mean).
     """
     logp, entropy_ = logprobs(logits, labels, temperature=temperature, return_entropy=True)
-    pg, stats = policy_loss(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                            dual_clip=dual_clip, is_weights=is_weights, agg=agg, **agg_kw)
-    del stats["approx_kl_unclamped"]
+    agg_names = ("global_num_tokens", "global_num_seqs", "dp_size", "loss_scale_factor")
+    agg_kw = {k: kw.pop(k) for k in agg_names if k in kw}
+    fn = POLICY_LOSSES[loss_mode]
+    clips = {k: v for k, v in (("clip_low", clip_low), ("clip_high", clip_high), ("dual_clip", dual_clip))
+             if v is not None and k in _keywords(fn)}
+    if fn is geo_mean:
+        seqs = agg_kw.get("global_num_seqs", logp.shape[0])
+        pg, stats = fn(logp, old_logp, advantages, mask, **clips, is_weights=is_weights, global_num_seqs=seqs,
+                       dp_size=agg_kw.get("dp_size", 1), **kw)
+        agg, agg_kw = "seq-mean-token-mean", dict(agg_kw, global_num_seqs=seqs)
+    else:
+        agg = _keywords(fn)["agg"] if agg is None else agg
+        pg, stats = fn(logp, old_logp, advantages, mask, **clips, is_weights=is_weights, agg=agg, **agg_kw, **kw)
+    stats.pop("approx_kl_unclamped")
     loss = pg
     stats = dict(stats, pg_loss=pg, entropy=masked_mean(entropy_, mask))
     if entropy_coef != 0.0:
@@ -345,6 +358,11 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
         if kl_coef != 0.0:
             loss = loss + kl_coef * agg_loss(kl, mask, agg, **agg_kw)
     return loss, stats
+
+
+def _keywords(fn) -> dict:
+    """{keyword: default} of a POLICY_LOSSES function (its keyword-only arguments with a default)."""
+    return fn.__kwdefaults__ or {}
 
 
 # ---------------------------------------------------------------- outcome advantages

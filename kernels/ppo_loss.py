@@ -75,6 +75,20 @@ from fastrlhf.kernels.logprobs import (
     _ragged_ends,
     fixed_config,
 )
+from fastrlhf.kernels.policy_modes import (
+    CLIP_COV,
+    GEO_MEAN,
+    KL_COV,
+    VESPO,
+    ModeLaunch,
+    geo_clipped,
+    geo_log_is,
+    mode_launch,
+    policy_token,
+    vespo_log_ratio,
+    vespo_log_sampler,
+    vespo_log_w,
+)
 
 from fastrlhf.constants import IGNORE_INDEX, LOG_RATIO_CLAMP
 
@@ -87,7 +101,7 @@ ACTOR_CONFIGS = [triton.Config({"BLOCK_V": block_v, "PROGRAMS_PER_SM": per_sm}, 
                  for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1), (16384, 16, 0.5),
                                                 (16384, 16, 0.25))]
 IGNORE = tl.constexpr(IGNORE_INDEX)
-POLICY_SUMS = ("loss", "n_mask", "n_clipped", "n_clipped_lower", "neg_log_ratio", "neg_log_ratio_unclamped")
+POLICY_SUMS = ("loss", "n_mask", "n_clipped", "n_clipped_lower", "neg_log_ratio", "neg_log_ratio_unclamped", "extra")
 VALUE_SUMS = ("loss", "n_mask", "n_clipped")
 
 
@@ -102,30 +116,6 @@ class AggLaunch(NamedTuple):
     row_mean: bool  # seq-mean-token-mean: 1 / n_b per row, in the main kernel
     grad_scale: float  # the gradient's factor known at launch: dp / global count (/ norm), else 1
     pending: bool  # the count's factor is known only after the finish kernel (no global count given)
-
-
-@triton.jit
-def _policy_token(x, a, lo, hi, dual_clip, DUAL_CLIP: tl.constexpr):
-    # verl's vanilla clipped loss at x = logp - old_logp (module docstring), advantage a:
-    # (loss, dloss/dx, clipped = [l2 > l1], lower = dual-clipped, log_ratio)
-    log_ratio = tl.minimum(tl.maximum(x, -LR_CLAMP), LR_CLAMP)
-    ratio = tl.exp(log_ratio)
-    l1 = -a * ratio
-    l2 = -a * tl.minimum(tl.maximum(ratio, lo), hi)
-    takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
-    loss = tl.where(takes_l2, l2, l1)
-    lower = tl.zeros_like(takes_l2)
-    if DUAL_CLIP:
-        l3 = -a * dual_clip
-        lower = (a < 0) & (loss > l3)  # min(loss, l3) where A < 0; a tie goes to loss
-        loss = tl.where(lower, l3, loss)
-    # dl1/dratio = -A; dl2/dratio = -A * [lo <= ratio <= hi]; dratio/dx = ratio * [|x| <= 20];
-    # the dual-clip term -A c is constant
-    in_clip = (ratio >= lo) & (ratio <= hi)
-    d_ratio = tl.where(takes_l2 & ~in_clip, 0.0, -a)
-    in_lr = (x >= -LR_CLAMP) & (x <= LR_CLAMP)
-    d = tl.where(in_lr & ~lower, d_ratio * ratio, 0.0)
-    return loss, d, takes_l2, lower, log_ratio
 
 
 @triton.jit
@@ -146,9 +136,12 @@ def _policy_loss_fwd_kernel(
     old_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
     adv_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
     mask_ptr,  # [B, T] bool (as int8) or float, stride(1) == 1
+    weight_ptr,  # [B, T] fp32 w = row_scale * mask, stride(1) == 1, read only if WEIGHTED
     is_weights_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1, read only if HAS_IS_WEIGHTS
+    selected_ptr,  # [B, T] bool (as int8), stride(1) == 1, read only for clip_cov / kl_cov
+    sampler_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1, read only if HAS_SAMPLER (vespo)
     dlogp_ptr,  # [B, T] out (fp32, fp64 for fp64 inputs), contiguous, written when NEED_GRAD
-    partial_ptr,  # [6, B] fp32 out, per row: see POLICY_SUMS
+    partial_ptr,  # [7, B] fp32 out, per row: see POLICY_SUMS
     # shapes
     B,
     T,
@@ -157,56 +150,154 @@ def _policy_loss_fwd_kernel(
     stride_old,
     stride_adv,
     stride_mask,
+    stride_weight,
     stride_is,
+    stride_sel,
+    stride_sampler,
     # meta
     grad_scale,  # fp32: the part of the row scale known at launch (1 when it waits for the finish kernel)
-    ratio_low,  # fp32, 1 - clip_low
-    ratio_high,  # fp32, 1 + clip_high
-    dual_clip,  # fp32, used only when DUAL_CLIP
+    ratio_low,  # fp32, 1 - clip_low; the mode's scalars: kernels.policy_modes.SCALARS, each fp32
+    ratio_high,
+    clip_low,
+    clip_high,
+    dual_clip,
+    delta,
+    lr_min,
+    lr_max,
+    ratio_max,
+    tau_pos,
+    tau_neg,
+    beta,
+    ppo_kl_coef,
+    k_pos,
+    lambda_pos,
+    k_neg,
+    lambda_neg,
+    FORMULA: tl.constexpr,  # kernels.policy_modes.FORMULAS
+    LEVEL: tl.constexpr,  # the ratio's level: 0 token, 1 sequence, 2 sequence_token
     DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_LR_MIN: tl.constexpr,
+    HAS_LR_MAX: tl.constexpr,
+    HAS_RATIO_MAX: tl.constexpr,
+    ROW_STAT: tl.constexpr,  # a row reduction before the per-token pass
+    ROW_GRAD: tl.constexpr,  # a gradient through the row statistic: d(logp) in a third walk over the row
     HAS_IS_WEIGHTS: tl.constexpr,
+    HAS_SAMPLER: tl.constexpr,
+    WEIGHTED: tl.constexpr,  # w = weight (the actor loss's row_scale * mask, scale included), else w = mask
     NEED_GRAD: tl.constexpr,
     ROW_MEAN: tl.constexpr,  # seq-mean-token-mean: the row's loss and gradient times 1 / n_b
     BLOCK_T: tl.constexpr,
 ):
-    # one program per row: the per-token loss and gradient, and the row's sums (unscaled but for 1 / n_b)
+    # one program per row: the row's statistic (ROW_STAT), then the per-token loss and gradient and the row's sums
+    # (unscaled but for 1 / n_b), then (ROW_GRAD) the gradient through the statistic. The row's [T] inputs are
+    # read again by the same program (from L1 / L2): one read of [B, T] from DRAM and one write.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_T)
     inv_n = 1.0
     if ROW_MEAN:
         inv_n = _row_inverse_count(mask_ptr, row * stride_mask, T, cols, BLOCK_T)
+    row_lr = 0.0
+    row_loss = 0.0
+    inv_count = 1.0
+    if ROW_STAT:  # S_b = mean_t m x (sequence levels); geo_mean's and vespo's row sums
+        acc_n = tl.zeros((BLOCK_T,), tl.float32)
+        acc_x = tl.zeros((BLOCK_T,), tl.float32)
+        acc_a = tl.zeros((BLOCK_T,), tl.float32)
+        acc_w = tl.zeros((BLOCK_T,), tl.float32)
+        for start in range(0, T, BLOCK_T):
+            t = start + cols
+            inb = t < T
+            m = tl.load(mask_ptr + row * stride_mask + t, mask=inb, other=0).to(tl.float32)
+            counts = m != 0.0
+            x = tl.load(logp_ptr + row * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
+            x -= tl.load(old_ptr + row * stride_old + t, mask=inb, other=0.0).to(tl.float32)
+            acc_n += m
+            if FORMULA == GEO_MEAN:
+                a = tl.load(adv_ptr + row * stride_adv + t, mask=inb, other=0.0).to(tl.float32)
+                x_clipped, _ = geo_clipped(x, a, clip_low, clip_high)
+                acc_x += tl.where(counts, m * x_clipped, 0.0)
+                acc_a += tl.where(counts, m * a, 0.0)
+                if HAS_IS_WEIGHTS:
+                    w_is = tl.load(is_weights_ptr + row * stride_is + t, mask=inb, other=1.0).to(tl.float32)
+                    acc_w += tl.where(counts, m * geo_log_is(w_is), 0.0)
+            elif FORMULA == VESPO:
+                acc_x += tl.where(counts, m * vespo_log_ratio(x), 0.0)
+                if HAS_SAMPLER:
+                    s = tl.load(sampler_ptr + row * stride_sampler + t, mask=inb, other=1.0).to(tl.float32)
+                    acc_w += tl.where(counts, m * vespo_log_sampler(s), 0.0)
+            else:
+                acc_x += tl.where(counts, m * x, 0.0)
+        n_b = tl.sum(acc_n, axis=0)
+        inv_count = 1.0 / tl.maximum(n_b, 1.0)
+        if FORMULA == GEO_MEAN:  # l_b = -mean_t(A) exp(mean_t x~) [exp(mean_t log(is + 1e-10))]
+            row_loss = -(tl.sum(acc_a, axis=0) * inv_count) * tl.exp(tl.sum(acc_x, axis=0) * inv_count)
+            if HAS_IS_WEIGHTS:
+                row_loss = row_loss * tl.exp(tl.sum(acc_w, axis=0) * inv_count)
+        elif FORMULA == VESPO:  # log w = clamp(sum_t m clamp(x) [+ sum_t m clamp(log s)])
+            row_lr = vespo_log_w(tl.sum(acc_x, axis=0) + tl.sum(acc_w, axis=0))
+        else:
+            row_lr = tl.sum(acc_x, axis=0) * inv_count
     acc_loss = tl.zeros((BLOCK_T,), tl.float32)
     acc_clipped = tl.zeros((BLOCK_T,), tl.float32)
     acc_lower = tl.zeros((BLOCK_T,), tl.float32)
     acc_nlr = tl.zeros((BLOCK_T,), tl.float32)
     acc_m = tl.zeros((BLOCK_T,), tl.float32)
     acc_nlru = tl.zeros((BLOCK_T,), tl.float32)
+    acc_extra = tl.zeros((BLOCK_T,), tl.float32)
+    acc_coef = tl.zeros((BLOCK_T,), tl.float32)
     for start in range(0, T, BLOCK_T):
         t = start + cols
         inb = t < T
         m = tl.load(mask_ptr + row * stride_mask + t, mask=inb, other=0).to(tl.float32)
-        x = tl.load(logp_ptr + row * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
-        x -= tl.load(old_ptr + row * stride_old + t, mask=inb, other=0.0).to(tl.float32)
+        logp = tl.load(logp_ptr + row * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + row * stride_old + t, mask=inb, other=0.0).to(tl.float32)
         a = tl.load(adv_ptr + row * stride_adv + t, mask=inb, other=0.0).to(tl.float32)
         counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
         w = m
-        if HAS_IS_WEIGHTS:  # the policy term of each token times its importance weight
+        if WEIGHTED:
+            w = tl.load(weight_ptr + row * stride_weight + t, mask=inb, other=0.0)
+        if HAS_IS_WEIGHTS and FORMULA != GEO_MEAN:  # the policy term of each token times its importance weight
             w = w * tl.load(is_weights_ptr + row * stride_is + t, mask=inb, other=0.0).to(tl.float32)
-        loss, d, takes_l2, lower, log_ratio = _policy_token(x, a, ratio_low, ratio_high, dual_clip, DUAL_CLIP)
+        sel = 0.0
+        if FORMULA == CLIP_COV or FORMULA == KL_COV:
+            sel = tl.load(selected_ptr + row * stride_sel + t, mask=inb, other=0).to(tl.float32)
+        loss, local, coef, clipped, lower, stat_lr, extra = policy_token(
+            logp, old, a, sel, row_lr, row_loss, ratio_low, ratio_high, clip_low, clip_high, dual_clip, delta,
+            lr_min, lr_max, ratio_max, tau_pos, tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos, k_neg, lambda_neg,
+            FORMULA, LEVEL, DUAL_CLIP, HAS_DELTA, HAS_LR_MIN, HAS_LR_MAX, HAS_RATIO_MAX)
         acc_loss += tl.where(counts, w * loss, 0.0)
-        acc_clipped += tl.where(takes_l2 & counts, m, 0.0)
-        acc_lower += tl.where(lower & counts, m, 0.0)
-        acc_nlr += tl.where(counts, -log_ratio * m, 0.0)
+        acc_clipped += tl.where(counts, m * clipped, 0.0)
+        acc_lower += tl.where(counts, m * lower, 0.0)
+        acc_nlr += tl.where(counts, -stat_lr * m, 0.0)
         acc_m += m
-        acc_nlru += tl.where(counts, -x * m, 0.0)
-        if NEED_GRAD:
-            tl.store(dlogp_ptr + row * T + t, tl.where(counts, (grad_scale * inv_n) * (w * d), 0.0), mask=inb)
+        acc_nlru += tl.where(counts, (old - logp) * m, 0.0)
+        acc_extra += tl.where(counts, m * extra, 0.0)
+        if ROW_GRAD:
+            acc_coef += tl.where(counts, w * coef, 0.0)
+        elif NEED_GRAD:
+            tl.store(dlogp_ptr + row * T + t, tl.where(counts, (grad_scale * inv_n) * (w * local), 0.0), mask=inb)
+    if ROW_GRAD and NEED_GRAD:  # dL/dlogp_t = dS_t sum_t' w e: dS_t = m_t / n_b [x~ passes, geo_mean]
+        row_coef = tl.sum(acc_coef, axis=0) * inv_count * (grad_scale * inv_n)
+        for start in range(0, T, BLOCK_T):
+            t = start + cols
+            inb = t < T
+            m = tl.load(mask_ptr + row * stride_mask + t, mask=inb, other=0).to(tl.float32)
+            d_s = m
+            if FORMULA == GEO_MEAN:
+                x = tl.load(logp_ptr + row * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
+                x -= tl.load(old_ptr + row * stride_old + t, mask=inb, other=0.0).to(tl.float32)
+                a = tl.load(adv_ptr + row * stride_adv + t, mask=inb, other=0.0).to(tl.float32)
+                _, moves = geo_clipped(x, a, clip_low, clip_high)
+                d_s = m * moves
+            tl.store(dlogp_ptr + row * T + t, tl.where(m != 0.0, d_s * row_coef, 0.0), mask=inb)
     tl.store(partial_ptr + row, tl.sum(acc_loss, axis=0) * inv_n)
     tl.store(partial_ptr + B + row, tl.sum(acc_m, axis=0))
     tl.store(partial_ptr + 2 * B + row, tl.sum(acc_clipped, axis=0))
     tl.store(partial_ptr + 3 * B + row, tl.sum(acc_lower, axis=0))
     tl.store(partial_ptr + 4 * B + row, tl.sum(acc_nlr, axis=0))
     tl.store(partial_ptr + 5 * B + row, tl.sum(acc_nlru, axis=0))
+    tl.store(partial_ptr + 6 * B + row, tl.sum(acc_extra, axis=0))
 
 
 @triton.jit
@@ -357,13 +448,32 @@ def _actor_loss_fwd_kernel(
     # meta
     scale,  # fp32, log2(e) / temperature
     inv_temperature,  # fp32
-    ratio_low,  # fp32, 1 - clip_low
-    ratio_high,  # fp32, 1 + clip_high
-    dual_clip,  # fp32, used only when DUAL_CLIP
     kl_coef,  # fp32, used only when HAS_KL
     kl_clamp,  # fp32, used only when HAS_KL_CLAMP
     entropy_coef,  # fp32, used only when HAS_ENTROPY
+    ratio_low,  # fp32, 1 - clip_low; the policy-loss mode's scalars: kernels.policy_modes.SCALARS, each fp32
+    ratio_high,
+    clip_low,
+    clip_high,
+    dual_clip,
+    delta,
+    lr_min,
+    lr_max,
+    ratio_max,
+    tau_pos,
+    tau_neg,
+    beta,
+    ppo_kl_coef,
+    k_pos,
+    lambda_pos,
+    k_neg,
+    lambda_neg,
+    FORMULA: tl.constexpr,  # the policy-loss mode: a token-local one (kernels.policy_modes), at the token level
     DUAL_CLIP: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_LR_MIN: tl.constexpr,
+    HAS_LR_MAX: tl.constexpr,
+    HAS_RATIO_MAX: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr,
     HAS_KL: tl.constexpr,  # a KL term in the gradient: ref_logp given and kl_coef != 0
     KL_ESTIMATOR: tl.constexpr,  # kernels.kl.ESTIMATOR_IDS
@@ -381,9 +491,11 @@ def _actor_loss_fwd_kernel(
     for row in range(tl.program_id(0).to(tl.int64), N, tl.num_programs(0)):
         _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
                         logp_ptr, entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature,
-                        ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP, HAS_IS_WEIGHTS,
-                        HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY, NEED_GRAD, SAME_LAYOUT,
-                        ALIGN, BLOCK_V)
+                        kl_coef, kl_clamp, entropy_coef, ratio_low, ratio_high, clip_low, clip_high, dual_clip, delta,
+                        lr_min, lr_max, ratio_max, tau_pos, tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos, k_neg,
+                        lambda_neg, FORMULA, DUAL_CLIP, HAS_DELTA, HAS_LR_MIN, HAS_LR_MAX, HAS_RATIO_MAX,
+                        HAS_IS_WEIGHTS, HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY, NEED_GRAD,
+                        SAME_LAYOUT, ALIGN, BLOCK_V)
 
 
 @triton.jit
@@ -415,18 +527,22 @@ def _token_logp(logits_ptr, row_off, label, V, inv_temperature, lse2):
 
 
 @triton.jit
-def _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
-                       ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef,
-                       DUAL_CLIP: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr,
-                       KL_ESTIMATOR: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr,
-                       HAS_ENTROPY: tl.constexpr):
+def _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, kl_coef,
+                       kl_clamp, entropy_coef, ratio_low, ratio_high, clip_low, clip_high, dual_clip, delta, lr_min,
+                       lr_max, ratio_max, tau_pos, tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos, k_neg, lambda_neg,
+                       FORMULA: tl.constexpr, DUAL_CLIP: tl.constexpr, HAS_DELTA: tl.constexpr,
+                       HAS_LR_MIN: tl.constexpr, HAS_LR_MAX: tl.constexpr, HAS_RATIO_MAX: tl.constexpr,
+                       HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+                       HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr):
     # the token's upstream gradients, token-local once w is known:
     #   L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i);  returns (dL/dlogp, dL/dH), 0 under mask 0
-    # (a policy-loss mode would select its formula here, in place of `_policy_token`)
+    # pg_i is the token-local policy-loss mode FORMULA (kernels.policy_modes.policy_token, at the token level)
     counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
     w = tl.load(weight_ptr + row)
-    _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low, ratio_high,
-                                     dual_clip, DUAL_CLIP)
+    _, d_pg, _, _, _, _, _ = policy_token(
+        logp, tl.load(old_ptr + row), tl.load(adv_ptr + row), 0.0, 0.0, 0.0, ratio_low, ratio_high, clip_low,
+        clip_high, dual_clip, delta, lr_min, lr_max, ratio_max, tau_pos, tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos,
+        k_neg, lambda_neg, FORMULA, 0, DUAL_CLIP, HAS_DELTA, HAS_LR_MIN, HAS_LR_MAX, HAS_RATIO_MAX)
     pg_w = w
     if HAS_IS_WEIGHTS:
         pg_w = w * tl.load(is_weights_ptr + row)
@@ -479,11 +595,14 @@ def _write_dlogits(logits_ptr, dlogits_ptr, row, row_off, a, src, n, n_full, col
 
 @triton.jit
 def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, logp_ptr,
-                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, ratio_low,
-                    ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
-                    HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
-                    HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                    NEED_GRAD: tl.constexpr, SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, kl_coef, kl_clamp,
+                    entropy_coef, ratio_low, ratio_high, clip_low, clip_high, dual_clip, delta, lr_min, lr_max,
+                    ratio_max, tau_pos, tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos, k_neg, lambda_neg,
+                    FORMULA: tl.constexpr, DUAL_CLIP: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_LR_MIN: tl.constexpr,
+                    HAS_LR_MAX: tl.constexpr, HAS_RATIO_MAX: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
+                    HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
+                    KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr, NEED_GRAD: tl.constexpr,
+                    SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
     # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index: the row is walked as in
     # kernels/logprobs.py, its 16-byte aligned middle in BLOCK_V tiles (the last one masked in whole 16-byte
     # groups), then its few ragged columns at either end
@@ -503,9 +622,12 @@ def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_p
     tl.store(entropy_ptr + row, entropy)
     if NEED_GRAD:
         g_logp, g_ent = _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr,
-                                           is_weights_ptr, ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp,
-                                           entropy_coef, DUAL_CLIP, HAS_IS_WEIGHTS, HAS_KL, KL_ESTIMATOR,
-                                           HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY)
+                                           is_weights_ptr, kl_coef, kl_clamp, entropy_coef, ratio_low, ratio_high,
+                                           clip_low, clip_high, dual_clip, delta, lr_min, lr_max, ratio_max, tau_pos,
+                                           tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos, k_neg, lambda_neg, FORMULA,
+                                           DUAL_CLIP, HAS_DELTA, HAS_LR_MIN, HAS_LR_MAX, HAS_RATIO_MAX,
+                                           HAS_IS_WEIGHTS, HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH,
+                                           HAS_ENTROPY)
         # ignored and out-of-range labels have no log-prob, hence no gradient through it
         takes_grad = (label >= 0) & (label < V) & (label != IGNORE)
         g_logp = tl.where(takes_grad, g_logp, 0.0)
@@ -585,25 +707,36 @@ def _outputs(x: torch.Tensor, n_stats: int, n_sums: int, spec: AggLaunch, need_g
     return loss, stats, d, factor, partial
 
 
-def policy_loss_fwd(logp, old_logp, advantages, mask, is_weights, *, clip_low: float, clip_high: float,
-                    dual_clip: float | None, spec: AggLaunch, need_grad: bool, out_dtype=torch.float32):
-    """[B, T] inputs with stride(1) == 1 (any row strides). Returns (loss [], stats [4] = clipfrac,
-    clipfrac_lower, approx_kl, approx_kl_unclamped (masked means), d(loss)/d(logp) [B, T] or None,
-    factor [1] or None): the main kernel, then the one-program finish kernel. d(logp) holds every factor
-    of the row scale known at launch; `factor` (spec.pending) is the count's, applied by `scale_unless_one_`."""
+def policy_loss_fwd(logp, old_logp, advantages, mask, is_weights, *, mode: ModeLaunch, spec: AggLaunch,
+                    need_grad: bool, out_dtype=torch.float32, weight=None, selected=None, sampler_weights=None):
+    """[B, T] inputs with stride(1) == 1 (any row strides); `mode` the policy-loss mode
+    (kernels.policy_modes.mode_launch), `selected` its batch-wide selection (clip_cov / kl_cov, bool),
+    `sampler_weights` vespo's. Returns (loss [], stats [5] = clipfrac, clipfrac_lower, approx_kl,
+    approx_kl_unclamped, the mode's extra stat (masked means), d(loss)/d(logp) [B, T] or None, factor [1] or
+    None): the main kernel, then the one-program finish kernel. d(logp) holds every factor of the row scale
+    known at launch; `factor` (spec.pending) is the count's, applied by `scale_unless_one_`. With `weight`
+    ([B, T] fp32 row_scale * mask, the actor loss's) the per-token weights are given: spec must be token-sum
+    with dp_size 1."""
     B, T = logp.shape
     logp, old_logp, advantages, mask = (_unit_last(x) for x in (logp, old_logp, advantages, mask))
-    is_weights = None if is_weights is None else _unit_last(is_weights)
+    is_weights, weight, selected, sampler_weights = (None if x is None else _unit_last(x)
+                                                     for x in (is_weights, weight, selected, sampler_weights))
     loss, stats, d, factor, partial = _outputs(logp, len(POLICY_SUMS) - 2, len(POLICY_SUMS), spec, need_grad,
                                                out_dtype)
     if B:
+        stride = lambda x: 0 if x is None else x.stride(0)  # noqa: E731
         _policy_loss_fwd_kernel[(B,)](
-            logp, old_logp, advantages, as_loadable(mask), logp if is_weights is None else is_weights,
+            logp, old_logp, advantages, as_loadable(mask), logp if weight is None else weight,
+            logp if is_weights is None else is_weights, mask if selected is None else as_loadable(selected),
+            logp if sampler_weights is None else sampler_weights,  # each read only when given
             partial if d is None else d, partial,  # d never written without NEED_GRAD
-            B, T, logp.stride(0), old_logp.stride(0), advantages.stride(0), mask.stride(0),
-            0 if is_weights is None else is_weights.stride(0),
-            spec.grad_scale, 1.0 - clip_low, 1.0 + clip_high, 0.0 if dual_clip is None else dual_clip,
-            DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, NEED_GRAD=need_grad,
+            B, T, logp.stride(0), old_logp.stride(0), advantages.stride(0), mask.stride(0), stride(weight),
+            stride(is_weights), stride(selected), stride(sampler_weights),
+            spec.grad_scale, *mode.scalars,
+            FORMULA=mode.formula, LEVEL=mode.level, DUAL_CLIP=mode.dual_clip, HAS_DELTA=mode.has_delta,
+            HAS_LR_MIN=mode.has_lr_min, HAS_LR_MAX=mode.has_lr_max, HAS_RATIO_MAX=mode.has_ratio_max,
+            ROW_STAT=mode.row_stat, ROW_GRAD=mode.row_grad, HAS_IS_WEIGHTS=is_weights is not None,
+            HAS_SAMPLER=sampler_weights is not None, WEIGHTED=weight is not None, NEED_GRAD=need_grad,
             ROW_MEAN=spec.row_mean, BLOCK_T=_block_t(T))
     _finish(partial, B, T, spec, loss, stats, factor)
     return loss, stats, d, factor
@@ -684,6 +817,11 @@ def actor_loss_fwd(
     if N == 0:
         return logp, entropy, d_logits
     has_kl = ref_logp is not None and spec.kl_coef != 0.0
+    mode = mode_launch(spec.policy)
+    if not mode.token_local:
+        raise ValueError(f"actor_loss_fwd: loss_mode {spec.policy.mode!r} at ratio level {spec.policy.ratio_level!r} "
+                         f"is not token-local (ops.losses runs it as a log-prob forward, the policy-loss kernel and a "
+                         f"log-prob backward)")
     if logits.is_cuda and V >= TUNE_MIN_V and not inplace:
         kernel, config = _actor_loss_tuned, {}
         grid = lambda meta: _actor_grid(N, meta["PROGRAMS_PER_SM"], device)  # noqa: E731
@@ -698,10 +836,11 @@ def actor_loss_fwd(
         d_logits if need_grad else logits,  # never written without NEED_GRAD
         N, T, V,
         logits.stride(0), logits.stride(1),
-        LOG2E / spec.temperature, 1.0 / spec.temperature, 1.0 - spec.clip_low, 1.0 + spec.clip_high,
-        0.0 if spec.dual_clip is None else spec.dual_clip, float(spec.kl_coef),
-        0.0 if spec.kl_clamp is None else spec.kl_clamp, float(spec.entropy_coef),
-        DUAL_CLIP=spec.dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
+        LOG2E / spec.temperature, 1.0 / spec.temperature, float(spec.kl_coef),
+        0.0 if spec.kl_clamp is None else spec.kl_clamp, float(spec.entropy_coef), *mode.scalars,
+        FORMULA=mode.formula, DUAL_CLIP=mode.dual_clip, HAS_DELTA=mode.has_delta, HAS_LR_MIN=mode.has_lr_min,
+        HAS_LR_MAX=mode.has_lr_max, HAS_RATIO_MAX=mode.has_ratio_max, HAS_IS_WEIGHTS=is_weights is not None,
+        HAS_KL=has_kl,
         KL_ESTIMATOR=ESTIMATOR_IDS[spec.kl_estimator], HAS_KL_CLAMP=spec.kl_clamp is not None,
         KL_STRAIGHT_THROUGH=bool(spec.kl_straight_through), HAS_ENTROPY=spec.entropy_coef != 0.0, NEED_GRAD=need_grad,
         SAME_LAYOUT=logits.is_contiguous(), ALIGN=16 // logits.element_size(), **config,

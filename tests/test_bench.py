@@ -120,6 +120,10 @@ def test_targets_in_a_cpu_run_are_computed_but_not_judged(record):
     for t in result["targets"]:
         assert t["met"] is None  # never judged on CPU, nor off the target shape
     assert by_name["linear_logprobs fwd+bwd extra peak (GiB)"]["value"] is None  # no peak memory on CPU
+    for mode, provider in bench.providers.MODE_PROVIDERS.items():  # issue 24: each mode over vanilla, same case
+        target = by_name[f"ppo_actor_loss fwd+bwd {mode} / vanilla"]
+        assert target["value"] == pytest.approx(ms("ppo_actor_loss", "fwd+bwd", provider)
+                                                / ms("ppo_actor_loss", "fwd+bwd", "fastrlhf"))
 
 
 def test_plot_and_markdown(record):

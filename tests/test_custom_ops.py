@@ -8,12 +8,15 @@ fake tensors exactly as for inductor (that is where graph breaks and fake-impl e
 one test also runs inductor end to end.
 """
 
+import functools
+
 import pytest
 import torch
 import torch._dynamo.testing
 from torch.library import opcheck
 
 from fastrlhf import ops
+from fastrlhf.ops import policy_modes as pm
 
 B, T, V, H = 3, 5, 13, 8
 
@@ -96,14 +99,21 @@ def _raw_moments(dtype):
     return (lambda: [ops.raw_moments(x, mask), ops.whiten(x, mask, moments=ops.raw_moments(x, mask) * 2)]), []
 
 
-def _policy_loss(dtype):
+# the policy-loss modes traced with fullgraph=True (clip_cov / kl_cov select tokens with a host sync, as the
+# peers: they are opchecked, not traced whole)
+MODE_OPTIONS = {"vanilla": dict(clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean"),
+                "gspo": dict(clip_high=0.28, delta=1.5), "geo_mean": dict(global_num_seqs=4.0),
+                "cispo": dict(ratio_max=2.0, ratio_level="sequence"), "vespo": dict(k_pos=1.5), "dppo_kl": {}}
+
+
+def _policy_loss(dtype, mode="vanilla"):
     old, adv, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _mask()
 
     is_weights = torch.rand(B, T, dtype=dtype) + 0.5
 
     def fn(logp):
-        loss, stats = ops.policy_loss(logp, old, adv, mask, clip_high=0.28, dual_clip=3.0, is_weights=is_weights,
-                                      agg="seq-mean-token-mean")
+        loss, stats = ops.policy_loss(logp, old, adv, mask, loss_mode=mode, is_weights=is_weights,
+                                      **MODE_OPTIONS[mode])
         return [loss, *stats.values()]
 
     return fn, [_lp(B, T, requires_grad=True, dtype=dtype)]
@@ -120,14 +130,14 @@ def _value_loss(dtype):
     return fn, [values.requires_grad_()]
 
 
-def _ppo_actor_loss(dtype):
+def _ppo_actor_loss(dtype, mode="vanilla"):
     labels = torch.randint(0, V, (B, T))
     old, adv, ref_logp, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
+    options = dict(dual_clip=3.0, agg="token-sum") if mode == "vanilla" else MODE_OPTIONS[mode]
 
     def fn(logits):
         loss, stats = ops.ppo_actor_loss(logits, labels, old, adv, mask, ref_logp=ref_logp, kl_coef=0.1,
-                                         kl_clamp=10.0, entropy_coef=0.01, temperature=0.8, dual_clip=3.0,
-                                         agg="token-sum")
+                                         kl_clamp=10.0, entropy_coef=0.01, temperature=0.8, loss_mode=mode, **options)
         return [loss, *stats.values()]
 
     return fn, [torch.randn(B, T, V, dtype=dtype, requires_grad=True)]
@@ -148,15 +158,16 @@ def _linear_logprobs(dtype):
     return fn, _linear_leaves(dtype)
 
 
-def _linear_ppo_actor_loss(dtype, kl_straight_through=True):
+def _linear_ppo_actor_loss(dtype, kl_straight_through=True, mode="vanilla"):
     labels = torch.randint(0, V, (B, T))
     old, adv, ref_logp, mask = _lp(B, T, dtype=dtype), torch.randn(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
     is_weights = torch.rand(B, T, dtype=dtype) + 0.5
+    options = dict(agg="seq-mean-token-sum") if mode == "vanilla" else MODE_OPTIONS[mode]
 
     def fn(hidden, weight, bias):
         loss, stats = ops.linear_ppo_actor_loss(hidden, weight, labels, old, adv, mask, bias=bias, chunk_size=4,
                                                 ref_logp=ref_logp, kl_coef=0.1, kl_straight_through=kl_straight_through,
-                                                entropy_coef=0.01, is_weights=is_weights, agg="seq-mean-token-sum")
+                                                entropy_coef=0.01, is_weights=is_weights, loss_mode=mode, **options)
         return [loss, *stats.values()]
 
     return fn, _linear_leaves(dtype)
@@ -227,10 +238,14 @@ CASES = {
     "whiten": _whiten,
     "raw_moments": _raw_moments,
     "policy_loss": _policy_loss,
+    **{f"policy_loss-{m}": functools.partial(_policy_loss, mode=m) for m in MODE_OPTIONS if m != "vanilla"},
     "value_loss": _value_loss,
     "ppo_actor_loss": _ppo_actor_loss,
+    "ppo_actor_loss-gspo": functools.partial(_ppo_actor_loss, mode="gspo"),
+    "ppo_actor_loss-cispo": functools.partial(_ppo_actor_loss, mode="cispo"),
     "linear_logprobs": _linear_logprobs,
     "linear_ppo_actor_loss": _linear_ppo_actor_loss,
+    "linear_ppo_actor_loss-geo_mean": functools.partial(_linear_ppo_actor_loss, mode="geo_mean"),
     "outcome_advantages": _outcome_advantages,
     "rollout_correction": _rollout_correction,
     "dpo_loss": _dpo_loss,
@@ -312,25 +327,29 @@ def test_inductor_end_to_end():
 
 
 @pytest.mark.parametrize("name", ["logprobs", "logprobs-topk", "entropy", "agg_loss", "token_kl", "policy_loss",
-                                  "value_loss", "linear_logprobs", "dpo_loss", "linear_sequence_logprobs",
+                                  "policy_loss-gspo", "policy_loss-geo_mean", "value_loss", "linear_logprobs",
+                                  "dpo_loss", "linear_sequence_logprobs",
                                   "linear_dpo_loss"])
 def test_gradcheck_float64(monkeypatch, name):
-    """(Straight-through KL is left out on purpose: its gradient is by definition not its value's.)"""
+    """(Straight-through KL is left out on purpose: its gradient is by definition not its value's; so are the
+    modes whose gradient is a detached weight's times the log-prob's: cispo, dppo, vespo.)"""
     monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
     fn, leaves = CASES[name](torch.float64)
     assert torch.autograd.gradcheck(lambda *xs: tuple(o for o in fn(*xs) if o.requires_grad), tuple(leaves))
 
 
-@pytest.mark.parametrize("name", ["ppo_actor_loss", "linear_ppo_actor_loss"])
+@pytest.mark.parametrize("name", ["ppo_actor_loss", "linear_ppo_actor_loss", "ppo_actor_loss-gspo",
+                                  "linear_ppo_actor_loss-geo_mean"])
 def test_actor_losses_directional_derivatives_float64(monkeypatch, name):
     """gradcheck backprops twice (a reentrancy check) and these losses allow one backward (their
     gradients are formed in the forward and handed over once): the same check, written out. Central
     differences of the float64 loss along random directions equal <gradient, direction>."""
     monkeypatch.setenv("FASTRLHF_BACKEND", "torch")
-    if name == "ppo_actor_loss":
-        fn, leaves = _ppo_actor_loss(torch.float64)
+    op, _, mode = name.partition("-")
+    if op == "ppo_actor_loss":
+        fn, leaves = _ppo_actor_loss(torch.float64, mode=mode or "vanilla")
     else:
-        fn, leaves = _linear_ppo_actor_loss(torch.float64, kl_straight_through=False)
+        fn, leaves = _linear_ppo_actor_loss(torch.float64, kl_straight_through=False, mode=mode or "vanilla")
     grads = torch.autograd.grad(fn(*leaves)[0], leaves)
     eps = 1e-6
     with torch.no_grad():
@@ -344,6 +363,11 @@ def test_actor_losses_directional_derivatives_float64(monkeypatch, name):
 
 
 # ---------------------------------------------------------------- opcheck on the custom ops
+
+
+def _mode(name, **options):
+    """A policy-loss mode's flat spec, as the custom ops take it."""
+    return pm.make_spec(name, **options).flat()
 
 
 def _opcheck_samples(dtype, triton):
@@ -383,16 +407,31 @@ def _opcheck_samples(dtype, triton):
         "raw_moments": (fl.raw_moments, (g, mask)),
         "whiten_with_moments": (fl.whiten_with_moments, (g, mask, torch.tensor([7.0, 1.5, 9.0], dtype=torch.float64),
                                                          True, False)),
-        "policy_loss": (fl.policy_loss, (lp, ref_lp, adv, mask, None, 0.2, 0.28, 3.0, "seq-mean-token-mean", None,
-                                         None, 1, None, True, triton)),
-        "policy_loss-is_weights": (fl.policy_loss, (lp, ref_lp, adv, mask, w, 0.2, 0.28, None, "token-mean", 9.0,
-                                                    None, 2, None, True, triton)),
+        "policy_loss": (fl.policy_loss, (lp, ref_lp, adv, mask, None, None, None, *_mode("vanilla", dual_clip=3.0),
+                                         "seq-mean-token-mean", None, None, 1, None, True, triton)),
+        "policy_loss-is_weights": (fl.policy_loss, (lp, ref_lp, adv, mask, w, None, None, *_mode("vanilla"),
+                                                    "token-mean", 9.0, None, 2, None, True, triton)),
+        "policy_loss-gspo": (fl.policy_loss, (lp, ref_lp, adv, mask, w, None, None, *_mode("gspo", delta=1.5),
+                                              "seq-mean-token-mean", None, None, 1, None, True, triton)),
+        "policy_loss-geo_mean": (fl.policy_loss, (lp, ref_lp, adv, mask, w, None, None, *_mode("geo_mean"),
+                                                  "seq-mean-token-mean", None, 5.0, 2, None, True, triton)),
+        "policy_loss-clip_cov": (fl.policy_loss, (lp, ref_lp, adv, mask, None, torch.rand(B, T) > 0.7, None,
+                                                  *_mode("clip_cov"), "token-sum", None, None, 1, None, True, triton)),
+        "policy_loss-vespo": (fl.policy_loss, (lp, ref_lp, adv, mask, None, None, w + 0.5, *_mode("vespo"),
+                                               "token-mean", None, None, 1, None, True, triton)),
+        "policy_loss-sapo_sequence": (fl.policy_loss, (lp, ref_lp, adv, mask, None, None, None,
+                                                       *_mode("sapo", ratio_level="sequence"), "seq-mean-token-sum",
+                                                       None, None, 1, None, True, triton)),
         "value_loss": (fl.value_loss, (lp, ref_lp, adv, mask, 0.2, "seq-mean-token-sum-norm", None, 4.0, 2, 3.0,
                                        True, triton)),
         "value_loss-local_count": (fl.value_loss, (lp, ref_lp, adv, mask, None, "token-mean", None, None, 1, None,
                                                    True, triton)),
-        "ppo_actor_loss": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, ref_lp, w, 0.9, 0.1, "k3", 10.0, True,
-                                               0.01, 0.2, 0.2, None, True, triton)),
+        "ppo_actor_loss": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, ref_lp, w, None, 0.9, 0.1, "k3", 10.0, True,
+                                               0.01, *_mode("vanilla"), True, triton)),
+        "ppo_actor_loss-gspo": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, ref_lp, w, None, 0.9, 0.1, "k3", None,
+                                                    False, 0.01, *_mode("gspo"), True, triton)),
+        "ppo_actor_loss-cispo": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, None, None, None, 1.0, 0.0, "k3",
+                                                     None, False, 0.0, *_mode("cispo", ratio_max=2.0), True, triton)),
         "scale_unless_one_": (fl.scale_unless_one_, (torch.randn(B, T, V, dtype=dtype), torch.tensor(0.7), triton)),
         "linear_logprobs": (fl.linear_logprobs, (hidden, weight, bias, flat(y), 1.0, -100, True, 4, None, False,
                                                  triton)),
@@ -403,9 +442,13 @@ def _opcheck_samples(dtype, triton):
                                       hidden.new_empty(0), flat(g), flat(g), 1.0, -100, 4, None, True, True, True,
                                       triton)),
         "linear_ppo_actor_loss": (fl.linear_ppo_actor_loss,
-                                  (hidden, weight, bias, flat(y), flat(ref_lp), flat(adv), flat(mask).to(dtype),
-                                   flat(w), flat(ref_lp), None, 1.0, 0.1, "k2", None, False, 0.01, 0.2, 0.2, 3.0, 4,
-                                   None, True, True, True, triton)),
+                                  (hidden, weight, bias, flat(y), ref_lp, adv, mask.to(dtype), w, ref_lp, None, None,
+                                   1.0, 0.1, "k2", None, False, 0.01, *_mode("vanilla", dual_clip=3.0), 4, None, True,
+                                   True, True, triton)),
+        "linear_ppo_actor_loss-geo_mean": (fl.linear_ppo_actor_loss,
+                                           (hidden, weight, bias, flat(y), ref_lp, adv, mask.to(dtype), w, None, w,
+                                            None, 1.0, 0.0, "k3", None, False, 0.0, *_mode("geo_mean"), 4, None, True,
+                                            True, True, triton)),
         "outcome_advantages": (fl.outcome_advantages, (g[:, 0].detach(), mask, torch.tensor([4, 1, 4]), "grpo", 1e-6,
                                                        "group", True, "score", "tokens", 1e-8, "add")),
         "rollout_correction": (fl.rollout_correction, (lp.detach(), ref_lp, mask, "sequence", "mask", 0.5, 2.0, "ratio",
@@ -433,7 +476,7 @@ def test_opcheck(backend, name):
     dtype = torch.float64 if backend == "torch" else torch.float32
     op, args = _opcheck_samples(dtype, backend == "triton")[name]
     # the actor losses allow one backward, which opcheck's AOT test takes several times
-    skip = ("test_aot_dispatch_dynamic",) if name in ("ppo_actor_loss", "linear_ppo_actor_loss") else ()
+    skip = ("test_aot_dispatch_dynamic",) if name.split("-")[0] in ("ppo_actor_loss", "linear_ppo_actor_loss") else ()
     utils = tuple(u for u in ("test_schema", "test_autograd_registration", "test_faketensor",
                               "test_aot_dispatch_dynamic") if u not in skip)
     opcheck(op, args, test_utils=utils)

@@ -64,6 +64,7 @@ CASES = [  # (name, options shared by the reference and the spec)
     ("dppo_kl", dict(clip_low=0.1, clip_high=0.05, ratio_max=20.0)),
     ("clip_cov", dict(clip_high=0.28)),
     ("kl_cov", dict(ppo_kl_coef=0.1)),
+    ("kl_cov", dict(ppo_kl_coef=0.1, log_ratio_clamp=0.5)),  # |clamped log-ratio|: its gradient 0 past the clamp
     ("geo_mean", dict(clip_high=0.28)),
     ("vespo", {}),
     ("vespo", dict(k_pos=1.5, lambda_pos=2.0, k_neg=2.5, lambda_neg=1.0)),
@@ -89,13 +90,10 @@ def run_reference(name, opts, old, logp, adv, mask, agg, agg_kw, is_weights, sam
 
 
 def run_modes(name, opts, old, logp, adv, mask, agg, agg_kw, is_weights, sampler):
-    spec = pm.make_spec(name, **opts)
+    spec = pm.make_spec(name, **opts, **SELECTION.get(name, {}))
     x = pm.Inputs(logp, old, adv, mask, is_weights=is_weights, sampler_weights=sampler if name == "vespo" else None)
     torch.manual_seed(7)
-    if name == "clip_cov":
-        x = x._replace(selected=pm.clip_cov_dropped(x, spec, **SELECTION[name]))
-    elif name == "kl_cov":
-        x = x._replace(selected=pm.kl_cov_chosen(x, **SELECTION[name]))
+    x = x._replace(selected=pm.selection(x, spec))
     if name in pm.ROW_LOSS:  # one loss per row, averaged over all B rows (or global_num_seqs)
         w = agg_weights(mask, "seq-mean-token-mean", global_num_seqs=agg_kw.get("global_num_seqs", mask.shape[0]),
                         dp_size=agg_kw.get("dp_size", 1))
@@ -123,6 +121,7 @@ def test_mode_loss_gradient_and_stats_equal_the_reference(name, opts, agg, agg_k
     assert want_grad.abs().sum() > 0
     assert_f64(got, want, "loss")
     assert_f64(got_grad, want_grad, "d loss / d logp")
+    assert set(want_stats) == set(pm.STATS[name])
     for key, value in want_stats.items():
         assert_f64(got_stats[key], value, key)
 
@@ -130,8 +129,8 @@ def test_mode_loss_gradient_and_stats_equal_the_reference(name, opts, agg, agg_k
 def test_selections_are_exercised():
     old, logp, adv, mask = make_inputs()
     x = pm.Inputs(logp, old, adv, mask)
-    assert pm.clip_cov_dropped(x, pm.make_spec("clip_cov"), **SELECTION["clip_cov"]).sum() > 1
-    assert pm.kl_cov_chosen(x, **SELECTION["kl_cov"]).sum() > 1
+    assert pm.clip_cov_dropped(x, pm.make_spec("clip_cov", **SELECTION["clip_cov"])).sum() > 1
+    assert pm.kl_cov_chosen(x, pm.make_spec("kl_cov", **SELECTION["kl_cov"])).sum() > 1
 
 
 def test_off_mask_non_finite_inputs_add_nothing():
@@ -188,8 +187,12 @@ def test_ties_follow_the_stated_rules(name, opts):
 def test_make_spec_checks_its_arguments():
     with pytest.raises(ValueError, match="loss_mode must be one of"):
         pm.make_spec("nope")
-    with pytest.raises(TypeError, match="unknown option"):
+    with pytest.raises(TypeError, match="takes no option"):
         pm.make_spec("vanilla", clip_ratio=0.2)
+    with pytest.raises(TypeError, match="takes no option"):
+        pm.make_spec("gpg", dual_clip=2.0)
+    with pytest.raises(TypeError, match="ratio_max must be"):
+        pm.make_spec("dppo_tv", ratio_max=None)
     with pytest.raises(ValueError, match="beta > 0"):
         pm.make_spec("dro")
     with pytest.raises(ValueError, match="dual_clip must be > 1.0"):

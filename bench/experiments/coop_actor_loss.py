@@ -97,7 +97,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative  # noqa: E402
 from fastrlhf.kernels.logprobs import FP32_MIN, LN2, LOG2E, _bwd_tile, _online_tile  # noqa: E402
-from fastrlhf.kernels.ppo_loss import IGNORE, _policy_token  # noqa: E402
+from fastrlhf.kernels.policy_modes import SURROGATE, policy_token  # noqa: E402
+from fastrlhf.kernels.ppo_loss import IGNORE, LR_CLAMP  # noqa: E402
 
 CHUNK = 8192  # columns per program on CUDA: 32 fp32 per thread at 8 warps
 NUM_WARPS = 8
@@ -132,8 +133,11 @@ def _token_coefficients(logp, entropy, label, valid, row, old_ptr, adv_ptr, mask
     # (kernels/ppo_loss.py), which has no helper of its own to import. Returns (a, b, g_label, takes_grad).
     counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
     w = tl.load(weight_ptr + row)
-    _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low, ratio_high,
-                                     dual_clip, DUAL_CLIP)
+    # verl's vanilla loss: kernels.policy_modes' clipped surrogate, log-ratio clamped to +-20
+    _, d_pg, _, _, _, _, _ = policy_token(logp, tl.load(old_ptr + row), tl.load(adv_ptr + row), 0.0, 0.0, 0.0,
+                                          ratio_low, ratio_high, 0.0, 0.0, dual_clip, 0.0, -LR_CLAMP, LR_CLAMP, 0.0,
+                                          0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, SURROGATE, 0, DUAL_CLIP, False, True,
+                                          True, False)
     pg_w = w
     if HAS_IS_WEIGHTS:
         pg_w = w * tl.load(is_weights_ptr + row)
@@ -427,8 +431,11 @@ def _inputs(B: int, T: int, V: int, device: torch.device, seed: int = 0) -> dict
 def spec_kwargs(flags: dict) -> dict:
     """`actor_loss_fwd`'s keywords (the options as one ActorSpec, need_grad) from this experiment's flat flags."""
     from fastrlhf.ops.losses import ActorSpec
+    from fastrlhf.ops.policy_modes import make_spec
 
-    return {"spec": ActorSpec(**{k: v for k, v in flags.items() if k in ActorSpec._fields}),
+    dual = {} if flags.get("dual_clip") is None else {"dual_clip": flags["dual_clip"]}
+    policy = make_spec("vanilla", clip_low=flags["clip_low"], clip_high=flags["clip_high"], **dual)
+    return {"spec": ActorSpec(**{k: v for k, v in flags.items() if k in ActorSpec._fields}, policy=policy),
             "need_grad": flags["need_grad"]}
 
 

@@ -28,7 +28,10 @@ from fastrlhf import ops, reference
 
 PEERS = ("verl", "openrlhf", "trl", "liger")
 WEIGHT_ACCUM = "fastrlhf-accum-weight"
-PROVIDERS = ("fastrlhf", WEIGHT_ACCUM, "torch", "torch.compile", *PEERS, "matmuls")
+# issue 24: policy-loss modes of ppo_actor_loss timed beside the vanilla one ("fastrlhf"), as providers
+MODES_TIMED = ("gspo", "cispo", "clip_cov")
+MODE_PROVIDERS = {m: f"fastrlhf-{m}" for m in MODES_TIMED}
+PROVIDERS = ("fastrlhf", WEIGHT_ACCUM, *MODE_PROVIDERS.values(), "torch", "torch.compile", *PEERS, "matmuls")
 SLOW_PROVIDERS = ("torch.compile",)  # measured after every other provider of every case (compile time)
 ACTOR_KW = {"kl_coef": 0.05, "entropy_coef": 0.01}
 
@@ -211,7 +214,9 @@ TABLE: dict[str, dict[str, Callable]] = {
                  "verl": _peer(_VERL_F, _verl_logprobs), "openrlhf": _peer(_ORLHF_UTILS, _openrlhf_logprobs),
                  "trl": _peer("trl.trainer.utils", _trl_logprobs),
                  "liger": _peer(_LIGER_F, _liger_logprobs, cuda_only=True)},
-    "ppo_actor_loss": {"fastrlhf": _ours("ppo_actor_loss", **ACTOR_KW), "torch": _ref("ppo_actor_loss", **ACTOR_KW)},
+    "ppo_actor_loss": {"fastrlhf": _ours("ppo_actor_loss", **ACTOR_KW),
+                       **{p: _ours("ppo_actor_loss", loss_mode=m, **ACTOR_KW) for m, p in MODE_PROVIDERS.items()},
+                       "torch": _ref("ppo_actor_loss", **ACTOR_KW)},
     "linear_logprobs": {"fastrlhf": _ours("linear_logprobs"), WEIGHT_ACCUM: _ours_weight_accum("linear_logprobs"),
                         "torch": _ref("linear_logprobs"),
                         "liger": _peer(_LIGER_F, _liger_linear_logprobs, cuda_only=True), "matmuls": _matmuls},

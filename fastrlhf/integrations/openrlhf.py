@@ -11,7 +11,7 @@ models.utils.compute_approx_kl                token_kl                  unknown 
                                                                         without unbiased_gradient
 models.loss.aggregate_loss                    agg_loss                  counts <= 0, a non-integer dp_size,
                                                                         loss_mask=None
-models.loss.PolicyLoss.forward                policy_loss               gspo (a per-sequence ratio); non-finite
+models.loss.PolicyLoss.forward                policy_loss (ppo, gspo)   non-finite
                                                                         inputs; old_log_probs or advantages that
                                                                         need a gradient; the agg cases above
 models.loss.ValueLoss.forward                 value_loss                the same; per sample where mask.sum(-1) +
@@ -299,28 +299,36 @@ def _policy_loss_forward(original, aggregate_loss, masked_mean):
                 global_batch_size)
         keywords = _agg_keywords(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
         correction = self.is_correction_level != "off"
+        gspo = self.policy_loss_type == "gspo"  # under correction its ratio is against the rollout's log-probs
         rollout = rollout_log_probs if correction else None
-        if (keywords is None or self.policy_loss_type != "ppo" or not isinstance(action_mask, torch.Tensor)
+        if (keywords is None or self.policy_loss_type not in ("ppo", "gspo")
+                or not isinstance(action_mask, torch.Tensor)
                 or not floats(log_probs, old_log_probs, advantages, *((rollout_log_probs,) if correction else ()))
                 or not same_shape(log_probs, old_log_probs, advantages, action_mask, rollout)
-                or (correction and not _fused_is_correction(self)) or needs_grad(old_log_probs, advantages, rollout)
+                or (correction and not gspo and not _fused_is_correction(self))
+                or needs_grad(old_log_probs, advantages, rollout)
                 or not (_is_clip(self.clip_eps_low) and _is_clip(self.clip_eps_high))
                 or not (self.dual_clip is None or _is_clip(self.dual_clip, above=1.0))
                 or float64_on_kernels(log_probs, old_log_probs, advantages, rollout)
                 or not bool(all_finite(log_probs, old_log_probs, advantages, rollout))):
             return original(*args)  # non-finite inputs: OpenRLHF's NaN / inf conventions, gradients included
         weights = vllm_kl = is_filter_ratio = None
-        if correction:
+        if correction and not gspo:
             weights, vllm_kl, is_filter_ratio = _is_correction(self, old_log_probs, rollout_log_probs, action_mask,
                                                                masked_mean)
+        base = rollout_log_probs if gspo and correction else old_log_probs  # the ratio's denominator
         loss_dtype = promoted(log_probs, old_log_probs, advantages, weights)  # OpenRLHF's per-token loss
         row_weights = _row_mean_weights(keywords, loss_dtype, action_mask)
         if row_weights is not None:
             weights = row_weights.expand_as(log_probs) if weights is None else weights * row_weights
-        loss, stats = fastrlhf.policy_loss(log_probs, old_log_probs, advantages, action_mask,
+        mode = "gspo" if gspo else "vanilla"
+        loss, stats = fastrlhf.policy_loss(log_probs, base, advantages, action_mask, loss_mode=mode,
                                            clip_low=self.clip_eps_low, clip_high=self.clip_eps_high,
                                            dual_clip=self.dual_clip, is_weights=weights, **keywords)
         loss = _as_openrlhf(loss, None, action_mask, keywords)
+        if base is not old_log_probs:  # OpenRLHF's ppo_kl is against old_log_probs whatever the ratio's base
+            stats = dict(stats, approx_kl_unclamped=masked_mean(old_log_probs - log_probs.detach(), action_mask,
+                                                                dim=None))
         # clip_ratio and ppo_kl are masked means over the local tokens: NaN for an empty mask
         empty = action_mask.sum() == 0
         clip_ratio, ppo_kl = (torch.where(empty, float("nan"), stats[k]) for k in ("clipfrac", "approx_kl_unclamped"))

@@ -15,17 +15,28 @@ core_algos.agg_loss                           agg_loss                  unknown 
                                                                         global count (verl raises); counts <= 0
 core_algos.compute_gae_advantage_return       gae                       a non-binary (weighting) mask
   and ADV_ESTIMATOR_REGISTRY["gae"]
-core_algos.compute_policy_loss_vanilla        policy_loss               non-finite inputs; old_log_prob, advantages
-  and POLICY_LOSS_REGISTRY["vanilla"]                                   or weights that need a gradient; the agg
-                                                                        cases above
-core_algos.compute_value_loss                 value_loss                the same; seq-mean-token-mean where verl's
-                                                                        mask.sum(-1) + 1e-8 != n_b (a float64
-                                                                        mask, rows of weights summing below ~0.2)
+POLICY_LOSS_REGISTRY (every entry but          policy_loss(loss_mode=)   non-finite inputs; old_log_prob, advantages
+  bypass_mode, which runs on the patched                                or weights that need a gradient; the agg
+  compute_policy_loss_vanilla and rollout                               cases above; geo_mean in float64 or with a
+  helper) and the core_algos functions:                                 weighting mask (verl's row means divide by
+  vanilla, gspo (gspo_token), cispo, sapo,                              n + 1e-8)
+  gpg, dro, dppo_tv, dppo_kl, clip_cov,
+  kl_cov, geo_mean
+rollout_corr_helper.compute_rollout_          rollout_correction        arguments verl rejects (it raises), float
+  correction_and_rejection_mask                                         (weighting) masks, float64 on the kernels
+core_algos.compute_value_loss                 value_loss                as the policy losses; seq-mean-token-mean
+                                                                        where verl's mask.sum(-1) + 1e-8 != n_b
+                                                                        (a float64 mask, rows of weights summing
+                                                                        below ~0.2)
+core_algos.compute_policy_loss_reinforce      policy_loss(loss_mode=    as the registry entries
+  (bypass_mode's reinforce branch)              "reinforce")
 
 Every agg mode (token-mean, token-sum, seq-mean-token-sum(-norm), seq-mean-token-mean), dp_size,
 batch_num_tokens, global_batch_size and loss_scale_factor, the straight-through names ("k1+",
-"k3+", "low_var_kl+", "abs+") and rollout_is_weights run fused. Call `patch()` before verl builds
-its workers: the engines keep `entropy_from_logits` in an attribute at construction time.
+"k3+", "low_var_kl+", "abs+") and rollout_is_weights run fused. A policy-loss or rollout-correction
+call that falls back to verl's own function logs why, once per (function, reason), on the
+"fastrlhf.integrations" logger. Call `patch()` before verl builds its workers: the engines keep
+`entropy_from_logits` in an attribute at construction time.
 
 Conventions kept (read from verl 0.9.1): outputs in verl's dtypes (found by running verl's own
 agg_loss on meta tensors; `kl_penalty` and `entropy_from_logits` in the input dtype,
@@ -55,13 +66,14 @@ Not kept (fastrlhf's op conventions, docs/ops.md), so not verl's gradients or er
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
 
 import fastrlhf
 from fastrlhf.constants import AGG_MODES
-from fastrlhf.integrations import Patcher, peer_version
+from fastrlhf.integrations import Patcher, logger, peer_version
 from fastrlhf.integrations._conventions import (
     all_finite,
     dtypes_of,
@@ -74,6 +86,7 @@ from fastrlhf.integrations._conventions import (
     same_shape,
     scalar,
 )
+from fastrlhf.ops.policy_modes import make_spec
 
 SUPPORTED = "verl >= 0.9"
 _PATCHER = Patcher("verl", "verl")
@@ -104,14 +117,38 @@ def patch() -> None:
         if core_algos.ADV_ESTIMATOR_REGISTRY.get("gae") is core_algos.compute_gae_advantage_return:
             p.item(core_algos.ADV_ESTIMATOR_REGISTRY, "gae", gae, "core_algos.ADV_ESTIMATOR_REGISTRY")
         p.function(core_algos, "compute_gae_advantage_return", gae)
-        vanilla = _policy_loss_vanilla(core_algos.compute_policy_loss_vanilla, core_algos, agg_loss, verl_F)
-        if core_algos.POLICY_LOSS_REGISTRY.get("vanilla") is core_algos.compute_policy_loss_vanilla:
-            p.item(core_algos.POLICY_LOSS_REGISTRY, "vanilla", vanilla, "core_algos.POLICY_LOSS_REGISTRY")
-        p.function(core_algos, "compute_policy_loss_vanilla", vanilla)
+        _patch_policy_losses(p, core_algos, agg_loss)
         p.function(core_algos, "compute_value_loss", _value_loss(core_algos.compute_value_loss, agg_loss, verl_F))
+        _patch_rollout_correction(p)
     except BaseException:  # never leave a half-patched peer behind
         _PATCHER.undo()
         raise
+
+
+def _patch_policy_losses(p: Patcher, core_algos, agg_loss) -> None:
+    """Every fused POLICY_LOSS_REGISTRY entry, in the registry (get_policy_loss_fn reads it) and as the
+    module function of the same name (bypass_mode calls compute_policy_loss_vanilla by name)."""
+    registry = core_algos.POLICY_LOSS_REGISTRY
+    for name in FUSED_POLICY_LOSSES:
+        original = registry.get(name)
+        if original is None:
+            continue
+        adapter = _policy_loss(name, original, core_algos, agg_loss)
+        p.item(registry, name, adapter, "core_algos.POLICY_LOSS_REGISTRY")
+        if getattr(core_algos, original.__name__, None) is original:
+            p.function(core_algos, original.__name__, adapter)
+    # not in the registry: bypass_mode's reinforce branch calls it by name
+    p.function(core_algos, "compute_policy_loss_reinforce",
+               _policy_loss("reinforce", core_algos.compute_policy_loss_reinforce, core_algos, agg_loss))
+
+
+def _patch_rollout_correction(p: Patcher) -> None:
+    """rollout_corr_helper.compute_rollout_correction_and_rejection_mask (what bypass_mode and
+    compute_rollout_correction_and_add_to_batch call) on fastrlhf.rollout_correction."""
+    import verl.trainer.ppo.rollout_corr_helper as helper
+
+    original = helper.compute_rollout_correction_and_rejection_mask
+    p.function(helper, "compute_rollout_correction_and_rejection_mask", _rollout_correction(original))
 
 
 def unpatch() -> None:
@@ -303,50 +340,141 @@ def _masked_mean_factor(mask: torch.Tensor):
     return n / (n + 1e-8)
 
 
-def _policy_loss_vanilla(original, core_algos, agg_loss, verl_F):
-    def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                    config=None, rollout_is_weights=None):
-        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+# verl's metric keys -> fastrlhf's stats, per registry entry (the metrics each of verl's functions returns)
+_POLICY_METRIC_STATS = dict(zip(_POLICY_METRICS, ("clipfrac", "approx_kl", "clipfrac_lower")))
+_METRICS_BY_LOSS = {"gpg": {}, "reinforce": {"actor/ppo_kl": "approx_kl_unclamped"},
+                    "dro": {"actor/ppo_kl": "approx_kl"}, "kl_cov": {"actor/ppo_kl": "approx_kl_abs"},
+                    "clip_cov": {"actor/pg_clipfrac": "clipfrac", "actor/ppo_kl": "approx_kl"}}
+# POLICY_LOSS_REGISTRY entries that run on fastrlhf (bypass_mode runs on them through its parts)
+FUSED_POLICY_LOSSES = ("vanilla", "gspo", "cispo", "sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov",
+                       "geo_mean")
+
+
+def _mode_of(name: str, config, clip_low: float, clip_high: float, clip_c: float) -> tuple[str, dict]:
+    """(fastrlhf loss_mode, its options) for verl's registry entry `name` under `config` (read from verl
+    0.9.1's functions: gspo is GSPO-token with log(s) <= 10, dppo truncates the ratio at clip_ratio_c)."""
+    pl = config.policy_loss
+    clips = dict(clip_low=clip_low, clip_high=clip_high)
+    return {
+        "vanilla": ("vanilla", dict(clips, dual_clip=clip_c)),
+        "gspo": ("gspo_token", clips),
+        "cispo": ("cispo", clips),
+        "sapo": ("sapo", dict(tau_pos=config.tau_pos, tau_neg=config.tau_neg)),
+        "gpg": ("gpg", {}),
+        "reinforce": ("reinforce", {}),
+        "dro": ("dro", dict(beta=pl.dro_beta)),
+        "dppo_tv": ("dppo_tv", dict(clips, ratio_max=clip_c)),
+        "dppo_kl": ("dppo_kl", dict(clips, ratio_max=clip_c)),
+        "clip_cov": ("clip_cov", dict(clips, clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
+                                      clip_cov_ub=pl.clip_cov_ub)),
+        "kl_cov": ("kl_cov", dict(kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef)),
+        "geo_mean": ("geo_mean", clips),
+    }[name]
+
+
+def _fallback(name: str, why: str) -> None:
+    """Log once per (loss, reason) that verl's own function runs."""
+    if (name, why) not in _FALLBACKS:
+        _FALLBACKS.add((name, why))
+        logger.info("fastrlhf: verl's own %s runs (%s)", name, why)
+
+
+_FALLBACKS: set = set()
+
+
+def _policy_loss(name, original, core_algos, agg_loss):
+    """The adapter of verl's POLICY_LOSS_REGISTRY[name]: fastrlhf.policy_loss(loss_mode=...) with verl's
+    options, aggregation, metric keys and dtypes; verl's own function for what it cannot answer exactly."""
+    seq_mode = name == "geo_mean"  # verl's geo_mean: one loss per sequence, a mean over the B rows
+
+    signature = inspect.signature(original)  # reinforce names its first argument rollout_log_prob
+
+    def compute_policy_loss(*call_args, **call_kwargs):
+        bound = signature.bind(*call_args, **call_kwargs)
+        bound.apply_defaults()
+        args = tuple(bound.arguments.values())
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights = args
         if config is None or isinstance(config, core_algos.AlgoConfig):
             return original(*args)  # verl asserts
+        agg_mode = "seq-mean-token-mean" if name == "sapo" else loss_agg_mode  # verl's sapo always is
         try:
             clip = config.clip_ratio
             clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else clip
             clip_high = config.clip_ratio_high if config.clip_ratio_high is not None else clip
             clip_c = config.get("clip_ratio_c", 3.0)
             info = dict(config.global_batch_info)
+            mode, options = _mode_of(name, config, clip_low, clip_high, clip_c)
+            make_spec(mode, **options)  # options fastrlhf rejects (dro_beta <= 0): verl raises its own error
         except Exception:  # verl's own function raises its own error for this config
             return original(*args)
-        keywords = None if set(info) - _BATCH_INFO else _agg_keywords(loss_agg_mode, **info)
-        if (keywords is None or not all(isinstance(c, (int, float)) and c >= 0 for c in (clip_low, clip_high))
-                or not isinstance(clip_c, (int, float)) or not clip_c > 1.0
-                or not floats(log_prob, old_log_prob, advantages, optional=(rollout_is_weights,))
-                or not isinstance(response_mask, torch.Tensor)
-                or not same_shape(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights)
-                or needs_grad(old_log_prob, advantages, rollout_is_weights)
-                or float64_on_kernels(log_prob, old_log_prob, advantages, rollout_is_weights)):
+        keywords = None if set(info) - _BATCH_INFO else _agg_keywords(agg_mode, **info)
+        why = _unfusable(name, keywords, clip_low, clip_high, clip_c, log_prob, old_log_prob, advantages,
+                         response_mask, rollout_is_weights)
+        if why is None and _selects(mode) and not bool(
+                all_finite(old_log_prob, log_prob, advantages, rollout_is_weights)):
+            why = "non-finite inputs"  # checked first: the selection draws from the default generator once
+        if why is not None:
+            _fallback(original.__name__, why)
             return original(*args)
         loss_dtype = promoted(old_log_prob, log_prob, advantages, rollout_is_weights)  # verl's pg_losses
         weights = rollout_is_weights
-        row_weights = _row_mean_weights(loss_agg_mode, loss_dtype, response_mask)
-        if row_weights is not None:
-            weights = row_weights.expand_as(log_prob) if weights is None else weights * row_weights
-        loss, stats = fastrlhf.policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_low=clip_low,
-                                           clip_high=clip_high, dual_clip=clip_c, is_weights=weights, **keywords)
-        loss = _nan_if_empty(loss, response_mask, keywords)
-        metrics = torch.stack([stats["clipfrac"], stats["approx_kl"], stats["clipfrac_lower"]])
+        if seq_mode:
+            keywords = {}
+        else:
+            row_weights = _row_mean_weights(agg_mode, loss_dtype, response_mask)
+            if row_weights is not None:
+                weights = row_weights.expand_as(log_prob) if weights is None else weights * row_weights
+        loss, stats = fastrlhf.policy_loss(log_prob, old_log_prob, advantages, response_mask, loss_mode=mode,
+                                           is_weights=weights, **options, **keywords)
+        if not seq_mode:
+            loss = _nan_if_empty(loss, response_mask, keywords)
+        names = _METRICS_BY_LOSS.get(name, _POLICY_METRIC_STATS)
+        metrics = torch.stack([stats[k] for k in names.values()] or [loss.detach().new_zeros(())])
         factor = _masked_mean_factor(response_mask)
         if factor is not None:
             metrics = metrics * factor
-        # one host sync for the finiteness check and the metrics (verl's .item() makes three)
+        # one host sync for the finiteness check and the metrics (verl's .item() makes one per metric)
         finite = all_finite(old_log_prob, log_prob, advantages, rollout_is_weights)
-        finite, *metrics = torch.cat([finite.to(metrics.dtype).view(1), metrics]).tolist()
+        finite, *metrics = torch.cat([finite.to(metrics.dtype).view(1), metrics.to(metrics.dtype)]).tolist()
         if not finite:  # verl's NaN / inf conventions, gradients included, are its own function's
+            _fallback(original.__name__, "non-finite inputs")
             return original(*args)
-        dtype = dtypes_of(agg_loss, like(loss_dtype, log_prob.dim()), response_mask, loss_agg_mode, **info)
-        return loss.to(dtype), dict(zip(_POLICY_METRICS, metrics))
+        if seq_mode:
+            dtype = loss_dtype
+        else:
+            dtype = dtypes_of(agg_loss, like(loss_dtype, log_prob.dim()), response_mask, agg_mode, **info)
+        return loss.to(dtype), dict(zip(names, metrics))
 
-    return compute_policy_loss_vanilla
+    compute_policy_loss.__name__ = compute_policy_loss.__qualname__ = original.__name__
+    return compute_policy_loss
+
+
+def _selects(mode: str) -> bool:
+    """Whether `mode` selects tokens over the batch with a random draw or a top-k (clip_cov, kl_cov)."""
+    return mode in ("clip_cov", "kl_cov")
+
+
+def _unfusable(name, keywords, clip_low, clip_high, clip_c, log_prob, old_log_prob, advantages, response_mask,
+               weights) -> str | None:
+    """Why fastrlhf cannot give verl's exact answer for this call (None: it can)."""
+    if keywords is None and name != "geo_mean":
+        return "an aggregation fastrlhf does not take (verl raises or divides by a count <= 0)"
+    if not all(isinstance(c, (int, float)) and c >= 0 for c in (clip_low, clip_high)):
+        return "clip ratios that are not numbers >= 0"
+    if name in ("vanilla", "dppo_tv", "dppo_kl") and (not isinstance(clip_c, (int, float)) or not clip_c > 1.0):
+        return "clip_ratio_c <= 1"
+    if (not floats(log_prob, old_log_prob, advantages, optional=(weights,))
+            or not isinstance(response_mask, torch.Tensor)
+            or not same_shape(log_prob, old_log_prob, advantages, response_mask, weights)):
+        return "inputs that are not float tensors of one shape"
+    if needs_grad(old_log_prob, advantages, weights):
+        return "old_log_prob, advantages or rollout_is_weights that need a gradient"
+    if float64_on_kernels(log_prob, old_log_prob, advantages, weights):
+        return "float64 inputs on the Triton kernels (they compute in float32)"
+    if name == "geo_mean" and (promoted(log_prob, old_log_prob, advantages, weights) == torch.float64
+                               or response_mask.is_floating_point()):
+        return "float64 or a weighting mask: verl's row means divide by n + 1e-8"
+    return None
 
 
 def _fusable_values(vpreds, returns, values, mask, mode) -> torch.Tensor:
@@ -386,3 +514,91 @@ def _value_loss(original, agg_loss, verl_F):
         return loss.to(loss_dtype), clipfrac.to(clipfrac_dtype)
 
     return compute_value_loss
+
+
+# ---------------------------------------------------------------- rollout correction (rollout_corr_helper)
+
+_OFFPOLICY_KEYS = ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
+                   "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq")
+_IS_KEYS = tuple("rollout_is_" + k for k in (
+    "mean", "max", "min", "ratio_fraction_high", "ratio_fraction_low", "std", "eff_sample_size", "seq_mean", "seq_std",
+    "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_fraction_low"))
+_RS_KEYS = ("mean", "max", "min", "fraction_high", "fraction_low", "std", "masked_fraction", "seq_mean", "seq_std",
+            "seq_max", "seq_min", "seq_max_deviation", "seq_fraction_high", "seq_masked_fraction")
+
+
+def _split(spec) -> list[str]:
+    return [v.strip() for v in str(spec).split(",")]
+
+
+def _bounds(spec: str) -> tuple[float, float] | float:
+    """verl's "lower_upper" threshold string, or one number."""
+    if "_" in spec:
+        low, high = (float(v) for v in spec.split("_"))
+        return low, high
+    return float(spec)
+
+
+def _verl_correction(rollout_is, rollout_is_threshold, batch_normalize, rollout_rs, rollout_rs_threshold):
+    """(rollout_correction's keywords, verl's metric keys in its order) for verl's settings (read from
+    verl 0.9.1's rollout_corr_helper: a "lower_upper" IS threshold is IcePop's mask mode, one number
+    truncates; a single rejection threshold applies to every criterion; k1 criteria are two-sided)."""
+    level = rollout_is if rollout_is is not None and rollout_is_threshold is not None else None
+    keys, kw = [], dict(level=level, mode="truncate", low=None, high=None, batch_normalize=bool(batch_normalize))
+    if level is not None:
+        bounds = _bounds(str(rollout_is_threshold))
+        if isinstance(bounds, tuple):
+            kw.update(mode="mask", low=bounds[0], high=bounds[1])
+        else:
+            kw["high"] = bounds
+        keys += _IS_KEYS + (("rollout_is_oob_ratio",) if kw["mode"] == "mask" else ()) + (
+            ("rollout_is_batch_norm_factor",) if batch_normalize else ())
+    if rollout_rs is not None:
+        names, specs = _split(rollout_rs), _split(rollout_rs_threshold)
+        specs = specs * len(names) if len(specs) == 1 else specs
+        if len(specs) != len(names):
+            raise ValueError("one rollout_rs_threshold per criterion")
+        kw["reject"] = {n: _bounds(s) for n, s in zip(names, specs)}
+        keys += ["rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"]
+        for n in names:
+            keys += [f"rollout_rs_{n}_{k}" for k in _RS_KEYS + (("seq_fraction_low",) if n.endswith("k1") else ())]
+    return kw, keys + list(_OFFPOLICY_KEYS)
+
+
+def _rollout_correction(original):
+    def compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob, response_mask, rollout_is=None,
+                                                      rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+                                                      rollout_rs=None, rollout_rs_threshold=None):
+        args = (old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold,
+                rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+        why = None
+        if (not floats(old_log_prob, rollout_log_prob) or not isinstance(response_mask, torch.Tensor)
+                or response_mask.is_floating_point() or not same_shape(old_log_prob, rollout_log_prob, response_mask)
+                or (rollout_rs is not None and rollout_rs_threshold is None) or not bool(response_mask.any())):
+            why = "arguments verl rejects, a weighting mask, or inputs that are not [B, T] floats"
+        elif float64_on_kernels(old_log_prob, rollout_log_prob):
+            why = "float64 inputs on the Triton kernels"
+        else:
+            try:
+                kw, keys = _verl_correction(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
+                                            rollout_rs_threshold)
+                weights, keep, stats = fastrlhf.rollout_correction(old_log_prob, rollout_log_prob, response_mask,
+                                                                   **kw)
+            except (ValueError, TypeError) as e:  # verl raises its own error, or accepts what fastrlhf does not
+                why = f"settings fastrlhf does not take ({e})"
+        if why is None and not set(keys) <= set(stats):
+            why = "a metric fastrlhf does not compute"
+        if why is not None:
+            _fallback("compute_rollout_correction_and_rejection_mask", why)
+            return original(*args)
+        from verl import DataProto
+
+        values = torch.stack([stats[k].double() for k in keys]).tolist()  # one host sync, as verl's .item()s
+        metrics = {f"rollout_corr/{k}": v for k, v in zip(keys, values)}
+        proto = None
+        if weights is not None:
+            weights = weights.to(promoted(old_log_prob, rollout_log_prob))
+            proto = DataProto.from_dict(tensors={"rollout_is_weights": weights})
+        return proto, keep.to(response_mask.dtype), metrics
+
+    return compute_rollout_correction_and_rejection_mask

@@ -38,6 +38,7 @@ fastrlhf::linear_ppo_actor_loss.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,13 +57,17 @@ from fastrlhf.ops._common import (
 from fastrlhf.ops._dispatch import register
 from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
-    ACTOR_STATS,
+    N_ACTOR_STATS,
     TOKEN_TERMS,
     ActorSpec,
     ActorTerms,
     actor_loss_and_stats,
+    actor_pass,
     actor_prologue,
+    actor_stats,
     actor_token_terms,
+    fast_vanilla,
+    fused_actor,
     token_weights,
 )
 
@@ -274,73 +279,134 @@ _linear_logprobs = register("linear_logprobs", _linear_logprobs_op, _fake_linear
 
 def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, old_logp: Tensor,
                           advantages: Tensor, mask: Tensor, token_weight: Tensor, ref_logp: Tensor | None,
-                          is_weights: Tensor | None, temperature: float, kl_coef: float, kl_estimator: str,
-                          kl_clamp: float | None, kl_straight_through: bool, entropy_coef: float, clip_low: float,
-                          clip_high: float, dual_clip: float | None, chunk_size: int,
-                          accum_dtype: torch.dtype | None, need_hidden: bool, need_weight: bool, need_bias: bool,
-                          use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], bias [V], per-token [N] -> (loss, ACTOR_STATS [6], d_hidden,
-    d_weight, d_bias): the forward forms the gradients asked for (module docstring), [0] otherwise."""
-    N = hidden.shape[0]
+                          is_weights: Tensor | None, sampler_weights: Tensor | None, temperature: float,
+                          kl_coef: float, kl_estimator: str, kl_clamp: float | None, kl_straight_through: bool,
+                          entropy_coef: float, mode: str, ratio_level: str, mode_values: list[float],
+                          chunk_size: int, accum_dtype: torch.dtype | None, need_hidden: bool, need_weight: bool,
+                          need_bias: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], bias [V], per-token [B, T] (B T = N) -> (loss, the actor stats [8],
+    d_hidden, d_weight, d_bias): the forward forms the gradients asked for (module docstring), [0] otherwise."""
     dtype = out_dtype(hidden)
     acc = weight_accum_dtype(weight, accum_dtype)
     need_bias = need_bias and bias is not None
     need_grad = need_hidden or need_weight or need_bias
-    spec = ActorSpec(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
-                     clip_high, dual_clip)  # rebuilt from the custom-op boundary's scalars
-    terms = ActorTerms(old_logp, advantages, mask, token_weight, ref_logp, is_weights, spec)
+    spec = ActorSpec.unflat(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, mode,
+                            ratio_level, mode_values)  # rebuilt from the custom-op boundary's scalars
+    flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
+    terms = ActorTerms(flat(old_logp), flat(advantages), flat(mask), flat(token_weight), flat(ref_logp),
+                       flat(is_weights), flat(sampler_weights), spec, tuple(mask.shape))
     # by default d(weight) accumulates in fp32: V x H x 4 bytes (2.5 GB at V = 151936, H = 4096)
     # held through the forward, then cast to the weight's dtype
-    d_hidden = torch.empty_like(hidden) if need_hidden else None
-    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
-    d_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None
-    if use_triton:  # per chunk, one fused kernel forms d(logits) over the logits (kernels/ppo_loss.py)
-        from fastrlhf.kernels import ppo_loss as kernels
-
-        f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
-        per_token = tuple(f32(t) for t in (old_logp, advantages, mask, token_weight, ref_logp, is_weights))
-        cut = lambda t, s: None if t is None else t[s]  # noqa: E731
-        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(logp)
-        for start in range(0, N, chunk_size):
-            s = slice(start, min(start + chunk_size, N))
-            h = hidden[s]
-            logits = chunk_logits(h, weight, bias)  # matmul 1
-            # d(logits) is written over `logits` and returned as that same tensor: left unbound, so that
-            # `del logits` below frees the chunk before the next one is made
-            logp[s], entropy[s] = kernels.actor_loss_fwd(
-                logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), spec=spec, need_grad=need_grad,
-                inplace=True)[:2]
-            if need_grad:  # the logits now hold d(logits)
-                _add_chunk_gradients(logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
-            del logits
-        rows, _, _ = actor_token_terms(logp.to(dtype), entropy.to(dtype), terms, need_grad=False)
+    grads = _Grads(torch.empty_like(hidden) if need_hidden else None,
+                   torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None,
+                   torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_bias else None)
+    if use_triton and fused_actor(spec):
+        loss, stats = _fused_chunks(hidden, weight, bias, labels, terms, chunk_size, need_grad, grads)
+    elif not use_triton and fast_vanilla(spec.policy):
+        loss, stats = _vanilla_chunks(hidden, weight, bias, labels, terms, chunk_size, need_grad, grads)
     else:
-        rows = torch.empty(len(TOKEN_TERMS), N, dtype=dtype, device=hidden.device)
-        for start in range(0, N, chunk_size):
-            s = slice(start, min(start + chunk_size, N))
-            h, y = hidden[s], labels[s]
-            logits = chunk_logits(h, weight, bias)  # matmul 1
-            logp, entropy, lse = _chunk_fwd(logits, y, temperature, IGNORE_INDEX, True, use_triton)
-            rows[:, s], g_logp, g_ent = actor_token_terms(logp, entropy, terms.at(s), need_grad)
-            if need_grad:
-                d_logits = _chunk_bwd(logits, y, lse, entropy, g_logp, g_ent, temperature, IGNORE_INDEX, use_triton)
-                _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
-                del d_logits  # the chunk's logits, written over
-            del logits
-    loss, stats = actor_loss_and_stats(rows, mask.sum(), spec)
+        loss, stats = _two_sweeps(hidden, weight, bias, labels, terms, chunk_size, need_grad, grads, use_triton)
+    d_hidden, d_weight, d_bias = grads
     return (loss, stats, _or_empty(d_hidden, hidden),
             _or_empty(None if d_weight is None else d_weight.to(weight.dtype), weight),
             _or_empty(None if d_bias is None else d_bias.to(bias.dtype), weight))
 
 
+class _Grads(NamedTuple):
+    """The gradients the actor loss's forward forms (None: not asked for)."""
+
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+
+
+def _chunks(N: int, chunk_size: int):
+    for start in range(0, N, chunk_size):
+        yield slice(start, min(start + chunk_size, N))
+
+
+def _fused_chunks(hidden, weight, bias, labels, terms: ActorTerms, chunk_size, need_grad, grads: _Grads):
+    """The token-local modes on the Triton path: per chunk one fused kernel forms d(logits) over the logits
+    (kernels/ppo_loss.py); 3 matmuls per chunk."""
+    from fastrlhf.kernels import ppo_loss as kernels
+
+    N = hidden.shape[0]
+    f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+    per_token = tuple(f32(t) for t in (terms.old_logp, terms.advantages, terms.mask, terms.weight, terms.ref_logp,
+                                       terms.is_weights))
+    cut = lambda t, s: None if t is None else t[s]  # noqa: E731
+    logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(logp)
+    for s in _chunks(N, chunk_size):
+        h = hidden[s]
+        logits = chunk_logits(h, weight, bias)  # matmul 1
+        # d(logits) is written over `logits` and returned as that same tensor: left unbound, so that
+        # `del logits` below frees the chunk before the next one is made
+        logp[s], entropy[s] = kernels.actor_loss_fwd(
+            logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), spec=terms.spec, need_grad=need_grad,
+            inplace=True)[:2]
+        if need_grad:  # the logits now hold d(logits)
+            _add_chunk_gradients(logits, h, weight, s, *grads)  # matmuls 2 and 3
+        del logits
+    dtype = terms.mask.dtype
+    loss, stats, _, _ = actor_pass(logp.to(dtype), entropy.to(dtype), terms, False, True)
+    return loss, stats
+
+
+def _vanilla_chunks(hidden, weight, bias, labels, terms: ActorTerms, chunk_size, need_grad, grads: _Grads):
+    """verl's vanilla loss on the torch path: per chunk the log-prob forward, actor_token_terms, the log-prob
+    backward; 3 matmuls per chunk."""
+    temperature = terms.spec.temperature
+    N = hidden.shape[0]
+    rows = torch.empty(len(TOKEN_TERMS), N, dtype=terms.mask.dtype, device=hidden.device)
+    for s in _chunks(N, chunk_size):
+        h, y = hidden[s], labels[s]
+        logits = chunk_logits(h, weight, bias)  # matmul 1
+        logp, entropy, lse = _chunk_fwd(logits, y, temperature, IGNORE_INDEX, True, False)
+        rows[:, s], g_logp, g_ent = actor_token_terms(logp, entropy, terms.at(s), need_grad)
+        if need_grad:
+            d_logits = _chunk_bwd(logits, y, lse, entropy, g_logp, g_ent, temperature, IGNORE_INDEX, False)
+            _add_chunk_gradients(d_logits, h, weight, s, *grads)  # matmuls 2 and 3
+            del d_logits  # the chunk's logits, written over
+        del logits
+    return actor_loss_and_stats(rows, terms.mask.sum(), terms.spec)
+
+
+def _two_sweeps(hidden, weight, bias, labels, terms: ActorTerms, chunk_size, need_grad, grads: _Grads, triton):
+    """The modes whose token gradients depend on the whole sequence or batch (and every mode but vanilla on the
+    torch path): sweep 1 forms every token's log-prob and entropy chunk by chunk, actor_pass their gradients
+    over [B, T], sweep 2 recomputes each chunk's logits (a 4th matmul, unless one chunk holds every token: its
+    logits are kept) and writes d(logits) over them."""
+    temperature = terms.spec.temperature
+    N = hidden.shape[0]
+    dtype = terms.mask.dtype
+    logp, entropy, lse = (torch.empty(N, dtype=dtype, device=hidden.device) for _ in range(3))
+    kept = None
+    for s in _chunks(N, chunk_size):
+        logits = chunk_logits(hidden[s], weight, bias)  # matmul 1
+        logp[s], entropy[s], lse[s] = _chunk_fwd(logits, labels[s], temperature, IGNORE_INDEX, True, triton)
+        kept = logits if need_grad and chunk_size >= N else None
+        del logits
+    loss, stats, g_logp, g_ent = actor_pass(logp, entropy, terms, need_grad, triton)
+    if need_grad:
+        for s in _chunks(N, chunk_size):
+            h, y = hidden[s], labels[s]
+            logits = chunk_logits(h, weight, bias) if kept is None else kept  # the recompute: matmul 4
+            kept = None
+            d_logits = _chunk_bwd(logits, y, lse[s], entropy[s], g_logp[s], None if g_ent is None else g_ent[s],
+                                  temperature, IGNORE_INDEX, triton)
+            _add_chunk_gradients(d_logits, h, weight, s, *grads)  # matmuls 2 and 3
+            del logits, d_logits
+    return loss, stats
+
+
 def _fake_linear_ppo_actor_loss(hidden, weight, bias, labels, old_logp, advantages, mask, token_weight, ref_logp,
-                                is_weights, temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through,
-                                entropy_coef, clip_low, clip_high, dual_clip, chunk_size, accum_dtype, need_hidden,
-                                need_weight, need_bias, use_triton):
+                                is_weights, sampler_weights, temperature, kl_coef, kl_estimator, kl_clamp,
+                                kl_straight_through, entropy_coef, mode, ratio_level, mode_values, chunk_size,
+                                accum_dtype, need_hidden, need_weight, need_bias, use_triton):
     dtype = out_dtype(hidden)
     need_bias = need_bias and bias is not None
-    return (hidden.new_empty((), dtype=dtype), hidden.new_empty(len(ACTOR_STATS), dtype=dtype),
+    return (hidden.new_empty((), dtype=dtype), hidden.new_empty(N_ACTOR_STATS, dtype=dtype),
             hidden.new_empty(hidden.shape if need_hidden else (0,)),
             weight.new_empty(weight.shape if need_weight else (0,)),
             weight.new_empty(bias.shape if need_bias else (0,)))
@@ -453,48 +519,51 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
 
 def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *, bias=None, chunk_size=None,
                           ref_logp=None, kl_coef=0.0, kl_estimator="k3", kl_clamp=None, kl_straight_through=False,
-                          entropy_coef=0.0, temperature=1.0, clip_low=0.2, clip_high=None, dual_clip=None,
-                          is_weights=None, agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1,
-                          loss_scale_factor=None, accum_dtype=None):
+                          entropy_coef=0.0, temperature=1.0, loss_mode="vanilla", clip_low=0.2, clip_high=None,
+                          dual_clip=None, is_weights=None, agg=None, global_num_tokens=None, global_num_seqs=None,
+                          dp_size=1, loss_scale_factor=None, sampler_weights=None, accum_dtype=None, **options):
     """`ppo_actor_loss(hidden @ weight.T + bias, labels, ...)` without ever holding the logits:
     policy_loss + kl_coef * KL - entropy_coef * entropy, each aggregated with `agg` (docs/ops.md).
 
     Args:
-        hidden: [B, T, H] (or [N, H] with [N]-shaped per-token tensors); weight [V, H]; bias [V] or None.
+        hidden: [B, T, H] (or [N, H] with [N]-shaped per-token tensors: one sequence of N tokens, as far as the
+            sequence-level modes and aggregations are concerned); weight [V, H]; bias [V] or None.
         labels, old_logp, advantages, mask, ref_logp, is_weights: hidden.shape[:-1]; as `ppo_actor_loss`.
         chunk_size, accum_dtype: as `linear_logprobs`.
-        the rest: as `ppo_actor_loss`.
+        the rest: as `ppo_actor_loss` (loss_mode, its options, sampler_weights).
 
     Returns:
-        (loss, stats) as `ppo_actor_loss`: clipfrac, clipfrac_lower, approx_kl, pg_loss, entropy
-        and, with `ref_logp`, kl.
+        (loss, stats) as `ppo_actor_loss`.
 
-    Three matmuls per chunk of tokens, not four: the forward already forms d(hidden), d(weight)
-    and d(bias) (for those that require grad, and only with grad mode on) and the backward scales
-    them by the upstream gradient, so the loss supports one backward (a second through the same
-    graph raises). Between the two they occupy N x H + V x H in the inputs' dtype; during the
-    forward d(weight) accumulates in fp32, V x H x 4 bytes (2.5 GB at V = 151936, H = 4096),
-    unless `accum_dtype` says otherwise (`weight.dtype`: accumulated straight into the gradient,
-    one rounding per chunk, no extra buffer).
+    Three matmuls per chunk of tokens, not four, for verl's vanilla loss and the other token-local modes:
+    the forward already forms d(hidden), d(weight) and d(bias) (for those that require grad, and only with
+    grad mode on) and the backward scales them by the upstream gradient, so the loss supports one backward
+    (a second through the same graph raises). The modes whose token gradients depend on the whole sequence
+    or batch (gspo, luspo, the sequence levels, geo_mean, vespo, clip_cov, kl_cov; and every mode but
+    vanilla on the torch path) form every token's log-prob first and recompute each chunk's logits for the
+    gradient: four matmuls per chunk (three when one chunk holds every token). Between forward and backward
+    the gradients occupy N x H + V x H in the inputs' dtype; during the forward d(weight) accumulates in fp32,
+    V x H x 4 bytes (2.5 GB at V = 151936, H = 4096), unless `accum_dtype` says otherwise (`weight.dtype`:
+    accumulated straight into the gradient, one rounding per chunk, no extra buffer).
     """
     _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
     agg_, spec = actor_prologue(
         tuple(hidden.shape[:-1]), hidden.device, "hidden.shape[:-1]", old_logp, advantages, mask, ref_logp,
-        is_weights, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+        is_weights, sampler_weights, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
         kl_straight_through=kl_straight_through, entropy_coef=entropy_coef, temperature=temperature,
-        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens,
-        global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+        loss_mode=loss_mode, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, options=options, agg=agg,
+        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, dp_size=dp_size,
+        loss_scale_factor=loss_scale_factor)
     h, y = _flat_rows(hidden, labels)
     dtype = out_dtype(hidden)
-    rows = as_rows(mask.detach())
-    flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
+    m = as_rows(mask.detach())
+    rows = lambda t: None if t is None else t.detach().reshape(m.shape).to(dtype)  # noqa: E731
     if chunk_size is None:
         chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size(), hidden.is_cuda)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
     loss, stats, *_ = _linear_actor_loss(
-        h, weight, bias, y, flat(old_logp), flat(advantages), flat(rows), token_weights(rows, agg_, dtype).reshape(-1),
-        flat(ref_logp), flat(is_weights), *spec, int(chunk_size), accum_dtype, *needs, use_triton(hidden),
-        grad=any(needs))
-    names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
-    return loss, dict(zip(names, stats.unbind()))
+        h, weight, bias, y, rows(old_logp), rows(advantages), rows(m), token_weights(m, agg_, dtype), rows(ref_logp),
+        rows(is_weights), rows(sampler_weights), *spec.flat(), int(chunk_size), accum_dtype, *needs,
+        use_triton(hidden), grad=any(needs))
+    return loss, actor_stats(spec, stats, ref_logp is not None)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, KL_ESTIMATORS, LOG_RATIO_CLAMP
+from fastrlhf.ops import policy_modes as pm
 from fastrlhf.ops._common import (
     as_dtype,
     as_rows,
@@ -55,7 +56,9 @@ POLICY_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_unclamped"
 VALUE_STATS = ("clipfrac",)
 # per-token rows the actor loss keeps (0 where mask == 0): its three weighted terms, then what its stats average
 TOKEN_TERMS = ("pg_loss", "kl_loss", "entropy_loss", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl")
-ACTOR_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy", "kl")
+# the actor ops' stats as they come out of the op: the five policy stats (stats_layout), then these
+ACTOR_STATS = ("pg_loss", "entropy", "kl")
+N_ACTOR_STATS = len(POLICY_STATS) + 1 + len(ACTOR_STATS)
 
 
 # ---------------------------------------------------------------- aggregation and shared checks
@@ -121,15 +124,6 @@ def row_scale(mask: Tensor, agg: Agg, dtype: torch.dtype) -> Tensor:
 def token_weights(mask: Tensor, agg: Agg, dtype: torch.dtype) -> Tensor:
     """w [B, T] = row_scale[b] * mask[b, t]: the loss is sum(w * l), its gradient w * dl/dx."""
     return row_scale(mask, agg, dtype).unsqueeze(1) * mask.to(dtype)
-
-
-def check_clips(clip_low, clip_high, dual_clip):
-    """(clip_low, clip_high defaulted to clip_low, dual_clip) as floats."""
-    clip_low = check_number("clip_low", clip_low, nonnegative=True)
-    clip_high = clip_low if clip_high is None else check_number("clip_high", clip_high, nonnegative=True)
-    if dual_clip is not None:
-        dual_clip = check_number("dual_clip", dual_clip, above=1.0)
-    return clip_low, clip_high, dual_clip
 
 
 def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
@@ -253,11 +247,14 @@ def value_terms(values, old_values, returns, clip, need_grad=True):
     return 0.5 * torch.maximum(l1, l2), (err1 * ~clipped if need_grad else None), clipped
 
 
+_VANILLA = pm.ModeSpec(log_ratio_min=-LOG_RATIO_CLAMP, log_ratio_max=LOG_RATIO_CLAMP)  # make_spec("vanilla")
+
+
 class ActorSpec(NamedTuple):
     """The actor loss's options, checked (`actor_prologue`), as one object from the public ops
     (`ppo_actor_loss`, `linear_ppo_actor_loss`) to the launcher (kernels.ppo_loss.actor_loss_fwd); flattened
-    into scalars only at the custom-op boundary (`*spec`, in this order) and rebuilt there. A new option
-    (a policy-loss mode) is one more field at the end, with its default."""
+    into scalars only at the custom-op boundary (`flat`, rebuilt there by `unflat`). The policy-loss mode and
+    its options are the last field, one pm.ModeSpec."""
 
     temperature: float = 1.0
     kl_coef: float = 0.0
@@ -265,18 +262,25 @@ class ActorSpec(NamedTuple):
     kl_clamp: float | None = None
     kl_straight_through: bool = False
     entropy_coef: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
+    policy: pm.ModeSpec = _VANILLA
 
     @property
     def has_kl(self) -> bool:
         """Whether the KL term enters the gradient (the value is reported whenever ref_logp is given)."""
         return self.kl_coef != 0.0
 
+    def flat(self) -> tuple:
+        """The scalars at a custom-op boundary: the fields in order, the mode as pm.ModeSpec.flat."""
+        return (*self[:-1], *self.policy.flat())
+
+    @classmethod
+    def unflat(cls, *values) -> ActorSpec:
+        return cls(*values[:-3], pm.ModeSpec.unflat(*values[-3:]))
+
 
 class ActorTerms(NamedTuple):
-    """What the per-token actor loss needs besides logp and entropy; per-token tensors flat [n], one dtype."""
+    """What the per-token actor loss needs besides logp and entropy; per-token tensors flat [n = B T], one dtype;
+    `shape` (B, T) gives them their rows."""
 
     old_logp: Tensor
     advantages: Tensor
@@ -284,21 +288,26 @@ class ActorTerms(NamedTuple):
     weight: Tensor  # w = row_scale[row] * mask
     ref_logp: Tensor | None
     is_weights: Tensor | None
+    sampler_weights: Tensor | None
     spec: ActorSpec
+    shape: tuple[int, int]
 
     def at(self, s: slice) -> ActorTerms:
-        """The same terms for the tokens s."""
+        """The same terms for the tokens s (as one row)."""
         cut = lambda t: None if t is None else t[s]  # noqa: E731
         return self._replace(old_logp=self.old_logp[s], advantages=self.advantages[s], mask=self.mask[s],
-                             weight=self.weight[s], ref_logp=cut(self.ref_logp), is_weights=cut(self.is_weights))
+                             weight=self.weight[s], ref_logp=cut(self.ref_logp), is_weights=cut(self.is_weights),
+                             sampler_weights=cut(self.sampler_weights), shape=(1, s.stop - s.start))
 
 
 def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
-    """The actor loss L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i) per token:
-    (TOKEN_TERMS [8, n], 0 where mask == 0; dL/dlogp [n] or None; dL/dH [n] or None)."""
+    """verl's vanilla actor loss L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i) per token (the torch
+    path's fast formula, `fast_vanilla`): (TOKEN_TERMS [8, n], 0 where mask == 0; dL/dlogp [n] or None;
+    dL/dH [n] or None)."""
     spec = a.spec
-    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, spec.clip_low, spec.clip_high,
-                                                       spec.dual_clip, need_grad)
+    policy = spec.policy
+    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, policy.clip_low,
+                                                       policy.clip_high, policy.dual_clip, need_grad)
     pg_weight = a.weight if a.is_weights is None else a.weight * a.is_weights
     kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
     rows = torch.stack([pg * pg_weight, kl * a.weight, entropy * a.weight, clipped * a.mask,
@@ -308,31 +317,89 @@ def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
         return terms, None, None
     d_logp = pg_weight * d_pg
     if a.ref_logp is not None and spec.has_kl:
-        if spec.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
-            d_kl = logp - a.ref_logp
-        else:
-            d_kl = kl_grad(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
-        d_logp = d_logp + (spec.kl_coef * a.weight) * d_kl
+        d_logp = d_logp + (spec.kl_coef * a.weight) * _kl_derivative(logp, a.ref_logp, spec)
     g_ent = -spec.entropy_coef * a.weight if spec.entropy_coef != 0.0 else None
     return terms, _off_mask_zero(d_logp, a.mask), g_ent
 
 
+def _kl_derivative(logp, ref_logp, spec: ActorSpec) -> Tensor:
+    if spec.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
+        return logp - ref_logp
+    return kl_grad(logp, ref_logp, spec.kl_estimator, spec.kl_clamp)
+
+
 def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, spec: ActorSpec):
-    """(loss, ACTOR_STATS [6]) from the TOKEN_TERMS rows of all tokens; n_mask = sum(mask)."""
+    """(loss, ACTOR_STATS [8]) from the TOKEN_TERMS rows of all tokens; n_mask = sum(mask)."""
     sums = terms.sum(-1)
     pg_loss, kl_loss, entropy_loss, n_clipped, n_lower, neg_log_ratio, entropy, kl = sums.unbind()
+    loss = _actor_total(pg_loss, kl_loss, entropy_loss, spec)
+    inv_n = safe_inverse(n_mask)
+    zero = torch.zeros_like(pg_loss)
+    stats = torch.stack([n_clipped * inv_n, n_lower * inv_n, neg_log_ratio * inv_n, zero, zero, pg_loss,
+                         entropy * inv_n, kl * inv_n])
+    return loss, stats
+
+
+def _actor_total(pg_loss, kl_loss, entropy_loss, spec: ActorSpec):
     loss = pg_loss
     if spec.kl_coef != 0.0:
         loss = loss + spec.kl_coef * kl_loss
     if spec.entropy_coef != 0.0:
         loss = loss - spec.entropy_coef * entropy_loss
-    inv_n = safe_inverse(n_mask)
-    stats = torch.stack([n_clipped * inv_n, n_lower * inv_n, neg_log_ratio * inv_n, pg_loss, entropy * inv_n,
-                         kl * inv_n])
-    return loss, stats
+    return loss
+
+
+def actor_pass(logp, entropy, a: ActorTerms, need_grad: bool, use_triton: bool):
+    """The actor loss once every token's log-prob and entropy are known (flat [n]): (loss, ACTOR_STATS [8],
+    dL/dlogp [n] or None, dL/dH [n] or None). The policy term is the policy-loss kernel over the [B, T] rows
+    (Triton, the weights w given) or policy_modes (torch; verl's vanilla loss as actor_token_terms), after
+    clip_cov's / kl_cov's batch-wide selection; the KL and entropy terms are elementwise [n] torch ops. This
+    is the one pass over [B, T] between a log-prob forward and backward over the logits that the modes
+    whose gradient depends on the whole row (the sequence levels, geo_mean, vespo) or batch (clip_cov,
+    kl_cov) need; the token-local modes on the Triton path form their gradients inside the fused kernel and
+    come here without need_grad."""
+    spec = a.spec
+    if not use_triton and fast_vanilla(spec.policy):
+        terms, g_logp, g_ent = actor_token_terms(logp, entropy, a, need_grad)
+        loss, stats = actor_loss_and_stats(terms, a.mask.sum(), spec)
+        return loss, stats, g_logp, g_ent
+    rows = lambda t: None if t is None else t.view(a.shape)  # noqa: E731
+    lp, m, w = rows(logp), rows(a.mask), rows(a.weight)
+    x = pm.Inputs(lp, rows(a.old_logp), rows(a.advantages), m, rows(a.is_weights), rows(a.sampler_weights))
+    x = x._replace(selected=pm.selection(x, spec.policy))
+    if use_triton:
+        from fastrlhf.kernels import ppo_loss as kernels
+        from fastrlhf.kernels.policy_modes import mode_launch
+
+        pg_loss, pg_stats, d_pg, _ = kernels.policy_loss_fwd(
+            lp, x.old_logp, x.advantages, m, x.is_weights, mode=mode_launch(spec.policy),
+            spec=agg_launch(_WEIGHTED, a.shape[1]), need_grad=need_grad, weight=w.float().contiguous(),
+            selected=x.selected, sampler_weights=x.sampler_weights, out_dtype=logp.dtype)
+    else:
+        pg_loss, d_pg, flags = pm.policy_mode_terms(spec.policy, x, w, need_grad)
+        pg_stats = stats_layout(spec.policy.mode, pm.mode_stats(flags, m), lp)
+    n_inv = safe_inverse(a.mask.sum())
+    kl = None if a.ref_logp is None else kl_value(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
+    sums = torch.stack([_off_mask_zero(t * u, a.mask).sum() for t in (entropy, kl) if t is not None
+                        for u in (a.weight, a.mask)])
+    entropy_loss, entropy_mean = sums[0], sums[1] * n_inv
+    kl_loss, kl_mean = (sums[2], sums[3] * n_inv) if kl is not None else (None, torch.zeros_like(entropy_mean))
+    loss = _actor_total(pg_loss, kl_loss, entropy_loss, spec)
+    stats = torch.cat([pg_stats.to(entropy_mean.dtype), torch.stack([pg_loss.to(entropy_mean.dtype), entropy_mean,
+                                                                      kl_mean])])
+    if not need_grad:
+        return loss, stats, None, None
+    g_logp = d_pg.reshape(-1).to(logp.dtype)
+    if kl is not None and spec.has_kl:
+        g_logp = g_logp + _off_mask_zero((spec.kl_coef * a.weight) * _kl_derivative(logp, a.ref_logp, spec), a.mask)
+    g_ent = -spec.entropy_coef * a.weight if spec.entropy_coef != 0.0 else None
+    return loss, stats, g_logp, g_ent
 
 
 # ---------------------------------------------------------------- policy and value: the shared parts
+
+
+_WEIGHTED = Agg("token-sum")  # the actor loss's policy term: the weights w = row_scale * mask given per token
 
 
 @functools.cache
@@ -427,42 +494,98 @@ def _fake_sums(x, n_stats, need_grad, pending):
 # ---------------------------------------------------------------- fastrlhf::policy_loss
 
 
-def _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, need_grad):
+def resolve_mode(loss_mode: str, clip_low, clip_high, dual_clip, options: dict) -> pm.ModeSpec:
+    """The checked ModeSpec of `loss_mode` with its options (dual_clip only when given: not every mode takes it)."""
+    if not isinstance(loss_mode, str):
+        raise TypeError(f"loss_mode must be a str, one of {tuple(pm.MODES)}, got {loss_mode!r}")
+    extra = {} if dual_clip is None else {"dual_clip": dual_clip}
+    return pm.make_spec(loss_mode, clip_low=clip_low, clip_high=clip_high, **extra, **options)
+
+
+def resolve_agg(mode: str, agg, n_rows: int, global_num_tokens=None, global_num_seqs=None, dp_size=1,
+                loss_scale_factor=None) -> Agg:
+    """The checked aggregation of a policy-loss mode: `agg`, or the mode's own when None (pm.default_agg).
+    geo_mean aggregates one loss per sequence over every one of the n_rows sequences (verl's torch.mean; an
+    empty row's loss is 0), so it takes only global_num_seqs and dp_size."""
+    if mode not in pm.ROW_LOSS:
+        return check_agg(pm.DEFAULT_AGG[mode] if agg is None else agg, global_num_tokens, global_num_seqs, dp_size,
+                         loss_scale_factor)
+    if agg is not None or global_num_tokens is not None or loss_scale_factor is not None:
+        raise ValueError(f"loss_mode={mode!r} aggregates one loss per sequence over all sequences (verl's mean over "
+                         f"the batch): pass agg=None and at most global_num_seqs and dp_size, got agg={agg!r}, "
+                         f"global_num_tokens={global_num_tokens!r}, loss_scale_factor={loss_scale_factor!r}")
+    seqs = max(n_rows, 1) if global_num_seqs is None else global_num_seqs
+    return check_agg("seq-mean-token-mean", global_num_seqs=seqs, dp_size=dp_size)
+
+
+def fast_vanilla(spec: pm.ModeSpec) -> bool:
+    """Whether `spec` is verl's vanilla loss as `policy_terms` computes it (the torch path's fast formula)."""
+    return (spec.mode in ("vanilla", "ppo") and spec.ratio_level == "token" and spec.delta is None
+            and (spec.log_ratio_min, spec.log_ratio_max) == (-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def stats_layout(mode: str, mode_stats: dict, like: Tensor) -> Tensor:
+    """The five policy stats in the kernels' order (POLICY_STATS, then the mode's extra one), 0 where absent."""
+    zero = like.new_zeros(())
+    extra = mode_stats.get(pm.EXTRA_STAT.get(mode), zero)
+    return torch.stack([mode_stats.get(k, zero) for k in POLICY_STATS] + [extra])
+
+
+def stats_dict(mode: str, stats: Tensor) -> dict:
+    """{name: value} of `mode`'s stats (pm.STATS) from the five in the kernels' order."""
+    values = stats.unbind()
+    index = {name: i for i, name in enumerate(POLICY_STATS)}
+    if mode in pm.EXTRA_STAT:
+        index[pm.EXTRA_STAT[mode]] = len(POLICY_STATS)
+    return {name: values[index[name]] for name in pm.STATS[mode]}
+
+
+def _policy_torch(logp, old_logp, advantages, mask, is_weights, selected, sampler_weights, spec, agg, need_grad):
     dtype = out_dtype(logp)
     lp, olp, adv, m = (as_dtype(t, dtype) for t in (logp, old_logp, advantages, mask))
-    w = m if is_weights is None else m * as_dtype(is_weights, dtype)
-    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
-    terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
-    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, lp.shape[1])
-    return loss, stats, (_off_mask_zero(d_logp * w, m) * scale if need_grad else None)
+    if fast_vanilla(spec):
+        w = m if is_weights is None else m * as_dtype(is_weights, dtype)
+        loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, spec.clip_low, spec.clip_high,
+                                                               spec.dual_clip, need_grad)
+        terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
+        loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, lp.shape[1])
+        return loss, torch.nn.functional.pad(stats, (0, 1)), (_off_mask_zero(d_logp * w, m) * scale
+                                                              if need_grad else None)
+    cast = lambda t: None if t is None else as_dtype(t, dtype)  # noqa: E731
+    x = pm.Inputs(lp, olp, adv, m, cast(is_weights), cast(sampler_weights), selected)
+    loss, d_logp, flags = pm.policy_mode_terms(spec, x, token_weights(m, agg, dtype), need_grad)
+    return loss, stats_layout(spec.mode, pm.mode_stats(flags, m), lp), d_logp
 
 
 def _policy_fwd(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None,
-                clip_low: float, clip_high: float, dual_clip: float | None, agg: str,
-                global_num_tokens: float | None, global_num_seqs: float | None, dp_size: int,
-                loss_scale_factor: float | None, need_grad: bool,
+                selected: Tensor | None, sampler_weights: Tensor | None, mode: str, ratio_level: str,
+                mode_values: list[float], agg: str, global_num_tokens: float | None, global_num_seqs: float | None,
+                dp_size: int, loss_scale_factor: float | None, need_grad: bool,
                 use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """[B, T] inputs -> (loss, POLICY_STATS [4], d(loss)/d(logp) [B, T] ([0] without need_grad), the
-    gradient's pending factor [1] (Triton, local counts) or [0])."""
+    """[B, T] inputs -> (loss, the five stats (stats_layout), d(loss)/d(logp) [B, T] ([0] without need_grad),
+    the gradient's pending factor [1] (Triton, local counts) or [0]); the mode's spec flattened
+    (pm.ModeSpec.flat)."""
+    spec = pm.ModeSpec.unflat(mode, ratio_level, mode_values)
     agg_ = Agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     factor = None
     if use_triton:
         from fastrlhf.kernels import ppo_loss as kernels
+        from fastrlhf.kernels.policy_modes import mode_launch
 
         loss, stats, d_logp, factor = kernels.policy_loss_fwd(
-            logp, old_logp, advantages, mask, is_weights, clip_low=clip_low, clip_high=clip_high,
-            dual_clip=dual_clip, spec=agg_launch(agg_, logp.shape[1]), need_grad=need_grad,
-            out_dtype=out_dtype(logp))
+            logp, old_logp, advantages, mask, is_weights, mode=mode_launch(spec), spec=agg_launch(agg_, logp.shape[1]),
+            need_grad=need_grad, out_dtype=out_dtype(logp), selected=selected, sampler_weights=sampler_weights)
     else:
-        loss, stats, d_logp = _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high,
-                                            dual_clip, agg_, need_grad)
+        loss, stats, d_logp = _policy_torch(logp, old_logp, advantages, mask, is_weights, selected, sampler_weights,
+                                            spec, agg_, need_grad)
     return loss, stats, _empty_if_none(d_logp, stats), _empty_if_none(factor, stats, torch.float32)
 
 
-def _fake_policy(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, global_num_tokens,
-                 global_num_seqs, dp_size, loss_scale_factor, need_grad, use_triton):
+def _fake_policy(logp, old_logp, advantages, mask, is_weights, selected, sampler_weights, mode, ratio_level,
+                 mode_values, agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor, need_grad,
+                 use_triton):
     pending = use_triton and (global_num_seqs if agg.startswith("seq-mean") else global_num_tokens) is None
-    return _fake_sums(logp, len(POLICY_STATS), need_grad, pending and agg != "token-sum")
+    return _fake_sums(logp, len(POLICY_STATS) + 1, need_grad, pending and agg != "token-sum")
 
 
 def _setup_policy(ctx, inputs, output):
@@ -474,11 +597,13 @@ _policy_loss = register("policy_loss", _policy_fwd, _fake_policy, setup_context=
                         backward=_backward_input_gradient)
 
 
-def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None,
-                agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1, loss_scale_factor=None):
-    """verl's vanilla clipped PPO surrogate (docs/ops.md).
+def policy_loss(logp, old_logp, advantages, mask, *, loss_mode="vanilla", clip_low=0.2, clip_high=None, dual_clip=None,
+                is_weights=None, agg=None, global_num_tokens=None, global_num_seqs=None, dp_size=1,
+                loss_scale_factor=None, sampler_weights=None, generator=None, **options):
+    """The policy-loss family (docs/ops.md): verl's vanilla clipped surrogate by default, any mode of
+    reference.POLICY_LOSSES by `loss_mode`.
 
-    ratio = exp(clamp(logp - old_logp, -20, 20));
+    vanilla: ratio = exp(clamp(logp - old_logp, -20, 20));
     l = max(-A ratio, -A clamp(ratio, 1 - clip_low, 1 + clip_high)), and with dual-clip c (> 1):
     l = min(l, -A c) where A < 0; times is_weights when given. The loss is agg(l).
 
@@ -486,28 +611,53 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
         logp, old_logp, advantages: [B, T] (or [T]) float; gradients flow to `logp` only
             (old_logp and advantages are constants).
         mask: same shape, bool/int/float (a float mask weighs tokens).
-        clip_low, clip_high: the ratio's clip range (clip_high defaults to clip_low).
-        dual_clip: c > 1, or None.
+        loss_mode: "vanilla" (= "ppo"), "gspo", "gspo_token", "luspo", "cispo", "sapo", "gpg" (= "reinforce"),
+            "dro", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "vespo": the formulas of
+            reference.POLICY_LOSSES, each read from the peer that ships it.
+        clip_low, clip_high: the ratio's clip range (clip_high defaults to clip_low); the DPPO modes' divergence
+            thresholds; geo_mean's log-ratio clip.
+        dual_clip: c > 1, or None (the clipped-surrogate modes).
         is_weights: per-token importance weights multiplying the loss before aggregation, a
-            constant (verl's rollout_is_weights, OpenRLHF's train/rollout IS correction), or None.
-        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`.
+            constant (verl's rollout_is_weights, OpenRLHF's train/rollout IS correction, rollout_correction's
+            weights), or None; geo_mean takes their geometric mean per sequence.
+        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`; agg=None is the
+            mode's own default (token-mean for vanilla; gspo, gspo_token, sapo: seq-mean-token-mean; luspo:
+            seq-mean-token-sum). geo_mean takes agg=None only (one loss per sequence, averaged over all B
+            sequences or global_num_seqs, times dp_size).
+        sampler_weights: vespo's sampler correction (it enters its gamma weight), [B, T] or None.
+        generator: clip_cov's random draw (torch.randperm's generator; None: the default one, as verl).
+        **options: the mode's options (the keywords of its reference function): delta, ratio_level,
+            log_ratio_clamp, ratio_max, tau_pos, tau_neg, beta, ppo_kl_coef, k_pos, lambda_pos, k_neg,
+            lambda_neg, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio. clip_cov's and kl_cov's
+            batch-wide selections are made here, on [B, T] in the inputs' dtype, before the fused pass (one
+            host sync, as the peers').
 
     Returns:
         (loss, stats): loss a 0-dim float32 (float64 for float64 logp); stats, masked means over the
-        local tokens (no gradient): clipfrac, clipfrac_lower, approx_kl = mean(-clamp(logp - old_logp))
-        (verl's ppo_kl) and approx_kl_unclamped = mean(old_logp - logp) (OpenRLHF's ppo_kl).
+        local tokens (no gradient), the mode's (pm.STATS): vanilla's clipfrac, clipfrac_lower,
+        approx_kl = mean(-clamp(logp - old_logp)) (verl's ppo_kl) and approx_kl_unclamped =
+        mean(old_logp - logp) (OpenRLHF's ppo_kl); cispo's clipfrac_high, kl_cov's approx_kl_abs, vespo's
+        phi_mean.
     """
     check_float("logp", logp)
     check_rows("logp", logp)
-    check_same("logp", logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
+    check_same("logp", logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights,
+               sampler_weights=sampler_weights)
     check_mask(mask, logp, "logp")
-    clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
-    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    spec = resolve_mode(loss_mode, clip_low, clip_high, dual_clip, options)
+    rows = lambda t: None if t is None else as_rows(t.detach())  # noqa: E731
+    lp, old, adv, m = rows(logp), rows(old_logp), rows(advantages), as_rows(mask)
+    agg_ = resolve_agg(spec.mode, agg, lp.shape[0], global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    if sampler_weights is not None and spec.mode != "vespo":
+        raise ValueError(f"sampler_weights is vespo's (it enters its gamma weight); loss_mode={spec.mode!r} takes "
+                         f"the sampler correction as is_weights")
+    selected = None
+    if spec.mode in ("clip_cov", "kl_cov"):
+        selected = pm.selection(pm.Inputs(lp, old, adv, m), spec, generator)
     grad = torch.is_grad_enabled() and logp.requires_grad
-    loss, stats, *_ = _policy_loss(as_rows(logp), as_rows(old_logp.detach()), as_rows(advantages.detach()),
-                                   as_rows(mask), None if is_weights is None else as_rows(is_weights.detach()),
-                                   clip_low, clip_high, dual_clip, *agg_, grad, use_triton(logp), grad=grad)
-    return loss, dict(zip(POLICY_STATS, stats.unbind()))
+    loss, stats, *_ = _policy_loss(as_rows(logp), old, adv, m, rows(is_weights), selected, rows(sampler_weights),
+                                   *spec.flat(), *agg_, grad, use_triton(logp), grad=grad)
+    return loss, stats_dict(spec.mode, stats)
 
 
 # ---------------------------------------------------------------- fastrlhf::value_loss
@@ -609,44 +759,53 @@ _scale_unless_one = register("scale_unless_one_", _scale_unless_one_op, _fake_sc
 
 
 def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                       token_weight: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None, temperature: float,
-                       kl_coef: float, kl_estimator: str, kl_clamp: float | None, kl_straight_through: bool,
-                       entropy_coef: float, clip_low: float, clip_high: float, dual_clip: float | None,
-                       need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """logits [B, T, V], per-token [B, T] -> (loss, ACTOR_STATS [6], d(loss)/d(logits) [B, T, V]
-    contiguous, formed in the forward; [0] without need_grad)."""
-    spec = ActorSpec(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
-                     clip_high, dual_clip)  # rebuilt from the custom-op boundary's scalars
+                       token_weight: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None,
+                       sampler_weights: Tensor | None, temperature: float, kl_coef: float, kl_estimator: str,
+                       kl_clamp: float | None, kl_straight_through: bool, entropy_coef: float, mode: str,
+                       ratio_level: str, mode_values: list[float], need_grad: bool,
+                       use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [B, T, V], per-token [B, T] -> (loss, the policy stats (stats_layout) and ACTOR_STATS [8],
+    d(loss)/d(logits) [B, T, V] contiguous, formed in the forward; [0] without need_grad); the spec flattened
+    (ActorSpec.flat)."""
+    spec = ActorSpec.unflat(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, mode,
+                            ratio_level, mode_values)
     dtype = out_dtype(logits)
     flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
     terms = ActorTerms(flat(old_logp), flat(advantages), flat(mask), flat(token_weight), flat(ref_logp),
-                       flat(is_weights), spec)
-    if use_triton:  # one kernel: both passes over the logits, the per-token gradients formed in between
+                       flat(is_weights), flat(sampler_weights), spec, tuple(mask.shape))
+    y = labels.reshape(-1).long().contiguous() if use_triton else labels.long()
+    if use_triton and fused_actor(spec):  # one kernel: both passes over the logits, the per-token gradients in between
         from fastrlhf.kernels import ppo_loss as kernels
 
         f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
         logp, entropy, d_logits = kernels.actor_loss_fwd(
-            logits, labels.reshape(-1).long().contiguous(), f32(terms.old_logp), f32(terms.advantages),
-            f32(terms.mask), f32(terms.weight), f32(terms.ref_logp), f32(terms.is_weights), spec=spec,
-            need_grad=need_grad)
-        rows, _, _ = actor_token_terms(logp.to(dtype), entropy.to(dtype), terms, need_grad=False)
-    else:  # the torch path: the log-prob forward, the per-token gradients, the log-prob backward
-        logp, entropy, lse = logprobs_fwd(logits, labels.long(), temperature=temperature, ignore_index=IGNORE_INDEX,
-                                          return_entropy=True, use_triton=False)
-        rows, g_logp, g_ent = actor_token_terms(logp, entropy, terms, need_grad)
+            logits, y, f32(terms.old_logp), f32(terms.advantages), f32(terms.mask), f32(terms.weight),
+            f32(terms.ref_logp), f32(terms.is_weights), spec=spec, need_grad=need_grad)
+        loss, stats, _, _ = actor_pass(logp.to(dtype), entropy.to(dtype), terms, False, True)
+    else:  # the log-prob forward, the pass over [B, T] (actor_pass), the log-prob backward
+        logp, entropy, lse = logprobs_fwd(logits, y.view(labels.shape), temperature=temperature,
+                                          ignore_index=IGNORE_INDEX, return_entropy=True, use_triton=use_triton)
+        loss, stats, g_logp, g_ent = actor_pass(logp, entropy, terms, need_grad, use_triton)
         d_logits = None
         if need_grad:
-            d_logits = logprobs_bwd(logits, labels.long(), lse, entropy, g_logp, g_ent, temperature=temperature,
-                                    ignore_index=IGNORE_INDEX, inplace=False, use_triton=False)
-    loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), spec)
+            d_logits = logprobs_bwd(logits, y.view(labels.shape), lse, entropy, g_logp, g_ent,
+                                    temperature=temperature, ignore_index=IGNORE_INDEX, inplace=False,
+                                    use_triton=use_triton)
     return loss, stats, logits.new_empty(0) if d_logits is None else d_logits
 
 
-def _fake_ppo_actor_loss(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature,
-                         kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high,
-                         dual_clip, need_grad, use_triton):
+def fused_actor(spec: ActorSpec) -> bool:
+    """Whether the fused actor-loss kernel forms every token's gradient itself: a token-local policy-loss mode."""
+    from fastrlhf.kernels.policy_modes import mode_launch
+
+    return mode_launch(spec.policy).token_local
+
+
+def _fake_ppo_actor_loss(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights,
+                         sampler_weights, temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through,
+                         entropy_coef, mode, ratio_level, mode_values, need_grad, use_triton):
     dtype = out_dtype(logits)
-    return (logits.new_empty((), dtype=dtype), logits.new_empty(len(ACTOR_STATS), dtype=dtype),
+    return (logits.new_empty((), dtype=dtype), logits.new_empty(N_ACTOR_STATS, dtype=dtype),
             logits.new_empty(logits.shape if need_grad else (0,)))
 
 
@@ -675,15 +834,16 @@ _ppo_actor_loss = register("ppo_actor_loss", _ppo_actor_loss_op, _fake_ppo_actor
                            backward=_backward_actor)
 
 
-def actor_prologue(shape, device, what: str, old_logp, advantages, mask, ref_logp, is_weights, *, kl_coef,
-                   kl_estimator, kl_clamp, kl_straight_through, entropy_coef, temperature, clip_low, clip_high,
-                   dual_clip, agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor):
+def actor_prologue(shape, device, what: str, old_logp, advantages, mask, ref_logp, is_weights, sampler_weights, *,
+                   kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, temperature, loss_mode,
+                   clip_low, clip_high, dual_clip, options, agg, global_num_tokens, global_num_seqs, dp_size,
+                   loss_scale_factor):
     """The checks the two public actor ops share: the per-token arguments against `shape` (`what`: its
     name) and `device`, and the options. Returns (Agg, ActorSpec)."""
     check_float("old_logp", old_logp)  # required; ref_logp and is_weights may be None
     check_float("advantages", advantages)
     for name, x in (("old_logp", old_logp), ("advantages", advantages), ("ref_logp", ref_logp),
-                    ("is_weights", is_weights)):
+                    ("is_weights", is_weights), ("sampler_weights", sampler_weights)):
         if x is None:
             continue
         check_float(name, x)
@@ -692,7 +852,12 @@ def actor_prologue(shape, device, what: str, old_logp, advantages, mask, ref_log
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but the logits are on {device}; expected one device")
     check_mask(mask, old_logp, "old_logp")
-    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    policy = resolve_mode(loss_mode, clip_low, clip_high, dual_clip, options)
+    if sampler_weights is not None and policy.mode != "vespo":
+        raise ValueError(f"sampler_weights is vespo's (it enters its gamma weight); loss_mode={policy.mode!r} takes "
+                         f"the sampler correction as is_weights")
+    n_rows = as_rows(mask).shape[0]
+    agg_ = resolve_agg(policy.mode, agg, n_rows, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     kl_coef = check_number("kl_coef", kl_coef)
     if kl_coef != 0 and ref_logp is None:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logp is None: the KL term needs the reference log-probs "
@@ -701,28 +866,42 @@ def actor_prologue(shape, device, what: str, old_logp, advantages, mask, ref_log
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     kl_clamp = None if kl_clamp is None else check_number("kl_clamp", kl_clamp, positive=True)
     temperature = check_number("temperature", temperature, positive=True)
-    clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
     return agg_, ActorSpec(temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp, bool(kl_straight_through),
-                           entropy_coef, clip_low, clip_high, dual_clip)
+                           entropy_coef, policy)
+
+
+def actor_stats(spec: ActorSpec, stats: Tensor, has_ref: bool) -> dict:
+    """{name: value} of an actor op's stats: the mode's (without approx_kl_unclamped), pg_loss, entropy and,
+    with a reference, kl."""
+    values = stats.unbind()
+    out = {k: v for k, v in stats_dict(spec.policy.mode, stats[:len(POLICY_STATS) + 1]).items()
+           if k != "approx_kl_unclamped"}
+    names = ACTOR_STATS if has_ref else ACTOR_STATS[:-1]
+    out.update(zip(names, values[len(POLICY_STATS) + 1:]))
+    return out
 
 
 def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
-                   kl_clamp=None, kl_straight_through=False, entropy_coef=0.0, temperature=1.0, clip_low=0.2,
-                   clip_high=None, dual_clip=None, is_weights=None, agg="token-mean", global_num_tokens=None,
-                   global_num_seqs=None, dp_size=1, loss_scale_factor=None):
+                   kl_clamp=None, kl_straight_through=False, entropy_coef=0.0, temperature=1.0, loss_mode="vanilla",
+                   clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None, agg=None, global_num_tokens=None,
+                   global_num_seqs=None, dp_size=1, loss_scale_factor=None, sampler_weights=None, **options):
     """The whole actor loss straight from logits (docs/ops.md):
     policy_loss + kl_coef * KL - entropy_coef * entropy, each aggregated with `agg`.
 
-    Every term is token-local once the aggregation weights are known, so the forward forms
-    d(loss)/d(logits) too (as `linear_ppo_actor_loss`): on CUDA one kernel reads the logits
-    (log-prob, entropy, log-sum-exp), forms each token's policy, KL and entropy gradients, and
-    reads the row again, from its end, while L2 still holds most of it, to write d(logits)
-    once. The backward only scales d(logits) by the upstream gradient, in place: free when that
-    is exactly 1 (`loss.backward()`), one more read and write of d(logits) otherwise (divide by
-    the global token or sequence count through `agg` / `global_num_tokens` rather than scaling
-    the loss). So the loss supports one backward: a second through the same graph raises.
-    Between forward and backward d(logits) occupies B x T x V in the logits' dtype, in place of
-    the logits, which the op does not keep.
+    For verl's vanilla loss and the other token-local modes (cispo, sapo and the clipped surrogate at the
+    token level, gpg, dro, dppo_tv, dppo_kl) every term is token-local once the aggregation weights are
+    known, so the forward forms d(loss)/d(logits) too (as `linear_ppo_actor_loss`): on CUDA one kernel
+    reads the logits (log-prob, entropy, log-sum-exp), forms each token's policy, KL and entropy gradients,
+    and reads the row again, from its end, while L2 still holds most of it, to write d(logits) once. The
+    modes whose token gradients depend on their whole sequence (gspo, luspo, the sequence levels, geo_mean,
+    vespo) or on the batch (clip_cov's and kl_cov's selections, made from the log-probs) run a log-prob
+    forward over the logits, one pass over [B, T] (the policy-loss kernel), and a log-prob backward writing
+    d(logits): the same bytes of logits read and written, never a third pass over them. The backward only
+    scales d(logits) by the upstream gradient, in place: free when that is exactly 1 (`loss.backward()`),
+    one more read and write of d(logits) otherwise (divide by the global token or sequence count through
+    `agg` / `global_num_tokens` rather than scaling the loss). So the loss supports one backward: a second
+    through the same graph raises. Between forward and backward d(logits) occupies B x T x V in the
+    logits' dtype, in place of the logits, which the op does not keep.
 
     Args:
         logits: [B, T, V] (or [..., V]) float, any strides but the vocab one.
@@ -731,12 +910,15 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
         kl_coef, kl_estimator, kl_clamp, kl_straight_through: the KL term against ref_logp (see
             `token_kl`: estimator, clamp, straight_through); kl_coef != 0 needs ref_logp.
         is_weights: per-token importance weights of the policy term (see `policy_loss`).
-        entropy_coef, temperature, clip_low, clip_high, dual_clip: as `logprobs` and `policy_loss`.
-        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss`.
+        entropy_coef, temperature: as `logprobs`.
+        loss_mode, clip_low, clip_high, dual_clip, sampler_weights, **options: the policy-loss mode and its
+            options, as `policy_loss` (clip_cov draws from torch's default generator, as verl).
+        agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor: see `agg_loss` and `policy_loss`
+            (agg=None: the mode's own); the KL and entropy terms are aggregated as the policy term.
 
     Returns:
-        (loss, stats): loss 0-dim float32 (float64 for float64 logits); stats (no gradient):
-        clipfrac, clipfrac_lower, approx_kl, pg_loss (the aggregated policy term), entropy and,
+        (loss, stats): loss 0-dim float32 (float64 for float64 logits); stats (no gradient): the mode's
+        (policy_loss's, without approx_kl_unclamped), pg_loss (the aggregated policy term), entropy and,
         with ref_logp, kl (masked means).
     """
     check_float("logits", logits)
@@ -745,11 +927,11 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     if logits.dim() < 1 or tuple(labels.shape) != shape:
         raise ValueError(f"labels must have shape logits.shape[:-1] = {shape}, got {tuple(labels.shape)}")
     agg_, spec = actor_prologue(
-        shape, logits.device, "logits.shape[:-1]", old_logp, advantages, mask, ref_logp, is_weights, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
-        entropy_coef=entropy_coef, temperature=temperature, clip_low=clip_low, clip_high=clip_high,
-        dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-        dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+        shape, logits.device, "logits.shape[:-1]", old_logp, advantages, mask, ref_logp, is_weights, sampler_weights,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
+        entropy_coef=entropy_coef, temperature=temperature, loss_mode=loss_mode, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, options=options, agg=agg, global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     x = as_3d(logits)
     B, T = x.shape[:2]
     rows = lambda t: None if t is None else t.detach().reshape(B, T)  # noqa: E731
@@ -757,6 +939,6 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, stats, *_ = _ppo_actor_loss(
         x, labels.reshape(B, T), rows(old_logp), rows(advantages), m, token_weights(m, agg_, out_dtype(logits)),
-        rows(ref_logp), rows(is_weights), *spec, need_grad, use_triton(logits), grad=need_grad)
-    names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
-    return loss, dict(zip(names, stats.unbind()))
+        rows(ref_logp), rows(is_weights), rows(sampler_weights), *spec.flat(), need_grad, use_triton(logits),
+        grad=need_grad)
+    return loss, actor_stats(spec, stats, ref_logp is not None)

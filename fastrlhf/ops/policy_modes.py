@@ -31,6 +31,8 @@ candidates), as the peers' own do.
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -70,6 +72,24 @@ class ModeSpec(NamedTuple):
     lambda_pos: float = 3.0
     k_neg: float = 3.0
     lambda_neg: float = 2.0
+    clip_cov_ratio: float = 2e-4  # clip_cov's selection (clip_cov_dropped)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4  # kl_cov's selection (kl_cov_chosen)
+
+    def flat(self) -> tuple[str, str, list[float]]:
+        """(mode, ratio_level, the float fields in order, NaN for None): the spec at a custom-op boundary."""
+        return self.mode, self.ratio_level, [math.nan if v is None else float(v)
+                                             for name, v in zip(self._fields, self) if name in _FLOATS]
+
+    @classmethod
+    def unflat(cls, mode: str, ratio_level: str, values) -> ModeSpec:
+        """The spec back from `flat`."""
+        floats = dict(zip(_FLOATS, (None if math.isnan(v) else v for v in values)))
+        return cls(mode=mode, ratio_level=ratio_level, **floats)
+
+
+_FLOATS = tuple(name for name in ModeSpec._fields if name not in ("mode", "ratio_level"))
 
 
 class Terms(NamedTuple):
@@ -311,14 +331,15 @@ def clip_cov(x: Inputs, spec: ModeSpec) -> Terms:
 
 @register_mode("kl_cov")
 def kl_cov(x: Inputs, spec: ModeSpec) -> Terms:
-    """l = -A r + ppo_kl_coef |d| at the chosen tokens (x.selected: kl_cov_chosen), d = logp - old_logp:
-    a = -A r (times the clamp's derivative) + ppo_kl_coef sign(d) there (0 at d = 0)."""
-    rt = ratio(x, spec._replace(ratio_level="token"))
-    d = x.logp - x.old_logp
+    """l = -A r + ppo_kl_coef |d| at the chosen tokens (x.selected: kl_cov_chosen), d = the log-ratio (clamped
+    as the spec says, r = exp(d)): a = (-A r + ppo_kl_coef sign(d) there (0 at d = 0)) times the clamp's
+    derivative."""
+    d, inside = _clamp_log_ratio(x.logp - x.old_logp, spec)
+    r = torch.exp(d)
     chosen = x.selected.to(d.dtype)
-    loss = -x.advantages * rt.value + chosen * (spec.ppo_kl_coef * d.abs())
-    local = -x.advantages * rt.d_own + chosen * (spec.ppo_kl_coef * torch.sign(d))
-    flags = _stat_flags(x, rt.stat_log_ratio)
+    loss = -x.advantages * r + chosen * (spec.ppo_kl_coef * d.abs())
+    local = (-x.advantages * r + chosen * (spec.ppo_kl_coef * torch.sign(d))) * inside
+    flags = _stat_flags(x, d)
     flags["approx_kl_abs"] = d.abs()
     return Terms(loss, local, None, None, flags)
 
@@ -368,43 +389,92 @@ def vespo(x: Inputs, spec: ModeSpec) -> Terms:
 # ---------------------------------------------------------------- selections over the batch
 
 
-def clip_cov_dropped(x: Inputs, spec: ModeSpec, *, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0,
-                     generator=None) -> Tensor:
+def clip_cov_dropped(x: Inputs, spec: ModeSpec, generator=None) -> Tensor:
     """[B, T] bool: clip_cov's dropped tokens: max(int(clip_cov_ratio n), 1) drawn by
     torch.randperm(#candidates, generator=generator) among the tokens with lb < cov < ub that the ratio
-    clip left alone, candidates in row-major order (verl's draw; reference.clip_cov)."""
+    clip left alone, candidates in row-major order (verl's draw; reference.clip_cov). One host sync (the
+    count of candidates), as verl's own."""
     rt = ratio(x, spec._replace(ratio_level="token"))
     _, _, clipped, _ = _surrogate(x, spec._replace(dual_clip=None, delta=None), rt)
     selected = _selected(x.mask)
     cov = ref.covariance(x.advantages, x.logp, x.mask)
-    candidates = torch.nonzero((cov > clip_cov_lb) & (cov < clip_cov_ub) & selected & ~clipped)
+    candidates = torch.nonzero((cov > spec.clip_cov_lb) & (cov < spec.clip_cov_ub) & selected & ~clipped)
     dropped = torch.zeros_like(selected)
     if len(candidates) > 0:
-        k = max(int(clip_cov_ratio * float(x.mask.sum())), 1)
+        k = max(int(spec.clip_cov_ratio * float(x.mask.sum())), 1)
         chosen = candidates[torch.randperm(len(candidates), generator=generator)[:k].to(candidates.device)]
         dropped[chosen[:, 0], chosen[:, 1]] = True
     return dropped
 
 
-def kl_cov_chosen(x: Inputs, *, kl_cov_ratio=2e-4) -> Tensor:
+def kl_cov_chosen(x: Inputs, spec: ModeSpec) -> Tensor:
     """[B, T] bool: kl_cov's max(int(kl_cov_ratio n), 1) tokens of largest covariance (torch.topk)."""
     selected = _selected(x.mask).flatten()
     chosen = torch.zeros_like(selected)
     n = int(selected.sum())
     if n > 0:
         cov = ref.covariance(x.advantages, x.logp, x.mask).flatten()[selected]
-        top = torch.topk(cov, max(1, int(n * kl_cov_ratio))).indices
+        top = torch.topk(cov, max(1, int(n * spec.kl_cov_ratio))).indices
         chosen[selected.nonzero().flatten()[top]] = True
     return chosen.view(x.mask.shape)
 
 
+def selection(x: Inputs, spec: ModeSpec, generator=None) -> Tensor | None:
+    """The batch-wide selection a mode needs before its per-token pass (clip_cov's dropped, kl_cov's chosen
+    tokens, [B, T] bool), or None."""
+    if spec.mode == "clip_cov":
+        return clip_cov_dropped(x, spec, generator)
+    if spec.mode == "kl_cov":
+        return kl_cov_chosen(x, spec)
+    return None
+
+
 # ---------------------------------------------------------------- one call
+
+# what every mode's reference function takes besides its options (reference.POLICY_LOSSES' signatures)
+_NOT_OPTIONS = {"logp", "old_logp", "advantages", "mask", "is_weights", "agg", "agg_kw", "global_num_seqs", "dp_size",
+                "sampler_weights", "generator"}
+# the stats each mode reports (masked means; reference.POLICY_LOSSES' stats, in this order)
+_SURROGATE_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_unclamped")
+_KL_STATS = ("approx_kl", "approx_kl_unclamped")
+STATS = dict.fromkeys(MODES, _SURROGATE_STATS) | {
+    "cispo": _SURROGATE_STATS + ("clipfrac_high",), "gpg": _KL_STATS, "reinforce": _KL_STATS, "dro": _KL_STATS,
+    "clip_cov": ("clipfrac",) + _KL_STATS, "kl_cov": _KL_STATS + ("approx_kl_abs",), "vespo": _KL_STATS + ("phi_mean",)}
+# the one stat beyond _SURROGATE_STATS a mode may have (the kernels' fifth stat)
+EXTRA_STAT = {"cispo": "clipfrac_high", "kl_cov": "approx_kl_abs", "vespo": "phi_mean"}
+
+
+def mode_options(mode: str) -> dict:
+    """{option: default} of `mode`: the keywords of its reference function (reference.POLICY_LOSSES) other
+    than the inputs and the aggregation; clip_cov's and kl_cov's selection settings among them."""
+    params = inspect.signature(ref.POLICY_LOSSES[mode]).parameters
+    out = {name: p.default for name, p in params.items()
+           if p.kind is p.KEYWORD_ONLY and name not in _NOT_OPTIONS}
+    if mode == "clip_cov":
+        out.pop("generator", None)
+    return out
+
+
+def default_agg(mode: str) -> str | None:
+    """The aggregation `mode` uses unless told (its reference function's default); None for geo_mean, which
+    aggregates one loss per sequence over all B sequences (ROW_LOSS)."""
+    p = inspect.signature(ref.POLICY_LOSSES[mode]).parameters.get("agg")
+    return None if p is None else p.default
+
+
+OPTIONS = {mode: mode_options(mode) for mode in MODES}  # looked up, not re-read, per call (torch.compile traces it)
+DEFAULT_AGG = {mode: default_agg(mode) for mode in MODES}
 
 
 def make_spec(mode: str, **options) -> ModeSpec:
-    """The ModeSpec of `mode` (a name in MODES) with its defaults, `options` over them, checked:
-    clip_high defaults to clip_low; a log_ratio_clamp option (None, c or (lo, hi)) sets the bounds."""
+    """The ModeSpec of `mode` (a name in MODES) with its defaults, `options` over them, checked: an option the
+    mode does not take (mode_options) is a TypeError; clip_low / clip_high are taken by every mode (clip_high
+    defaults to clip_low); a log_ratio_clamp option (None, c or (lo, hi)) sets the bounds."""
     check_choice("loss_mode", mode, MODES)
+    allowed = set(OPTIONS[mode]) | {"clip_low", "clip_high"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"loss_mode={mode!r} takes no option(s) {unknown}; its options: {sorted(allowed)}")
     values = dict(DEFAULTS[mode])
     if "log_ratio_clamp" in options:
         bounds = options.pop("log_ratio_clamp")
@@ -413,17 +483,31 @@ def make_spec(mode: str, **options) -> ModeSpec:
     values.update(options)
     if values.get("clip_high") is None:
         values["clip_high"] = values.get("clip_low", ModeSpec._field_defaults["clip_low"])
-    unknown = set(values) - set(ModeSpec._fields)
-    if unknown:
-        raise TypeError(f"unknown option(s) for loss_mode={mode!r}: {sorted(unknown)}")
     spec = ModeSpec(mode=mode, **values)
+    return _checked(spec)
+
+
+def _checked(spec: ModeSpec) -> ModeSpec:
     for name in ("clip_low", "clip_high"):
         check_number(name, getattr(spec, name), nonnegative=True)
     if spec.dual_clip is not None:
         check_number("dual_clip", spec.dual_clip, above=1.0)
     check_choice("ratio_level", spec.ratio_level, RATIO_LEVELS)
-    if mode == "dro" and (spec.beta is None or check_number("beta", spec.beta) <= 0):
+    for name in ("delta", "log_ratio_min", "log_ratio_max"):
+        if getattr(spec, name) is not None:
+            check_number(name, getattr(spec, name))
+    if spec.log_ratio_min is not None and spec.log_ratio_max is not None and spec.log_ratio_min > spec.log_ratio_max:
+        raise ValueError(f"log_ratio_clamp: lower bound {spec.log_ratio_min} > upper bound {spec.log_ratio_max}")
+    if spec.mode in ("dppo_tv", "dppo_kl") or spec.ratio_max is not None:
+        check_number("ratio_max", spec.ratio_max, positive=True)
+    for name in ("tau_pos", "tau_neg"):
+        check_number(name, getattr(spec, name), positive=True)
+    if spec.mode == "dro" and (spec.beta is None or check_number("beta", spec.beta) <= 0):
         raise ValueError(f"loss_mode='dro' needs beta > 0, got {spec.beta!r}")
+    for name in ("ppo_kl_coef", "k_pos", "lambda_pos", "k_neg", "lambda_neg", "clip_cov_lb", "clip_cov_ub"):
+        check_number(name, getattr(spec, name))
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        check_number(name, getattr(spec, name), positive=True)
     return spec
 
 

@@ -407,15 +407,22 @@ def test_policy_loss_is_correction(orl, backend, kwargs, token_level, op_calls):
     assert op_calls["policy_loss"] == 1
 
 
-def test_policy_loss_gspo_runs_openrlhfs(orl, backend, op_calls):
-    """GSPO's ratio is a per-sequence geometric mean: no fastrlhf op computes it."""
+GSPO_SETTINGS = [dict(), dict(dual_clip=2.0, clip_eps_high=0.28), dict(is_correction_level="token"),
+                 dict(is_correction_level="seq", dual_clip=3.0)]
+
+
+@pytest.mark.parametrize("kwargs", GSPO_SETTINGS, ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()) or "plain")
+@pytest.mark.parametrize("info", BATCH_INFO, ids=_info_id)
+def test_policy_loss_gspo(orl, backend, kwargs, info, op_calls):
+    """GSPO (a per-sequence ratio, against the rollout's log-probs under IS correction) runs on
+    policy_loss(loss_mode="gspo"): loss, clip_ratio, ppo_kl (against old_log_probs), no vllm_kl."""
     originals, patched, loss = orl
-    module = loss.PolicyLoss(policy_loss_type="gspo")
+    module = loss.PolicyLoss(policy_loss_type="gspo", **kwargs)
     logp, old, adv, mask, rollout = _policy_inputs()
     compare(lambda *a, **k: patched["PolicyLoss.forward"](module, *a, **k),
             lambda *a, **k: originals["PolicyLoss.forward"](module, *a, **k),
-            [logp, old, adv, mask, rollout], diff=(0,), upstream=torch.tensor(1.0, dtype=torch.float64))
-    assert op_calls["policy_loss"] == 0
+            [logp, old, adv, mask, rollout], kwargs=info, diff=(0,), upstream=torch.tensor(1.0, dtype=torch.float64))
+    assert op_calls["policy_loss"] == 1
 
 
 @pytest.mark.parametrize("token_level", [True, False])
