@@ -24,6 +24,8 @@ The kernels and the ops' torch path implement the same rules.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fastrlhf.constants import (
@@ -40,9 +42,10 @@ from fastrlhf.constants import (
 )
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AGG_MODES", "DPO_LOSS_TYPES", "KL_ESTIMATORS", "MASK_MODES", "SINGLETON_MODES",
-           "absolute", "agg_loss", "clamped", "dpo_loss", "entropy", "gae", "group_index", "kl_shaped_rewards",
-           "linear_logprobs", "logprobs", "masked", "masked_mean", "outcome_advantages", "policy_loss",
-           "ppo_actor_loss", "token_kl", "value_loss", "whiten", "whiten_tokens"]
+           "absolute", "agg_loss", "clamped", "distill_divergence", "distill_logprobs", "distill_loss", "dpo_loss",
+           "entropy", "gae", "group_index", "kl_shaped_rewards", "linear_distill_loss", "linear_logprobs", "logprobs",
+           "masked", "masked_mean", "outcome_advantages", "policy_loss", "ppo_actor_loss", "token_kl", "value_loss",
+           "whiten", "whiten_tokens"]
 
 
 # ---------------------------------------------------------------- gradient rules at ties
@@ -517,3 +520,89 @@ def dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, 
             "logp_rejected": mean(rejected_logp),
         }
     return loss, stats
+
+
+# ---------------------------------------------------------------- distillation
+
+
+def distill_logprobs(logits, *, temperature=1.0, logit_scale=1.0, softcap=None):
+    """log softmax(z) over the vocabulary, z = softcap tanh(logit_scale x / softcap) / temperature
+    (without softcap: logit_scale x / temperature): TRL's order, the scale, then the softcap, then
+    the temperature."""
+    z = logits * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.log_softmax(z / temperature, dim=-1)
+
+
+def _expected_log_ratio(p, log_a, log_b):
+    """sum_j p_j (log_a_j - log_b_j) with 0 log 0 = 0: where p_j = 0 the term is 0 (its log-ratio,
+    possibly infinite, is replaced before the product, so no 0 * inf reaches the value or the gradient)."""
+    diff = torch.where(p > 0, log_a - log_b, torch.zeros_like(p))
+    return (p * diff).sum(-1)
+
+
+# log m's inputs are floored here: below the log of any fp64 probability > 0 (>= -745), so only tokens
+# with p = 0 under both models change, and logaddexp(-inf, -inf) never feeds the gradient a NaN
+_LOG_MIX_FLOOR = -1.0e4
+
+
+def distill_divergence(student_logits, teacher_logits, *, beta, temperature=1.0, student_logit_scale=1.0,
+                       teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None):
+    """Per-position divergence [...] of the student's next-token distribution s from the
+    teacher's t (each `distill_logprobs` of its logits), TRL's generalized JSD (beta = the
+    teacher's weight in the mixture; TRL 1.16 DistillationTrainer, GKD, Liger's JSD):
+
+      beta = 0:  KL(t || s) = sum_j t_j (log t_j - log s_j)          (forward KL)
+      beta = 1:  KL(s || t) = sum_j s_j (log s_j - log t_j)          (reverse KL)
+      else:      beta KL(t || m) + (1 - beta) KL(s || m),  m = (1 - beta) s + beta t
+
+    0 log 0 = 0: a token with probability 0 under the weighting distribution adds 0; one with
+    mass under it and probability 0 under the other model makes the KL infinite (as it is).
+    The teacher is a constant: no gradient reaches `teacher_logits`.
+    """
+    ls = distill_logprobs(student_logits, temperature=temperature, logit_scale=student_logit_scale,
+                          softcap=student_softcap)
+    lt = distill_logprobs(teacher_logits.detach(), temperature=temperature, logit_scale=teacher_logit_scale,
+                          softcap=teacher_softcap)
+    ps, pt = ls.exp(), lt.exp()
+    if beta == 0:
+        return _expected_log_ratio(pt, lt, ls)
+    if beta == 1:
+        return _expected_log_ratio(ps, ls, lt)
+    lm = torch.logaddexp(ls.clamp(min=_LOG_MIX_FLOOR) + math.log1p(-beta),
+                         lt.clamp(min=_LOG_MIX_FLOOR) + math.log(beta))
+    return beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
+
+
+def distill_loss(student_logits, teacher_logits, mask, *, beta, temperature=1.0, student_logit_scale=1.0,
+                 teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None, global_num_tokens=None):
+    """(loss, stats): the token mean of `distill_divergence` over the mask, TRL's reduction
+    (DistillationTrainer's num_items_in_batch is global_num_tokens):
+
+      loss = sum(D m) / (global_num_tokens or sum(m)),  0 for an empty mask
+
+    mask [...] bool or float (a float mask weighs tokens; TRL counts mask != 0); positions under
+    mask = 0 add exactly 0 whatever their logits hold. stats: "entropy", the mask-weighted mean
+    entropy of the student's distribution (detached; 0 for an empty mask)."""
+    kw = dict(temperature=temperature, student_logit_scale=student_logit_scale,
+              teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap,
+              teacher_softcap=teacher_softcap)
+    d = distill_divergence(student_logits, teacher_logits, beta=beta, **kw)
+    loss = agg_loss(d.reshape(-1), mask.reshape(-1), "token-mean", global_num_tokens=global_num_tokens)
+    with torch.no_grad():
+        ls = distill_logprobs(student_logits, temperature=temperature, logit_scale=student_logit_scale,
+                              softcap=student_softcap)
+        ent = -_expected_log_ratio(ls.exp(), ls, torch.zeros_like(ls))
+        stats = {"entropy": masked_mean(ent.reshape(-1), mask.reshape(-1))}
+    return loss, stats
+
+
+def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask, *, beta,
+                        student_bias=None, teacher_bias=None, **kwargs):
+    """`distill_loss` of the materialised logits hidden @ weight.T + bias of each model."""
+    s = student_hidden @ student_weight.T
+    t = teacher_hidden @ teacher_weight.T
+    s = s if student_bias is None else s + student_bias
+    t = t if teacher_bias is None else t + teacher_bias
+    return distill_loss(s, t, mask, beta=beta, **kwargs)

@@ -4,7 +4,8 @@ autograd), dispatch. The contract (formulas, conventions, tolerances, tie rules)
 One module per op family, mirroring kernels/: logprobs, kl, gae, losses (policy, value and the
 actor loss from logits), linear (from hidden states + lm_head); and two without kernels (their
 work is over B sequences): advantages (critic-free outcome advantages and their registry), dpo
-(the DPO losses, and the per-sequence log-prob sums from hidden states through linear). CUDA
+(the DPO losses, and the per-sequence log-prob sums from hidden states through linear); and distill
+(teacher-student divergences from logits or from both models' hidden states, kernels/distill.py). CUDA
 tensors run the Triton kernels; CPU tensors a torch path with the same conventions. `FASTRLHF_BACKEND=triton` forces
 the kernels (on CPU they need `TRITON_INTERPRET=1`), `FASTRLHF_BACKEND=torch` the torch path.
 Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile traces it whole.
@@ -12,6 +13,7 @@ Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile trace
 
 from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
 from fastrlhf.ops.advantages import ADVANTAGES, outcome_advantages, register_advantage
+from fastrlhf.ops.distill import distill_loss, linear_distill_loss
 from fastrlhf.ops.dpo import dpo_loss, linear_dpo_loss, linear_sequence_logprobs
 from fastrlhf.ops.gae import gae, whiten
 from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
@@ -25,10 +27,12 @@ __all__ = [
     "KL_ESTIMATORS",
     "MASK_MODES",
     "agg_loss",
+    "distill_loss",
     "dpo_loss",
     "entropy",
     "gae",
     "kl_shaped_rewards",
+    "linear_distill_loss",
     "linear_dpo_loss",
     "linear_logprobs",
     "linear_ppo_actor_loss",
