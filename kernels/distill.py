@@ -4,7 +4,7 @@ Per row (token), with z = softcap tanh(scale x / softcap) / T (without softcap: 
 model's logits x, s = softmax(z_s), t = softmax(z_t) (TRL's DistillationTrainer, GKD, Liger's JSD):
 
     MODE 0 (beta = 0)   D = KL(t || s) = sum t (log t - log s)           dD/dz_s = s - t
-    MODE 1 (beta = 1)   D = KL(s || t) = sum s (log s - log t)           dD/dz_s = s (log s - log t - D)
+    MODE 1 (beta = 1)   D = KL(s || t) = sum s (log s - log t)           dD/dz_s = s (d - sum s d), d = z_s - z_t
     MODE 2 (else)       m = (1 - beta) s + beta t,  K = KL(s || m)
                         D = beta KL(t || m) + (1 - beta) K               dD/dz_s = (1 - beta) s (log s - log m - K)
     entropy = -sum s log s (the student's; a statistic, no gradient)
@@ -52,21 +52,17 @@ FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # finite start of a running max
 
 
 @triton.jit
-def _scaled(x, mul, inv_cap, SOFTCAP: tl.constexpr):
-    # a = z log2(e) of raw logits x: mul x with mul = scale log2(e) / T; with a softcap c,
-    # mul tanh(scale x / c) with mul = c log2(e) / T and inv_cap = scale / c (tanh(u) = 2 sigmoid(2u) - 1)
-    if SOFTCAP:
-        return mul * (2.0 * tl.sigmoid(2.0 * x * inv_cap) - 1.0)
-    return x * mul
+def _tanh(u):
+    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
 
 
 @triton.jit
-def _dz_dx(x, dz, inv_cap, SOFTCAP: tl.constexpr):
-    # dz/dx of z = a / log2(e): dz = scale / T, times 1 - tanh^2 with a softcap
+def _scaled(x, mul, inv_cap, SOFTCAP: tl.constexpr):
+    # a = z log2(e) of raw logits x: mul x with mul = scale log2(e) / T; with a softcap c,
+    # mul tanh(scale x / c) with mul = c log2(e) / T and inv_cap = scale / c
     if SOFTCAP:
-        th = 2.0 * tl.sigmoid(2.0 * x * inv_cap) - 1.0
-        return dz * (1.0 - th * th)
-    return dz
+        return mul * _tanh(x * inv_cap)
+    return x * mul
 
 
 @triton.jit
@@ -175,7 +171,8 @@ def _distill_fwd_kernel(
     if MODE == 0:
         div = (kl / d_t - lse_t + lse_s) * LN2
     elif MODE == 1:
-        div = (kl / d_s - lse_s + lse_t) * LN2
+        kl = kl / d_s  # E_s[a_s - a_t]: the gradient's d - sum s d, where the normalisers cancel exactly
+        div = (kl - lse_s + lse_t) * LN2
     else:
         # 2. the two KLs to the mixture m (log m needs both normalisers: no online sum)
         k_t = tl.zeros((), tl.float32)
@@ -205,11 +202,14 @@ def _distill_fwd_kernel(
             if MODE == 0:
                 g = ps - tl.exp2(lt)
             elif MODE == 1:
-                g = tl.where(ps > 0, ps * ((ls - lt) * LN2 - div), 0.0)
+                g = tl.where(ps > 0, ps * ((a_s - a_t - kl) * LN2), 0.0)
             else:
                 lm = _log_mix(ls, lt, log2_1mb, log2_b)
                 g = tl.where(ps > 0, (1.0 - beta) * ps * ((ls - lm) * LN2 - k_s), 0.0)
-            g = g * w * _dz_dx(xs, s_dz, s_inv_cap, S_SOFTCAP)
+            g = g * (w * s_dz)  # dz/dx = scale / T, times 1 - tanh^2 with a softcap
+            if S_SOFTCAP:
+                th = _tanh(xs * s_inv_cap)
+                g = g * (1.0 - th * th)
             tl.store(g_row + k + cols, g.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
@@ -224,7 +224,7 @@ def _block_v(V: int) -> tuple[int, int]:
 
 
 def _transform(scale: float, softcap, temperature: float) -> tuple[float, float, float]:
-    """(mul, inv_cap, dz) of `_scaled` / `_dz_dx` for one model."""
+    """(mul, inv_cap, dz) of one model: `_scaled`'s factors and dz/dx = scale / T (before 1 - tanh^2)."""
     if softcap is None:
         return scale * LOG2E / temperature, 0.0, scale / temperature
     return softcap * LOG2E / temperature, scale / softcap, scale / temperature

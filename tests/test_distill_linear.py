@@ -153,3 +153,28 @@ def test_bad_inputs():
         ops.linear_distill_loss(h, w, h, w, m, beta=0.5, accum_dtype=torch.int32)
     with pytest.raises(ValueError, match="beta must be in"):
         ops.linear_distill_loss(h, w, h, w, m, beta=2.0)
+    with pytest.raises(TypeError, match="logits_dtype must be None or a floating-point"):
+        ops.linear_distill_loss(h, w, h, w, m, beta=0.5, logits_dtype="float32")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_fp32_logits_from_half_models(backend, beta):
+    """logits_dtype=torch.float32 (TRL's and Liger's projection): from bf16 models the loss and the entropy
+    are as accurate as the float32 reference on the same (exactly widened) inputs; the gradients, formed in
+    bf16 for the bf16 matmuls, as the bf16 reference's."""
+    N, V = 29, 700
+    student, teacher = _model((N,), 24, V, torch.bfloat16), _model((N,), 40, V, torch.bfloat16)
+    mask = torch.rand(N) > 0.2
+    g = _upstream(mask, {})
+    kw = dict(beta=beta, temperature=0.9)
+    out = _run(ops.linear_distill_loss, student, teacher, mask, g, chunk_size=8, logits_dtype=torch.float32, **kw)
+    widen = lambda m, dtype: tuple(None if t is None else t.to(dtype) for t in m)  # noqa: E731
+    r64 = _run(ref.linear_distill_loss, widen(student, torch.float64), widen(teacher, torch.float64), mask, g, **kw)
+    r32 = _run(ref.linear_distill_loss, widen(student, torch.float32), widen(teacher, torch.float32), mask, g, **kw)
+    r16 = _run(ref.linear_distill_loss, student, teacher, mask, g, **kw)
+    for name, o, r, s32, s16 in zip(("loss", "entropy", "d_hidden", "d_weight", "d_bias"), out, r64, r32, r16):
+        if name in ("loss", "entropy"):
+            assert_close_to_ref(o, r, s32, atol=1e-5, name=name)
+        else:
+            assert_close_to_ref(o, r, s16, atol=1e-3, name=name)
+            assert o.dtype == torch.bfloat16

@@ -27,6 +27,7 @@ fake implementations) are reached only under torch.compile or for fake / subclas
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -69,7 +70,8 @@ class DistillSpec(NamedTuple):
 
 
 def _log_probs(x: Tensor, scale: float, softcap, temperature: float, dtype: torch.dtype):
-    """(log softmax(z) [n, V], dz/dx: a number, or [n, V] with a softcap) in `dtype`."""
+    """(z, log softmax(z), dz/dx) of a block x [n, V] in `dtype`; dz/dx is a number, or [n, V] with a
+    softcap."""
     z = x.to(dtype, copy=True)
     if scale != 1.0:
         z.mul_(scale)
@@ -80,7 +82,7 @@ def _log_probs(x: Tensor, scale: float, softcap, temperature: float, dtype: torc
         z = th.mul_(softcap)
     if temperature != 1.0:
         z.div_(temperature)
-    return torch.log_softmax(z, dim=-1), dz
+    return z, torch.log_softmax(z, dim=-1), dz
 
 
 def _plogq(p: Tensor, ratio: Tensor) -> Tensor:
@@ -92,18 +94,19 @@ def _block_torch(xs: Tensor, xt: Tensor, w: Tensor, spec: DistillSpec, dtype: to
     """(D, entropy) [n] of one block of rows xs, xt [n, V]; with `grad` [n, V], d(sum_rows w D) / d(xs)
     is written into it (it may be xs itself). Rows of w = 0 give 0, whatever their logits hold."""
     beta = spec.beta
-    ls, dz = _log_probs(xs, spec.student_logit_scale, spec.student_softcap, spec.temperature, dtype)
-    lt, _ = _log_probs(xt, spec.teacher_logit_scale, spec.teacher_softcap, spec.temperature, dtype)
+    zs, ls, dz = _log_probs(xs, spec.student_logit_scale, spec.student_softcap, spec.temperature, dtype)
+    zt, lt, _ = _log_probs(xt, spec.teacher_logit_scale, spec.teacher_softcap, spec.temperature, dtype)
     ps = ls.exp()
     ent = -_plogq(ps, ls.clone())
     if beta == 0.0:  # D = sum t (lt - ls), dD/dz = s - t
         pt = lt.exp()
         div = _plogq(pt, lt - ls)
         g = ps.sub_(pt) if grad is not None else None
-    elif beta == 1.0:  # D = sum s (ls - lt), dD/dz = s (ls - lt - D)
-        r = ls.sub_(lt)
-        div = _plogq(ps, r)
-        g = r.sub_(div.unsqueeze(1)).mul_(ps) if grad is not None else None
+    elif beta == 1.0:  # D = sum s (ls - lt), dD/dz = s (ls - lt - D) = s (d - sum s d), d = zs - zt
+        div = _plogq(ps, ls.sub_(lt))
+        if grad is not None:  # from the logits' difference: the normalisers cancel exactly, not in rounding
+            d = zs.sub_(zt).masked_fill_(ps == 0, 0.0)  # 0 log 0 = 0: no -inf - -inf
+            g = d.sub_(_plogq(ps, d.clone()).unsqueeze(1)).mul_(ps)
     else:  # K_s = sum s (ls - lm), K_t = sum t (lt - lm), D = beta K_t + (1 - beta) K_s
         lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
         pt = lt.exp()
@@ -169,6 +172,35 @@ def distill_rows(student: Tensor, teacher: Tensor, w: Tensor, grad, spec: Distil
                                teacher_scale=spec.teacher_logit_scale, teacher_softcap=spec.teacher_softcap)
 
 
+# ---------------------------------------------------------------- chunks of logits
+
+
+@functools.cache
+def _mm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch.mm(a, b, out_dtype=torch.float32)` runs here for `dtype` a, b (CUDA, torch >= 2.8:
+    the half-precision GEMM writes fp32); probed once per device and dtype on a 2 x 2 case."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        return bool((torch.mm(a, a, out_dtype=torch.float32) == 2).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _logits_in(h: Tensor, weight: Tensor, bias, dtype: torch.dtype) -> Tensor:
+    """[n, V] logits of one chunk in `dtype`: in the inputs' dtype, ops.linear's chunk_logits; in float32
+    from half-precision inputs, the GEMM's fp32 output on CUDA, else an fp32 matmul of fp32 copies (as TRL's
+    and Liger's projections: no rounding of the logits to the inputs' dtype)."""
+    if dtype == h.dtype:
+        return chunk_logits(h, weight, bias)
+    if _mm_writes_fp32(h.device, h.dtype) and dtype == torch.float32:
+        out = torch.mm(h, weight.T, out_dtype=torch.float32)
+    else:
+        out = h.to(dtype) @ weight.to(dtype).T
+    return out if bias is None else out.add_(bias.to(dtype))
+
+
 # ---------------------------------------------------------------- the call path: eager bypass, custom op under compile
 
 
@@ -224,11 +256,13 @@ def _(student_logits, teacher_logits, w, beta, temperature, student_scale, stude
 def _linear_body(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None, teacher_hidden: Tensor,
                  teacher_weight: Tensor, teacher_bias: Tensor | None, w: Tensor, beta: float, temperature: float,
                  student_scale: float, student_softcap: float | None, teacher_scale: float,
-                 teacher_softcap: float | None, chunk_size: int, accum_dtype: torch.dtype | None, need_hidden: bool,
-                 need_weight: bool, need_bias: bool, use_triton: bool) -> tuple[Tensor, ...]:
+                 teacher_softcap: float | None, chunk_size: int, accum_dtype: torch.dtype | None,
+                 logits_dtype: torch.dtype | None, need_hidden: bool, need_weight: bool, need_bias: bool,
+                 use_triton: bool) -> tuple[Tensor, ...]:
     """hidden [N, H_s] / [N, H_t], weights [V, H], biases [V], w [N] -> (loss [], entropy [N], d_hidden,
     d_weight, d_bias of the student, each [0] unless asked for). One chunk of each model's logits at a
-    time; d(student logits) is written over the student's chunk (module docstring)."""
+    time, in logits_dtype (None: each model's own); d(student logits) is written over the student's
+    chunk when that is in the student's dtype (module docstring), else into a chunk of its own."""
     spec = DistillSpec(beta, temperature, student_scale, student_softcap, teacher_scale, teacher_softcap)
     N = student_hidden.shape[0]
     acc = weight_accum_dtype(student_weight, accum_dtype)
@@ -241,16 +275,21 @@ def _linear_body(student_hidden: Tensor, student_weight: Tensor, student_bias: T
     dtype = torch.promote_types(out_dtype(student_hidden), out_dtype(teacher_hidden))
     div = torch.empty(N, dtype=torch.float32 if use_triton else dtype, device=student_hidden.device)
     ent = torch.empty_like(div)
+    s_dtype, t_dtype = logits_dtype or student_hidden.dtype, logits_dtype or teacher_hidden.dtype
+    in_place = s_dtype == student_hidden.dtype
     for start in range(0, N, chunk_size):
         s = slice(start, min(start + chunk_size, N))
         h = student_hidden[s]
-        logits = chunk_logits(h, student_weight, student_bias).unsqueeze(0)  # matmul 1
-        teacher = chunk_logits(teacher_hidden[s], teacher_weight, teacher_bias).unsqueeze(0)  # matmul 2
-        div[s], ent[s] = distill_rows(logits, teacher, w[s], logits if need_grad else None, spec, use_triton)
-        del teacher
-        if need_grad:  # the student's logits now hold d(logits)
-            _add_chunk_gradients(logits[0], h, student_weight, s, d_hidden, d_weight, d_bias)  # matmuls 3 and 4
-        del logits  # one chunk of each model's logits at a time
+        logits = _logits_in(h, student_weight, student_bias, s_dtype).unsqueeze(0)  # matmul 1
+        teacher = _logits_in(teacher_hidden[s], teacher_weight, teacher_bias, t_dtype).unsqueeze(0)  # matmul 2
+        grad = None
+        if need_grad:
+            grad = logits if in_place else torch.empty(logits.shape, dtype=h.dtype, device=h.device)
+        div[s], ent[s] = distill_rows(logits, teacher, w[s], grad, spec, use_triton)
+        del teacher, logits
+        if need_grad:
+            _add_chunk_gradients(grad[0], h, student_weight, s, d_hidden, d_weight, d_bias)  # matmuls 3 and 4
+        del grad  # one chunk of each model's logits at a time
     loss = (div * w.to(div.dtype)).sum().to(dtype)
     return (loss, ent.to(dtype), _or_empty(d_hidden, student_hidden),
             _or_empty(None if d_weight is None else d_weight.to(student_weight.dtype), student_weight),
@@ -261,17 +300,18 @@ def _linear_body(student_hidden: Tensor, student_weight: Tensor, student_bias: T
 def _linear_op(student_hidden: Tensor, student_weight: Tensor, student_bias: Tensor | None, teacher_hidden: Tensor,
                teacher_weight: Tensor, teacher_bias: Tensor | None, w: Tensor, beta: float, temperature: float,
                student_scale: float, student_softcap: float | None, teacher_scale: float,
-               teacher_softcap: float | None, chunk_size: int, accum_dtype: torch.dtype | None, need_hidden: bool,
-               need_weight: bool, need_bias: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               teacher_softcap: float | None, chunk_size: int, accum_dtype: torch.dtype | None,
+               logits_dtype: torch.dtype | None, need_hidden: bool, need_weight: bool, need_bias: bool,
+               use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _linear_body(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                         w, beta, temperature, student_scale, student_softcap, teacher_scale, teacher_softcap,
-                        chunk_size, accum_dtype, need_hidden, need_weight, need_bias, use_triton)
+                        chunk_size, accum_dtype, logits_dtype, need_hidden, need_weight, need_bias, use_triton)
 
 
 @_linear_op.register_fake
 def _(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, w, beta, temperature,
-      student_scale, student_softcap, teacher_scale, teacher_softcap, chunk_size, accum_dtype, need_hidden,
-      need_weight, need_bias, use_triton):
+      student_scale, student_softcap, teacher_scale, teacher_softcap, chunk_size, accum_dtype, logits_dtype,
+      need_hidden, need_weight, need_bias, use_triton):
     dtype = torch.promote_types(out_dtype(student_hidden), out_dtype(teacher_hidden))
     need_bias = need_bias and student_bias is not None
     return (student_hidden.new_empty((), dtype=dtype), student_hidden.new_empty(w.shape, dtype=dtype),
@@ -318,11 +358,11 @@ class _DistillLoss(torch.autograd.Function):
 class _LinearDistillLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, w,
-                spec: DistillSpec, chunk_size: int, accum_dtype, triton: bool):
+                spec: DistillSpec, chunk_size: int, accum_dtype, logits_dtype, triton: bool):
         needs = tuple(ctx.needs_input_grad[:3])
         loss, ent, *grads = _linear_entry(student_hidden, student_weight, student_bias, teacher_hidden,
-                                          teacher_weight, teacher_bias, w, *spec, chunk_size, accum_dtype, *needs,
-                                          triton)
+                                          teacher_weight, teacher_bias, w, *spec, chunk_size, accum_dtype,
+                                          logits_dtype, *needs, triton)
         ctx.mark_non_differentiable(ent)
         ctx.save_for_backward(*grads)
         ctx.needs, ctx.used = needs, False
@@ -330,7 +370,7 @@ class _LinearDistillLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_entropy):
-        return _scaled_once(ctx, grad_loss, 11, 3)
+        return _scaled_once(ctx, grad_loss, 12, 3)
 
 
 # ---------------------------------------------------------------- checks and public functions
@@ -437,7 +477,7 @@ def _rows_of(hidden: Tensor) -> Tensor:
 def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask, *, beta,
                         temperature=1.0, student_bias=None, teacher_bias=None, student_logit_scale=1.0,
                         teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None, global_num_tokens=None,
-                        chunk_size=None, accum_dtype=None):
+                        chunk_size=None, accum_dtype=None, logits_dtype=None):
     """`distill_loss(student_hidden @ student_weight.T + student_bias, teacher_hidden @ teacher_weight.T
     + teacher_bias, mask, ...)` without ever holding [N, V] logits of either model: TRL's
     `_chunked_divergence_loss`, in four matmuls per chunk of tokens (module docstring).
@@ -454,6 +494,10 @@ def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_
             budget per model's chunk on CUDA, 64 MiB on CPU, in balanced chunks).
         accum_dtype: what d(student_weight) accumulates in over the chunks (None: fp32, V x H x 4 bytes;
             e.g. the weight's dtype: no extra buffer, one rounding per chunk).
+        logits_dtype: the dtype of both models' chunks of logits: None, each model's own (d(student
+            logits) is written over its chunk); torch.float32 from half-precision models, the logits
+            unrounded, as TRL's and Liger's projections make them (on CUDA the GEMM writes fp32), at twice
+            the chunk memory and kernel traffic plus a chunk for d(student logits).
 
     Returns:
         (loss, stats) as `distill_loss`; gradients flow to student_hidden, student_weight and
@@ -474,13 +518,16 @@ def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     weight_accum_dtype(student_weight, accum_dtype)
+    if logits_dtype is not None and (not isinstance(logits_dtype, torch.dtype) or not logits_dtype.is_floating_point):
+        raise TypeError(f"logits_dtype must be None or a floating-point torch.dtype, got {logits_dtype!r}")
     hs, ht = _rows_of(student_hidden), _rows_of(teacher_hidden.detach())
     if chunk_size is None:  # each model's chunk of logits gets the budget of one
-        element = max(student_hidden.element_size(), teacher_hidden.element_size())
+        sizes = [x.element_size() for x in (student_hidden, teacher_hidden)]
+        element = max(sizes) if logits_dtype is None else logits_dtype.itemsize
         chunk_size = auto_chunk_size(hs.shape[0], student_weight.shape[0], element, student_hidden.is_cuda)
     dtype = torch.promote_types(out_dtype(student_hidden), out_dtype(teacher_hidden))
     w = _row_weights(mask, global_num_tokens, dtype)
     tb = None if teacher_bias is None else teacher_bias.detach()
     loss, ent = _LinearDistillLoss.apply(hs, student_weight, student_bias, ht, teacher_weight.detach(), tb, w, spec,
-                                         int(chunk_size), accum_dtype, use_triton(student_hidden))
+                                         int(chunk_size), accum_dtype, logits_dtype, use_triton(student_hidden))
     return loss, _stats(ent, mask)
