@@ -1,4 +1,4 @@
-"""The speed and memory targets (issue 13), each a ratio of two figures measured in the same run.
+"""The speed and memory targets (issues 13 and 30), each a ratio of two figures measured in the same run.
 
 A target is judged (`met` true or false) only on CUDA at its own shape and dtype; elsewhere
 its value is still computed from the closest case measured, for information, with `met` None.
@@ -91,6 +91,9 @@ def _targets() -> list[Target]:
                            op, "fwd+bwd", LINEAR_TARGET, provider),
                     Target(f"{op} fwd+bwd extra peak (GiB){suffix}", "<= 1.0", _extra_peak_gib,
                            op, "fwd+bwd", LINEAR_TARGET, provider)]
+    out += [Target(f"linear_distill_loss fwd+bwd / 4 bare matmuls{'' if p == 'fastrlhf' else f', {p}'}", "<= 1.15",
+                   _time_over("linear_distill_loss", "fwd+bwd", "matmuls"), "linear_distill_loss", "fwd+bwd",
+                   LINEAR_TARGET, p) for p in ("fastrlhf", WEIGHT_ACCUM)]  # issue 30 (beta 0.5, every row valid)
     out += [Target("gae speed-up over the Python loop over T", ">= 1000",
                    _time_over("gae", "fwd", "torch", speedup=True), "gae", "fwd", GRID_TARGET, dtype="float32"),
             Target("gae speed-up over verl compute_gae_advantage_return", ">= 50",
