@@ -282,10 +282,13 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
     builtin = bool(plan.eval_prompts)
 
     def true_score(teacher: bool = False) -> float:  # the built-in task's score of sampled responses
+        # on a forked random stream: the batches drawn after do not depend on how many prompts this rank sampled
         pair.scoring_teacher = teacher
         try:
-            return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
-                                       max_new_tokens=task.MAX_NEW_TOKENS, temperature=cfg.temperature, device=device)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
+                                           max_new_tokens=task.MAX_NEW_TOKENS, temperature=cfg.temperature,
+                                           device=device)
         finally:
             pair.scoring_teacher = False
 
