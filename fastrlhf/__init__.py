@@ -23,6 +23,7 @@ from fastrlhf.ops import (
     ppo_actor_loss,
     register_advantage,
     token_kl,
+    topk_distill_loss,
     value_loss,
     whiten,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "ppo_actor_loss",
     "register_advantage",
     "token_kl",
+    "topk_distill_loss",
     "value_loss",
     "whiten",
 ]

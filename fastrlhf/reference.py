@@ -35,6 +35,7 @@ from fastrlhf.constants import (
     DPO_LOSS_TYPES,
     IGNORE_INDEX,
     KL_ESTIMATORS,
+    LOG_MIX_FLOOR,
     LOG_RATIO_CLAMP,
     MASK_MODES,
     SINGLETON_MODES,
@@ -44,8 +45,8 @@ from fastrlhf.constants import (
 __all__ = ["ADVANTAGE_ESTIMATORS", "AGG_MODES", "DPO_LOSS_TYPES", "KL_ESTIMATORS", "MASK_MODES", "SINGLETON_MODES",
            "absolute", "agg_loss", "clamped", "distill_divergence", "distill_logprobs", "distill_loss", "dpo_loss",
            "entropy", "gae", "group_index", "kl_shaped_rewards", "linear_distill_loss", "linear_logprobs", "logprobs",
-           "masked", "masked_mean", "outcome_advantages", "policy_loss", "ppo_actor_loss", "token_kl", "value_loss",
-           "whiten", "whiten_tokens"]
+           "masked", "masked_mean", "outcome_advantages", "policy_loss", "ppo_actor_loss", "token_kl",
+           "topk_distill_loss", "value_loss", "whiten", "whiten_tokens"]
 
 
 # ---------------------------------------------------------------- gradient rules at ties
@@ -542,11 +543,6 @@ def _expected_log_ratio(p, log_a, log_b):
     return (p * diff).sum(-1)
 
 
-# log m's inputs are floored here: below the log of any fp64 probability > 0 (>= -745), so only tokens
-# with p = 0 under both models change, and logaddexp(-inf, -inf) never feeds the gradient a NaN
-_LOG_MIX_FLOOR = -1.0e4
-
-
 def distill_divergence(student_logits, teacher_logits, *, beta, temperature=1.0, student_logit_scale=1.0,
                        teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None):
     """Per-position divergence [...] of the student's next-token distribution s from the
@@ -570,8 +566,8 @@ def distill_divergence(student_logits, teacher_logits, *, beta, temperature=1.0,
         return _expected_log_ratio(pt, lt, ls)
     if beta == 1:
         return _expected_log_ratio(ps, ls, lt)
-    lm = torch.logaddexp(ls.clamp(min=_LOG_MIX_FLOOR) + math.log1p(-beta),
-                         lt.clamp(min=_LOG_MIX_FLOOR) + math.log(beta))
+    lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + math.log1p(-beta),
+                         lt.clamp(min=LOG_MIX_FLOOR) + math.log(beta))
     return beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
 
 
@@ -606,3 +602,43 @@ def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_
     s = s if student_bias is None else s + student_bias
     t = t if teacher_bias is None else t + teacher_bias
     return distill_loss(s, t, mask, beta=beta, **kwargs)
+
+
+def topk_distill_loss(student_logits, teacher_ids, teacher_logprobs, mask, *, beta, temperature=1.0,
+                      candidate_mask=None, tail_bucket=True, global_num_tokens=None):
+    """(loss, stats): the divergence on the teacher's top-K support (TRL 1.16's async distillation, from a
+    teacher that reports K candidates per position: ids [..., K] and their log-probs [..., K]).
+
+    s_k = log softmax(student_logits / temperature)[id_k] and t_k = the teacher's log-prob, on the valid
+    candidates (candidate_mask, default ids >= 0); tail_bucket: each gets one more element, the mass left
+    out, log(1 - sum exp), with sum exp clamped below exp(-1e-7) (TRL's `_add_tail_bucket`); else both
+    are renormalised over the candidates. D is `distill_divergence`'s formula over those K (+ 1)
+    probabilities; the loss is its token mean over `mask`, as distill_loss. stats: "entropy", the
+    student's full-vocabulary entropy (mask-weighted mean, detached)."""
+    ls_full = distill_logprobs(student_logits, temperature=temperature)
+    valid = teacher_ids >= 0 if candidate_mask is None else candidate_mask.bool()
+    minus_inf = torch.full((), float("-inf"), dtype=ls_full.dtype)
+    ls = torch.where(valid, ls_full.gather(-1, torch.where(valid, teacher_ids, 0).long()), minus_inf)
+    lt = torch.where(valid, teacher_logprobs.detach().to(ls.dtype), minus_inf)
+    if tail_bucket:
+        def tail(lp):
+            rest = torch.log(-torch.expm1(torch.logsumexp(lp, -1, keepdim=True).clamp(max=-1e-7)))
+            return torch.cat([lp, rest], -1)
+
+        ls, lt = tail(ls), tail(lt)
+    else:
+        ls, lt = ls - torch.logsumexp(ls, -1, keepdim=True), lt - torch.logsumexp(lt, -1, keepdim=True)
+    ps, pt = ls.exp(), lt.exp()
+    if beta == 0:
+        d = _expected_log_ratio(pt, lt, ls)
+    elif beta == 1:
+        d = _expected_log_ratio(ps, ls, lt)
+    else:
+        lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + math.log1p(-beta),
+                             lt.clamp(min=LOG_MIX_FLOOR) + math.log(beta))
+        d = beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
+    loss = agg_loss(d.reshape(-1), mask.reshape(-1), "token-mean", global_num_tokens=global_num_tokens)
+    with torch.no_grad():
+        ent = -_expected_log_ratio(ls_full.exp(), ls_full, torch.zeros_like(ls_full))
+        stats = {"entropy": masked_mean(ent.reshape(-1), mask.reshape(-1))}
+    return loss, stats

@@ -221,6 +221,18 @@ def _linear_distill_loss(dtype):
     return fn, [hidden, weight, bias]
 
 
+def _topk_distill_loss(dtype):
+    ids = torch.randint(0, V, (B, T, 4))
+    ids[0, 0, 3] = -1
+    teacher_logprobs, mask = -torch.rand(B, T, 4, dtype=dtype) * 3, _mask()
+
+    def fn(student):
+        loss, stats = ops.topk_distill_loss(student, ids, teacher_logprobs, mask, beta=0.5, temperature=0.9)
+        return [loss, stats["entropy"]]
+
+    return fn, [torch.randn(B, T, V, dtype=dtype, requires_grad=True)]
+
+
 CASES = {
     "logprobs": _logprobs,
     "logprobs-inplace_backward": lambda dtype: _logprobs(dtype, inplace=True),
@@ -243,6 +255,7 @@ CASES = {
     "linear_dpo_loss": _linear_dpo_loss,
     "distill_loss": _distill_loss,
     "linear_distill_loss": _linear_distill_loss,
+    "topk_distill_loss": _topk_distill_loss,
 }
 NOT_OPS = {"AGG_MODES", "KL_ESTIMATORS", "MASK_MODES", "ADVANTAGES", "register_advantage"}  # constants, the registry
 
@@ -320,7 +333,7 @@ def test_inductor_end_to_end():
 
 @pytest.mark.parametrize("name", ["logprobs", "logprobs-topk", "entropy", "agg_loss", "token_kl", "policy_loss",
                                   "value_loss", "linear_logprobs", "dpo_loss", "linear_sequence_logprobs",
-                                  "linear_dpo_loss"])
+                                  "linear_dpo_loss", "topk_distill_loss"])
 def test_gradcheck_float64(monkeypatch, name):
     """(Straight-through KL is left out on purpose: its gradient is by definition not its value's.)"""
     monkeypatch.setenv("FASTRLHF_BACKEND", "torch")

@@ -199,3 +199,51 @@ def test_bad_tensors():
         ops.distill_loss(s, None, torch.ones(2, 3), beta=0.5)
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'beta'"):
         ops.distill_loss(s, s, torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------- a teacher's top-K support
+
+
+def _topk_teacher(B, T, V, K, dtype=torch.float64):
+    """A teacher's K distinct candidates per position (its most likely first, as a server ranks them), their
+    log-probs, and a few padded slots (id -1)."""
+    teacher = torch.randn(B, T, V, dtype=dtype) * 2
+    lp = teacher.log_softmax(-1)
+    top = lp.topk(K, dim=-1)
+    ids, logprobs = top.indices.clone(), top.values.clone()
+    ids[0, 1, K - 2:] = -1  # fewer candidates at one position
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("tail_bucket", [True, False])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype,atol", DTYPES[:2])
+def test_topk_matches_reference(backend, dtype, atol, beta, tail_bucket):
+    B, T, V, K = 3, 11, 301, 8
+    student = _logits(B, T, V, dtype=dtype)
+    ids, t_lp = _topk_teacher(B, T, V, K)
+    mask = make_mask(B, T)
+    kw = dict(beta=beta, temperature=0.8, tail_bucket=tail_bucket)
+    g = _upstream(mask, kw)
+
+    def fn(leaf, m, module, lp):
+        return module.topk_distill_loss(leaf, ids, lp, m, **kw)
+
+    out = _run(lambda s, t, m: fn(s, m, ops, t_lp.float()), student, None, mask, g)
+    r64 = _run(lambda s, t, m: fn(s, m, ref, t_lp), student.double(), None, mask, g)
+    same = _run(lambda s, t, m: fn(s, m, ref, t_lp.float()), student, None, mask, g)
+    for name, o, r, s in zip(("loss", "entropy", "d_student"), out, r64, same):
+        assert_close_to_ref(o, r, s, atol=atol, name=name)
+
+
+def test_topk_bad_inputs():
+    s = torch.randn(2, 3, 10)
+    ids, lp = torch.randint(0, 10, (2, 3, 4)), -torch.rand(2, 3, 4)
+    with pytest.raises(ValueError, match=r"teacher_ids must have shape student_logits.shape\[:-1\] \+ \(K,\)"):
+        ops.topk_distill_loss(s, ids[..., 0], lp, torch.ones(2, 3), beta=0.5)
+    with pytest.raises(ValueError, match="teacher_logprobs must have teacher_ids' shape"):
+        ops.topk_distill_loss(s, ids, lp[..., :3], torch.ones(2, 3), beta=0.5)
+    with pytest.raises(TypeError, match="teacher_ids must be an integer tensor"):
+        ops.topk_distill_loss(s, ids.float(), lp, torch.ones(2, 3), beta=0.5)
+    with pytest.raises(ValueError, match="mask must have the shape of teacher_ids"):
+        ops.topk_distill_loss(s, ids, lp, torch.ones(2, 3), beta=0.5, candidate_mask=torch.ones(2, 3))

@@ -13,7 +13,7 @@ Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile trace
 
 from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
 from fastrlhf.ops.advantages import ADVANTAGES, outcome_advantages, register_advantage
-from fastrlhf.ops.distill import distill_loss, linear_distill_loss
+from fastrlhf.ops.distill import distill_loss, linear_distill_loss, topk_distill_loss
 from fastrlhf.ops.dpo import dpo_loss, linear_dpo_loss, linear_sequence_logprobs
 from fastrlhf.ops.gae import gae, whiten
 from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
@@ -43,6 +43,7 @@ __all__ = [
     "ppo_actor_loss",
     "register_advantage",
     "token_kl",
+    "topk_distill_loss",
     "value_loss",
     "whiten",
 ]

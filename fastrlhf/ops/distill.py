@@ -20,6 +20,10 @@ JSD and ops.linear's actor loss): per chunk of rows
 and the backward scales the gradients by the upstream scalar: four matmuls per chunk, the least
 the loss needs, and one backward per graph.
 
+`topk_distill_loss` is the divergence on a teacher's top-K support (TRL's async distillation: a teacher
+that reports K candidates per position): the student's K log-probs come from ops.logprobs (one fused
+read of its logits for all K), the rest is over [N, K + 1] numbers.
+
 The call path (quack's pattern): one autograd.Function per op whose eager forward calls the op's body
 directly; the registered custom ops (fastrlhf::distill_loss, fastrlhf::linear_distill_loss, with
 fake implementations) are reached only under torch.compile or for fake / subclass tensors.
@@ -34,9 +38,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fastrlhf.constants import LOG_MIX_FLOOR
 from fastrlhf.ops._common import (
     check_device,
     check_float,
+    check_int,
     check_mask,
     check_number,
     out_dtype,
@@ -50,7 +56,7 @@ from fastrlhf.ops.linear import (
     chunk_logits,
     weight_accum_dtype,
 )
-from fastrlhf.ops.logprobs import BLOCK_BYTES_PER_THREAD, as_3d
+from fastrlhf.ops.logprobs import BLOCK_BYTES_PER_THREAD, as_3d, logprobs
 
 MODES = {0.0: "forward_kl", 1.0: "reverse_kl"}  # beta -> divergence; any other beta in (0, 1) is "jsd"
 
@@ -531,3 +537,75 @@ def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_
     loss, ent = _LinearDistillLoss.apply(hs, student_weight, student_bias, ht, teacher_weight.detach(), tb, w, spec,
                                          int(chunk_size), accum_dtype, logits_dtype, use_triton(student_hidden))
     return loss, _stats(ent, mask)
+
+
+# ---------------------------------------------------------------- a teacher's top-K support
+
+
+def _support(lp: Tensor, tail_bucket: bool) -> Tensor:
+    """Log-probs [..., K] (-inf off the support) as a distribution: with the tail bucket, one more element,
+    the mass left out, log(1 - sum exp) with sum exp <= exp(-1e-7) (TRL's `_add_tail_bucket`); else
+    renormalised over the support."""
+    total = torch.logsumexp(lp, -1, keepdim=True)
+    if tail_bucket:
+        return torch.cat([lp, torch.log(-torch.expm1(total.clamp(max=-1e-7)))], -1)
+    return lp - total
+
+
+def _kl_terms(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
+    """sum p (log p - log q) over the last dim, 0 where p = 0."""
+    return (p * torch.where(p > 0, log_p - log_q, 0.0)).sum(-1)
+
+
+def topk_distill_loss(student_logits, teacher_ids, teacher_logprobs, mask, *, beta, temperature=1.0,
+                      candidate_mask=None, tail_bucket=True, global_num_tokens=None):
+    """Divergence of the student from a teacher known by its top-K candidates per position (a teacher
+    served elsewhere; TRL 1.16's async distillation, reference.topk_distill_loss).
+
+    Args:
+        student_logits: [..., V] bf16/fp16/fp32/fp64.
+        teacher_ids: [..., K] integer candidate ids (negative: padding); teacher_logprobs [..., K] the
+            teacher's log-probs of them (constants).
+        mask: student_logits.shape[:-1]; beta, temperature (the student's), global_num_tokens: as `distill_loss`.
+        candidate_mask: [..., K] bool, the real candidates (default teacher_ids >= 0).
+        tail_bucket: True: each distribution gets a (K + 1)-th element, the mass outside the candidates
+            (TRL's add_tail_bucket); False: both renormalised over the candidates.
+
+    Returns:
+        (loss, stats) as `distill_loss` (stats: the student's full-vocabulary entropy); the gradient flows
+        to student_logits through the fused log-probs (any number of backwards).
+    """
+    check_float("student_logits", student_logits)
+    check_int("teacher_ids", teacher_ids)
+    check_float("teacher_logprobs", teacher_logprobs)
+    lead = tuple(student_logits.shape[:-1])
+    if teacher_ids.dim() != student_logits.dim() or tuple(teacher_ids.shape[:-1]) != lead or teacher_ids.shape[-1] < 1:
+        raise ValueError(f"teacher_ids must have shape student_logits.shape[:-1] + (K,) = {lead + ('K',)} with K >= 1, "
+                         f"got {tuple(teacher_ids.shape)}")
+    if tuple(teacher_logprobs.shape) != tuple(teacher_ids.shape):
+        raise ValueError(f"teacher_logprobs must have teacher_ids' shape {tuple(teacher_ids.shape)}, got "
+                         f"{tuple(teacher_logprobs.shape)}")
+    valid = teacher_ids >= 0
+    if candidate_mask is not None:
+        check_mask(candidate_mask, teacher_ids, "teacher_ids")
+        valid = candidate_mask.bool()
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
+        check_device(name, t, "student_logits", student_logits)
+    check_mask(mask, student_logits[..., 0], "student_logits.shape[:-1]")
+    spec = _check_spec(beta, temperature, 1.0, 1.0, None, None)
+    logp, entropy = logprobs(student_logits, torch.where(valid, teacher_ids, 0), temperature=spec.temperature,
+                             return_entropy=True)
+    ls = _support(torch.where(valid, logp, float("-inf")), tail_bucket)
+    lt = _support(torch.where(valid, teacher_logprobs.detach().to(logp.dtype), float("-inf")), tail_bucket)
+    ps, pt = ls.exp(), lt.exp()
+    if spec.beta == 0.0:
+        div = _kl_terms(pt, lt, ls)
+    elif spec.beta == 1.0:
+        div = _kl_terms(ps, ls, lt)
+    else:
+        lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + math.log1p(-spec.beta),
+                             lt.clamp(min=LOG_MIX_FLOOR) + math.log(spec.beta))  # autograd through it: no NaN
+        div = spec.beta * _kl_terms(pt, lt, lm) + (1.0 - spec.beta) * _kl_terms(ps, ls, lm)
+    w = _row_weights(mask, global_num_tokens, div.dtype)
+    loss = torch.where(w != 0, div.reshape(-1) * w, 0.0).sum()
+    return loss, _stats(entropy.detach().reshape(-1), mask)

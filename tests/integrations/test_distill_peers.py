@@ -284,3 +284,38 @@ def test_distillation_trainer_first_step(trl_integration, tmp_path, op_calls, mo
     for k in ("loss", "grad_norm", "entropy"):
         check_like_peer(p[k], o[k], t[k], atol=ATOL[torch.float32], name=k)
     assert p["loss"] > 0
+
+
+@pytest.mark.parametrize("tail_bucket", [True, False])
+@pytest.mark.parametrize("beta", BETAS)
+def test_topk_matches_trl_async_distillation(backend, beta, tail_bucket):
+    """ops.topk_distill_loss against TRL's async distillation loss on a teacher's top-K candidates
+    (`_jsd_loss_chunk`, given the logits through an identity lm_head; its loss is the sum over the chunk's
+    tokens: global_num_tokens=1). TRL mixes JSD's m in probability space with a floor at fp32's tiny, fastrlhf
+    in log space: the same for every probability above 1e-38."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trl_async = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")
+    N, V, K = 30, 257, 6
+    s = torch.randn(N, V) * 2
+    top = (torch.randn(N, V, dtype=torch.float64) * 2).log_softmax(-1).topk(K, dim=-1)
+    ids, t_lp = top.indices.clone(), top.values.float()
+    ids[3, K - 2:] = -1
+    valid = ids >= 0
+    eye = torch.eye(V)
+    g = torch.randn(()) * N
+
+    def run(fn, logits):
+        leaf = logits.clone().requires_grad_()
+        loss = fn(leaf)
+        return loss, torch.autograd.grad(loss, leaf, g.to(loss.dtype))[0]
+
+    peer = run(lambda x: trl_async._jsd_loss_chunk(x, eye, None, 1.0, None, ids, t_lp, valid, beta, 0.9, tail_bucket,
+                                                   None, 1)[0], s)
+    kw = dict(beta=beta, temperature=0.9, tail_bucket=tail_bucket, global_num_tokens=1)
+    got = run(lambda x: ops.topk_distill_loss(x, ids, t_lp, torch.ones(N), **kw)[0], s)
+    truth = run(lambda x: ref.topk_distill_loss(x, ids, t_lp.double(), torch.ones(N), **kw)[0], s.double())
+    for name, o, p, t in zip(("loss", "d_student_logits"), got, peer, truth):
+        check_like_peer(o, p, t, atol=ATOL[torch.float32], name=name)
