@@ -24,8 +24,6 @@ The kernels and the ops' torch path implement the same rules.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fastrlhf.constants import (
@@ -543,6 +541,13 @@ def _expected_log_ratio(p, log_a, log_b):
     return (p * diff).sum(-1)
 
 
+def _jsd(ls, lt, ps, pt, beta):
+    """beta KL(t || m) + (1 - beta) KL(s || m), log m = logaddexp(log s + log(1 - beta), log t + log beta)."""
+    b = torch.tensor(beta, dtype=ls.dtype)
+    lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + torch.log1p(-b), lt.clamp(min=LOG_MIX_FLOOR) + torch.log(b))
+    return beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
+
+
 def distill_divergence(student_logits, teacher_logits, *, beta, temperature=1.0, student_logit_scale=1.0,
                        teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None):
     """Per-position divergence [...] of the student's next-token distribution s from the
@@ -566,9 +571,7 @@ def distill_divergence(student_logits, teacher_logits, *, beta, temperature=1.0,
         return _expected_log_ratio(pt, lt, ls)
     if beta == 1:
         return _expected_log_ratio(ps, ls, lt)
-    lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + math.log1p(-beta),
-                         lt.clamp(min=LOG_MIX_FLOOR) + math.log(beta))
-    return beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
+    return _jsd(ls, lt, ps, pt, beta)
 
 
 def distill_loss(student_logits, teacher_logits, mask, *, beta, temperature=1.0, student_logit_scale=1.0,
@@ -634,9 +637,7 @@ def topk_distill_loss(student_logits, teacher_ids, teacher_logprobs, mask, *, be
     elif beta == 1:
         d = _expected_log_ratio(ps, ls, lt)
     else:
-        lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + math.log1p(-beta),
-                             lt.clamp(min=LOG_MIX_FLOOR) + math.log(beta))
-        d = beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
+        d = _jsd(ls, lt, ps, pt, beta)
     loss = agg_loss(d.reshape(-1), mask.reshape(-1), "token-mean", global_num_tokens=global_num_tokens)
     with torch.no_grad():
         ent = -_expected_log_ratio(ls_full.exp(), ls_full, torch.zeros_like(ls_full))

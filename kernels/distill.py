@@ -33,9 +33,6 @@ most lanes idle. Logits may be any [B, T, V] views with a unit vocab stride; off
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -118,8 +115,6 @@ def _distill_fwd_kernel(
     t_mul,
     t_inv_cap,
     beta,  # fp32
-    log2_1mb,  # fp32 log2(1 - beta) (MODE 2)
-    log2_b,  # fp32 log2(beta) (MODE 2)
     MODE: tl.constexpr,
     S_SOFTCAP: tl.constexpr,
     T_SOFTCAP: tl.constexpr,
@@ -175,6 +170,8 @@ def _distill_fwd_kernel(
         div = (kl - lse_s + lse_t) * LN2
     else:
         # 2. the two KLs to the mixture m (log m needs both normalisers: no online sum)
+        log2_1mb = tl.log2(1.0 - beta)
+        log2_b = tl.log2(beta)
         k_t = tl.zeros((), tl.float32)
         for k in range(0, V, BLOCK_V):
             _, a_s, _ = _tile(s_row, k, cols, V, s_mul, s_inv_cap, S_SOFTCAP)
@@ -204,7 +201,7 @@ def _distill_fwd_kernel(
             elif MODE == 1:
                 g = tl.where(ps > 0, ps * ((a_s - a_t - kl) * LN2), 0.0)
             else:
-                lm = _log_mix(ls, lt, log2_1mb, log2_b)
+                lm = _log_mix(ls, lt, tl.log2(1.0 - beta), tl.log2(beta))
                 g = tl.where(ps > 0, (1.0 - beta) * ps * ((ls - lm) * LN2 - k_s), 0.0)
             g = g * (w * s_dz)  # dz/dx = scale / T, times 1 - tanh^2 with a softcap
             if S_SOFTCAP:
@@ -216,9 +213,8 @@ def _distill_fwd_kernel(
 # ---------------------------------------------------------------- launcher
 
 
-@functools.cache
 def _block_v(V: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for a vocab of V, from Python integers (cached: no per-call work)."""
+    """(BLOCK_V, num_warps) for a vocab of V, from Python integers (no triton.next_power_of_2 per call)."""
     block = min(BLOCK_V, 1 << max(V - 1, 1).bit_length())
     return block, NUM_WARPS if block >= 2048 else 4
 
@@ -258,14 +254,13 @@ def distill_fwd(student, teacher, weight, grad, *, beta: float, temperature: flo
     s_mul, s_inv_cap, s_dz = _transform(student_scale, student_softcap, temperature)
     t_mul, t_inv_cap, _ = _transform(teacher_scale, teacher_softcap, temperature)
     mode = MODES.get(float(beta), 2)
-    log2_1mb, log2_b = (math.log2(1.0 - beta), math.log2(beta)) if mode == 2 else (0.0, 0.0)
     block, warps = _block_v(V)
     g = grad if grad is not None else student
     _distill_fwd_kernel[(N,)](
         student, teacher, g, weight.contiguous(), div, ent,
         T, V,
         student.stride(0), student.stride(1), teacher.stride(0), teacher.stride(1), g.stride(0), g.stride(1),
-        s_mul, s_inv_cap, s_dz, t_mul, t_inv_cap, float(beta), log2_1mb, log2_b,
+        s_mul, s_inv_cap, s_dz, t_mul, t_inv_cap, float(beta),
         MODE=mode, S_SOFTCAP=student_softcap is not None, T_SOFTCAP=teacher_softcap is not None,
         NEED_GRAD=grad is not None, BLOCK_V=block, num_warps=warps,
     )
