@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the peers that tests/integrations runs against into a venv (default: .venv).
 #
-# verl, OpenRLHF and Liger come without their dependencies (ray, vllm, deepspeed, flash-attn, ...:
+# verl and OpenRLHF come without their dependencies (ray, vllm, deepspeed, flash-attn, ...:
 # GPU serving stacks the tested loss / log-prob code never calls; tests/integrations/peer_stubs.py
 # stands in for their imports), plus the few light modules that importing their core_algos,
 # models and losses needs. TRL comes with its own (light) dependencies. Versions are pinned:
@@ -13,7 +13,11 @@ cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
-"${PIP[@]}" --no-deps verl==0.9.1 openrlhf==0.11.2 liger-kernel==0.8.5  # Liger: Triton kernels, the interpreter on CPU
+"${PIP[@]}" --no-deps verl==0.9.1 openrlhf==0.11.2
+# Liger (the bench's log-prob and distillation peer): pure Python over torch and triton, installed on CPU too so
+# that its provider's import is checked (tests/test_bench.py) and its fused linear JSD runs in the Triton
+# interpreter against linear_distill_loss (tests/integrations/test_distill_peers.py)
+"${PIP[@]}" --no-deps liger-kernel==0.8.5
 # verl 0.9.1 pins tensordict <= 0.10.0. pip then lists the peers' other (deliberately skipped)
 # dependencies as missing: expected, and filtered from the log; a failing install still fails.
 log="$(mktemp)"
@@ -26,5 +30,5 @@ grep -v -e "^ERROR: pip's dependency resolver" -e "^verl 0.9.1 requires" -e "^op
 rm -f "$log"
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "tensordict", "liger-kernel")))
+print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "liger-kernel", "tensordict")))
 PY

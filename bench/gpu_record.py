@@ -1,6 +1,7 @@
 """The records `bench/gpu_run.sh` writes besides the bench JSON, and its closing summary.
 
     python bench/gpu_record.py ppo RUN_DIR OUT.json --command "fastrlhf ppo ..."
+    python bench/gpu_record.py rollout OUT.json ENGINE.json... --command "bash bench/gpu_run.sh ..."
     python bench/gpu_record.py status STEPS.tsv ENV.json OUT.json [--dry-run]
     python bench/gpu_record.py summary OUT_DIR
 
@@ -8,6 +9,9 @@
 metrics.jsonl, with the steady-state mean per phase over the steps after the first (the first
 compiles kernels and warms the allocator). Written even when the run was stopped before its
 end: then `summary` is null and the rows say how far it got.
+`rollout`: the per-engine records of bench/rollout_bench.py (graph, static, dynamic) in one, with
+issue 26's goals as ratios of this run; an engine whose process left no record is named with
+its missing file.
 `status`: every step of gpu_run.sh (rc, seconds, limit, timed out) with the environment and
 source revision. `summary`: a short text of both and the bench targets, printed last.
 """
@@ -20,6 +24,9 @@ import sys
 from pathlib import Path
 
 PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
+ROLLOUT_KEYS = ("engine", "decode_ms_per_step", "floor_ms_per_step", "decode_over_floor", "rollout_s", "step_s",
+                "rest_of_step_s", "compile_s", "capture_s", "first_rollout_s", "logp_gap", "launches")
+BASELINE_STEP_S = 3.73  # the PPO step of bench/results/2026-11-23-h100-ppo-static.json (issue 26's "today")
 
 
 def revision() -> dict | None:
@@ -48,6 +55,39 @@ def ppo_record(run_dir: Path, command: str) -> dict:
         mean["tokens_per_s"] = sum(s.get("tokens_per_s", 0.0) for s in steady) / len(steady)
     return {"command": command, **(revision() or {}), "finished": summary is not None, "summary": summary,
             "steps": steps, "steady_state_mean": mean, "steady_state_steps": [s["step"] for s in steady]}
+
+
+def rollout_record(paths: list[Path], command: str) -> dict:
+    """One record of the engines' files: each engine's figures (ROLLOUT_KEYS; its full record under
+    `detail`), then the goals of issue 26, each a ratio of this run (None where an engine is missing)."""
+    engines, missing, common = [], [], None
+    for path in paths:
+        if not path.is_file():
+            missing.append(str(path.name))
+            continue
+        r = json.loads(path.read_text())
+        common = common or {k: r[k] for k in ("environment", "sizes", "prompt_len", "longest_prompt", "probe",
+                                              "floor_bytes_per_step")}
+        engines.append({k: r.get(k) for k in ROLLOUT_KEYS} | {"detail": r})
+    by = {e["engine"]: e for e in engines}
+    graph, static = by.get("graph"), by.get("static")
+
+    on_gpu = bool(common) and common["sizes"]["device"] == "cuda"  # a dry run's ratios are no test of the goals
+
+    def goal(name, goal_text, value, met):
+        return {"name": name, "goal": goal_text, "value": value,
+                "met": None if value is None or not on_gpu else met(value)}
+
+    over = graph["decode_over_floor"] if graph else None
+    speedup = static["rollout_s"] / graph["rollout_s"] if graph and static else None
+    step_ratio = graph["step_s"] / static["step_s"] if graph and static else None
+    goals = [goal("graph decode step / floor", "<= 3 (stretch 2)", over, lambda v: v <= 3),
+             goal("static rollout / graph rollout", ">= 6", speedup, lambda v: v >= 6),
+             goal("graph PPO step / static PPO step (same run)", "<= 0.5", step_ratio, lambda v: v <= 0.5),
+             goal(f"graph PPO step / {BASELINE_STEP_S} s (2026-11-23 static record)", "<= 0.5",
+                  graph["step_s"] / BASELINE_STEP_S if graph else None, lambda v: v <= 0.5)]
+    return {"experiment": "rollout", "command": command, **(revision() or {}), **(common or {}),
+            "engines": engines, "missing": missing, "goals": goals}
 
 
 def status_record(steps_tsv: Path, env_json: Path, dry_run: bool) -> dict:
@@ -95,6 +135,18 @@ def summary_text(out: Path) -> str:
                          f"{phases}; {mean['tokens_per_s']:.0f} tokens/s")
         else:
             lines.append("ppo: no step logged")
+    rollout_path = out / "rollout.json"
+    if rollout_path.is_file():
+        rollout = json.loads(rollout_path.read_text())
+        for e in rollout["engines"]:
+            lines.append(f"rollout {e['engine']:<8} {e['rollout_s']:.3f} s, step {e['step_s']:.3f} s, decode "
+                         f"{e['decode_ms_per_step']:.3f} ms/step ({e['decode_over_floor']:.1f}x the floor "
+                         f"{e['floor_ms_per_step']:.3f} ms), compile {e['compile_s'] or 0:.1f} s")
+        lines += [f"  missing: {m}" for m in rollout["missing"]]
+        for g in rollout["goals"]:
+            value = "-" if g["value"] is None else f"{g['value']:.3g}"
+            lines.append(f"  {g['name']:<70} {g['goal']:>16} {value:>8}  "
+                         f"{ {True: 'MET', False: 'missed', None: '-'}[g['met']]}")
     return "\n".join(lines)
 
 
@@ -110,11 +162,17 @@ def main(argv: list[str]) -> int:
     s.add_argument("env", type=Path)
     s.add_argument("out", type=Path)
     s.add_argument("--dry-run", action="store_true")
+    r = sub.add_parser("rollout")
+    r.add_argument("out", type=Path)
+    r.add_argument("records", type=Path, nargs="+")
+    r.add_argument("--command", required=True)
     m = sub.add_parser("summary")
     m.add_argument("out_dir", type=Path)
     args = p.parse_args(argv)
     if args.what == "ppo":
         args.out.write_text(json.dumps(ppo_record(args.run_dir, args.command), indent=1) + "\n")
+    elif args.what == "rollout":
+        args.out.write_text(json.dumps(rollout_record(args.records, args.command), indent=1) + "\n")
     elif args.what == "status":
         args.out.write_text(json.dumps(status_record(args.steps, args.env, args.dry_run), indent=1) + "\n")
     else:

@@ -23,6 +23,8 @@
 #   ops          fastrlhf bench --cases targets (the kernels)            -> bench.json, bench.png
 #   ppo          fastrlhf ppo on qwen2-0.5b, LoRA, bf16                  -> ppo.json
 #   experiments  the candidates in bench/experiments/, FSDP2 peak memory -> one JSON each
+#   rollout      bench/rollout_bench.py: the graph decode engine vs generate's static and dynamic caches
+#                on qwen2-0.5b (issue 26)                                -> rollout.json
 # and always status.json (every step's rc, seconds and limit; commit, kernels tree hash; the environment) and
 # logs.tar.gz (every step's log, env.json and what the parts add to WORK). The device tool returns at most 8
 # files, 16 MiB each, and no folders: keep a call's parts within that.
@@ -161,5 +163,7 @@ echo "== summary ($(($(date +%s) - START)) s)"
 echo "== files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 [ "$DRY" = 1 ] || [ ! -f "$OUT/bench.json" ] \
   || echo "== record it: cp OUT/bench.json bench/results/$(date +%F)-<gpu>.json; python bench/README_table.py"
+[ "$DRY" = 1 ] || [ ! -f "$OUT/rollout.json" ] \
+  || echo "== record it: cp OUT/rollout.json bench/results/$(date +%F)-<gpu>-rollout.json; python bench/README_table.py"
 rm -rf "$WORK"
 "$PY" -c "import json, sys; sys.exit(0 if json.load(open('$OUT/status.json'))['ok'] else 1)"

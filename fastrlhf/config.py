@@ -19,6 +19,7 @@ import inspect
 import logging
 import sys
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,43 +28,21 @@ import yaml
 
 
 @dataclass
-class SFTConfig:
-    """Supervised fine-tuning on (prompt, response) pairs; loss on response tokens only."""
+class RunConfig:
+    """What every stage's run shares: where it writes, its seed, logging, checkpoints and resume,
+    sharding and device. The stage configurations extend it; `--help` lists a stage's own keys
+    first, then these."""
 
-    model: str = "tiny"
-    """Local Hugging Face causal-LM directory (weights + tokenizer), or a built-in config with random
-    weights (`tiny`, `qwen2-0.5b`, `llama-0.5b`) and the built-in task's char tokenizer."""
-    data: str = "auto"
-    """Training pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with a prompt
-    and a response column, `builtin` (the built-in task) or `auto` (`builtin` when the model is a
-    built-in config, else an error asking for data)."""
+    out: str = "runs/default"
+    """Run directory: metrics.jsonl, summary.json, plots/ and one folder per stage (`sft/`, `rm/`,
+    `ppo/`, `dpo/`, `distill/`: config.json, checkpoints/, final/); the stages of a run share it."""
     prompt_key: str = "prompt"
     """Column of the data holding the prompt text."""
-    response_key: str = "response"
-    """Column of the data holding the response text."""
-    out: str = "runs/default"
-    """Run directory: metrics.jsonl, summary.json, plots/ and the stage folder `sft/` (config.json,
-    checkpoints/, final/)."""
-    steps: int = 300
-    """Optimizer steps."""
-    batch_size: int = 32
-    """Sequences per optimizer step."""
-    lr: float = 0.0
-    """AdamW learning rate (constant after a 10-step warm-up); 0 = auto: 3e-3 for the built-in `tiny`
-    model, else 5e-6 (OpenRLHF's SFT default for full fine-tuning)."""
     max_prompt_len: int = 0
     """Prompt tokens kept (longer prompts keep their end, with a warning and a count); 0 = auto: 32 on
     the built-in task, else the longest prompt in the data, within max_position_embeddings."""
-    max_response_len: int = 0
-    """Response tokens kept, EOS included (longer ones keep their start, with a warning and a count);
-    0 = auto: 16 on the built-in task, else the longest response, within max_position_embeddings."""
-    chat_template: bool = True
-    """Render prompt and response with the tokenizer's chat template when it has one (a user turn and
-    the assistant's answer); false, or no template: prompt tokens then response tokens + EOS."""
-    num_examples: int = 4000
-    """Built-in task only: number of (prompt, response) pairs to make."""
     seed: int = 0
-    """Seed for data, initialisation and sampling."""
+    """Seed for data, initialisation, shuffling and sampling."""
     log_every: int = 10
     """Write a metrics.jsonl row every this many steps."""
     save_every: int = 50
@@ -72,10 +51,11 @@ class SFTConfig:
     """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end.
     Used to test `--resume` and for time-boxed jobs."""
     resume: bool = False
-    """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from out, steps, stop_after, log_every, save_every, tensorboard and
-    shard; model, data and reward are compared as the paths they name, inside the run folder
-    relative to it, so a moved run folder resumes)."""
+    """Continue from the newest intact checkpoint in the stage folder (each is checked against its
+    sha256 manifest; a damaged one is named and skipped). The configuration must match the recorded
+    one, apart from the keys in fastrlhf.checkpoint.RESUME_FREE_KEYS; model, data and reward are
+    compared as the paths they name, inside the run folder relative to it, so a moved run folder
+    resumes."""
     overwrite: bool = False
     """Delete what an earlier run left in the stage folder and start over (without it, a fresh run
     in a folder that holds a run is refused)."""
@@ -89,10 +69,47 @@ class SFTConfig:
     forward to backward; ZeRO-2) or `none` (replicated). Ignored in a single process."""
     device: str = "auto"
     """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
+    max_skipped_frac: float = 0.1
+    """Stop the run (non-zero exit, no final model, its last checkpoint kept) once more than this
+    fraction of its optimizer updates (steps x updates per step) were skipped for a non-finite loss or
+    gradient; 1 = never. A run whose parameters turn non-finite always stops."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: seconds a collective (all-reduce, barrier) waits for the other ranks before it
+    fails instead of hanging."""
 
 
 @dataclass
-class RMConfig:
+class SFTConfig(RunConfig):
+    """Supervised fine-tuning on (prompt, response) pairs; loss on response tokens only."""
+
+    model: str = "tiny"
+    """Local Hugging Face causal-LM directory (weights + tokenizer), or a built-in config with random
+    weights (`tiny`, `qwen2-0.5b`, `llama-0.5b`) and the built-in task's char tokenizer."""
+    data: str = "auto"
+    """Training pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with a prompt
+    and a response column, `builtin` (the built-in task) or `auto` (`builtin` when the model is a
+    built-in config, else an error asking for data)."""
+    response_key: str = "response"
+    """Column of the data holding the response text."""
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per optimizer step."""
+    lr: float = 0.0
+    """AdamW learning rate (constant after a 10-step warm-up); 0 = auto: 3e-3 for the built-in `tiny`
+    model, else 5e-6 (OpenRLHF's SFT default for full fine-tuning)."""
+    max_response_len: int = 0
+    """Response tokens kept, EOS included (longer ones keep their start, with a warning and a count);
+    0 = auto: 16 on the built-in task, else the longest response, within max_position_embeddings."""
+    chat_template: bool = True
+    """Render prompt and response with the tokenizer's chat template when it has one (a user turn and
+    the assistant's answer); false, or no template: prompt tokens then response tokens + EOS."""
+    num_examples: int = 4000
+    """Built-in task only: number of (prompt, response) pairs to make."""
+
+
+@dataclass
+class RMConfig(RunConfig):
     """Bradley-Terry reward model on (prompt, chosen, rejected), initialised from the SFT model."""
 
     model: str = ""
@@ -101,14 +118,10 @@ class RMConfig:
     """Preference pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with prompt,
     chosen and rejected columns, `builtin` (the built-in task) or `auto` (`builtin` when the model was
     trained on the built-in task, else an error asking for data)."""
-    prompt_key: str = "prompt"
-    """Column of the data holding the prompt text."""
     chosen_key: str = "chosen"
     """Column of the data holding the preferred response."""
     rejected_key: str = "rejected"
     """Column of the data holding the other response."""
-    out: str = "runs/default"
-    """Run directory shared with the other stages; the stage folder is `rm/`."""
     steps: int = 400
     """Optimizer steps."""
     batch_size: int = 32
@@ -116,9 +129,6 @@ class RMConfig:
     lr: float = 0.0
     """AdamW learning rate (10-step warm-up); 0 = auto: 1e-3 for a model grown from the built-in `tiny`,
     else 9e-6 (OpenRLHF's reward-model default)."""
-    max_prompt_len: int = 0
-    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in
-    task, else the longest prompt in the data, within max_position_embeddings."""
     max_response_len: int = 0
     """Response tokens kept, EOS included (with a warning and a count); 0 = auto: 16 on the built-in
     task, else the longest response, within max_position_embeddings."""
@@ -132,35 +142,10 @@ class RMConfig:
     eval_every: int = 50
     """Measure the held-out accuracy every this many steps (and at the end), independently of
     log_every: an evaluation step writes its metrics.jsonl row too."""
-    seed: int = 0
-    """Seed for data, initialisation and shuffling."""
-    log_every: int = 10
-    """Write a metrics.jsonl row every this many steps."""
-    save_every: int = 50
-    """Checkpoint every this many steps (and at the end)."""
-    stop_after: int = 0
-    """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
-    resume: bool = False
-    """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from out, steps, stop_after, log_every, save_every, eval_every, tensorboard and
-    shard; model, data and reward are compared as the paths they name, inside the run folder
-    relative to it, so a moved run folder resumes)."""
-    overwrite: bool = False
-    """Delete what an earlier run left in the stage folder and start over."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files under OUT/tb/."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    shard: str = "full"
-    """Under torchrun, FSDP2 sharding over the ranks: `full` (parameters, gradients and optimizer
-    states; ZeRO-3), `grad_op` (gradients and optimizer states; parameters stay gathered from
-    forward to backward; ZeRO-2) or `none` (replicated). Ignored in a single process."""
-    device: str = "auto"
-    """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(RunConfig):
     """PPO with a LoRA-disabled (or frozen-copy) reference: a shared actor-critic with GAE, or
     critic-free with group-relative advantages (GRPO, Dr. GRPO, RLOO, REINFORCE++)."""
 
@@ -175,10 +160,6 @@ class PPOConfig:
     """Prompts: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with a prompt column,
     `builtin` (the built-in task) or `auto` (`builtin` when the policy was trained on the built-in
     task, else an error asking for data)."""
-    prompt_key: str = "prompt"
-    """Column of the data holding the prompt text."""
-    out: str = "runs/default"
-    """Run directory shared with the other stages; the stage folder is `ppo/`."""
     steps: int = 60
     """PPO iterations (rollout + update)."""
     rollout_batch_size: int = 64
@@ -196,9 +177,6 @@ class PPOConfig:
     """LoRA rank; 0 = full fine-tuning with a frozen reference copy."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (scale = alpha / rank)."""
-    max_prompt_len: int = 0
-    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in
-    task, else the longest prompt in the data, within max_position_embeddings."""
     max_new_tokens: int = 0
     """Longest sampled response, EOS included; 0 = auto: 12 on the built-in task, else
     max_position_embeddings - max_prompt_len, at most 512 (verl's and TRL's default); generation
@@ -215,6 +193,15 @@ class PPOConfig:
     H100, bench/results/2026-11-23-h100-ppo-*.json); `auto` = static on one CUDA process, else dynamic
     (on CPU nothing is compiled; under torchrun it is not measured yet). The default stays dynamic
     until the test suite has run on CUDA with static (each test's first rollout would compile)."""
+    rollout_engine: str = "hf"
+    """Sampler of the rollouts: `hf` (transformers' generate with rollout_cache: the exact reference),
+    `graph` (fastrlhf's own decode engine, fastrlhf/engine.py: the LoRA merged into a private bf16 copy
+    re-formed in place before each rollout, its own static KV cache, sampling inside one compiled step
+    captured as a CUDA graph; on CPU the same step runs eagerly; Llama, Qwen2/2.5, Qwen3, Mistral, other
+    models fall back to hf) or `auto` (graph on CUDA where the model is supported, else hf). The log
+    says which and why; with graph, rollout/logp_gap_mean and _max log how far the sampler's log-probs
+    are from the trainer's. The default stays hf until the engine's GPU record is in (bench/gpu_run.sh
+    --only rollout)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's
@@ -252,38 +239,21 @@ class PPOConfig:
     """Gradient-norm clip: the gradient is scaled down to this norm when larger; inf = no clipping."""
     eval_prompts: int = 256
     """Built-in task only: held-out prompts to measure the true score before and after."""
-    seed: int = 0
-    """Seed for data, initialisation and sampling."""
-    log_every: int = 1
-    """Write a metrics.jsonl row every this many iterations."""
-    save_every: int = 10
-    """Checkpoint every this many iterations (and at the end)."""
-    stop_after: int = 0
-    """Stop (with a checkpoint) after this many iterations of this invocation; 0 = run to the end."""
-    resume: bool = False
-    """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from out, steps, stop_after, log_every, save_every, tensorboard and
-    shard; model, data and reward are compared as the paths they name, inside the run folder
-    relative to it, so a moved run folder resumes)."""
-    overwrite: bool = False
-    """Delete what an earlier run left in the stage folder and start over."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files under OUT/tb/."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    shard: str = "full"
-    """Under torchrun, FSDP2 sharding over the ranks: `full` (parameters, gradients and optimizer
-    states; ZeRO-3), `grad_op` (gradients and optimizer states; parameters stay gathered from
-    forward to backward; ZeRO-2) or `none` (replicated). Ignored in a single process."""
-    device: str = "auto"
-    """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
+    reward_clip_abs: float = 1e6
+    """A score with |score| above this is an error naming the reward and the sample, as a NaN is (a
+    reward of 1e30 makes every update non-finite)."""
+    reward_timeout_s: float = 600.0
+    """Seconds one call of the reward (rule or reward model) may take; the log says every 60 s that
+    it is still waiting, then the run stops with an error naming the reward."""
+    log_every: int = 1  # RunConfig's field, PPO's default: a row every iteration
+    save_every: int = 10  # RunConfig's field, PPO's default
     dtype: str = "auto"
     """Weight dtype: `auto` (bfloat16 frozen base on CUDA with LoRA, else float32), `float32`, `bfloat16`.
     On CUDA the forward passes also run under bf16 autocast."""
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(RunConfig):
     """Direct preference optimisation on (prompt, chosen, rejected) pairs, from the SFT model, against
     a frozen reference (the SFT model itself)."""
 
@@ -294,14 +264,10 @@ class DPOConfig:
     """Preference pairs: a JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder with prompt,
     chosen and rejected columns, `builtin` (the built-in task) or `auto` (`builtin` when the model was
     trained on the built-in task, else an error asking for data)."""
-    prompt_key: str = "prompt"
-    """Column of the data holding the prompt text."""
     chosen_key: str = "chosen"
     """Column of the data holding the preferred response."""
     rejected_key: str = "rejected"
     """Column of the data holding the other response."""
-    out: str = "runs/default"
-    """Run directory shared with the other stages; the stage folder is `dpo/`."""
     steps: int = 150
     """Optimizer steps."""
     batch_size: int = 32
@@ -323,9 +289,6 @@ class DPOConfig:
     frozen reference copy."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (scale = alpha / rank)."""
-    max_prompt_len: int = 0
-    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in
-    task, else the longest prompt in the data, within max_position_embeddings."""
     max_response_len: int = 0
     """Response tokens kept, EOS included (with a warning and a count); 0 = auto: 16 on the built-in
     task, else the longest response, within max_position_embeddings."""
@@ -344,35 +307,10 @@ class DPOConfig:
     after."""
     max_new_tokens: int = 0
     """Built-in task only: longest sampled response of the true-score evaluation; 0 = 12."""
-    seed: int = 0
-    """Seed for data, initialisation and shuffling."""
-    log_every: int = 10
-    """Write a metrics.jsonl row every this many steps."""
-    save_every: int = 50
-    """Checkpoint every this many steps (and at the end)."""
-    stop_after: int = 0
-    """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
-    resume: bool = False
-    """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from out, steps, stop_after, log_every, save_every, eval_every, tensorboard and
-    shard; model, data and reward are compared as the paths they name, inside the run folder
-    relative to it, so a moved run folder resumes)."""
-    overwrite: bool = False
-    """Delete what an earlier run left in the stage folder and start over."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files under OUT/tb/."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    shard: str = "full"
-    """Under torchrun, FSDP2 sharding over the ranks: `full` (parameters, gradients and optimizer
-    states; ZeRO-3), `grad_op` (gradients and optimizer states; parameters stay gathered from
-    forward to backward; ZeRO-2) or `none` (replicated). Ignored in a single process."""
-    device: str = "auto"
-    """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
 
 
 @dataclass
-class DistillConfig:
+class DistillConfig(RunConfig):
     """Knowledge distillation of a teacher into a (smaller) student with the teacher-student divergence
     per token (fastrlhf.linear_distill_loss: forward KL, reverse KL or the generalized JSD, TRL's beta):
     offline on (prompt, response) data, or on-policy on the student's own samples."""
@@ -387,16 +325,12 @@ class DistillConfig:
     """Offline: (prompt, response) pairs, as `fastrlhf sft` reads them; on-policy: prompts (the prompt
     column). A JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder, `builtin` (the built-in
     task) or `auto` (`builtin` when the student is a built-in config or was trained on the built-in task)."""
-    prompt_key: str = "prompt"
-    """Column of the data holding the prompt text."""
     response_key: str = "response"
     """Column of the data holding the response text (offline)."""
     mode: str = "offline"
     """`offline`: the divergence on the data's response tokens (teacher-forced); `on_policy`: the student
     samples a response to each prompt (the rollout path) and the divergence is taken on its own tokens
     (TRL's DistillationTrainer, GKD with lambda = 1)."""
-    out: str = "runs/default"
-    """Run directory shared with the other stages; the stage folder is `distill/`."""
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
@@ -414,9 +348,6 @@ class DistillConfig:
     """LoRA rank of the student's adapters; 0 = full fine-tuning of the student."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (scale = alpha / rank)."""
-    max_prompt_len: int = 0
-    """Prompt tokens kept (left-truncated, with a warning and a count); 0 = auto: 32 on the built-in task,
-    else the longest prompt in the data, within max_position_embeddings."""
     max_response_len: int = 0
     """Offline: response tokens kept, EOS included; 0 = auto: 16 on the built-in task, else the longest
     response in the data. On-policy: the longest sampled response; 0 = auto: 12 on the built-in task, else
@@ -429,28 +360,6 @@ class DistillConfig:
     eval_prompts: int = 256
     """Built-in task only: held-out prompts to measure the true score of the teacher and of the student
     before and after."""
-    seed: int = 0
-    """Seed for data, initialisation and sampling."""
-    log_every: int = 10
-    """Write a metrics.jsonl row every this many steps."""
-    save_every: int = 50
-    """Checkpoint every this many steps (and at the end)."""
-    stop_after: int = 0
-    """Stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end."""
-    resume: bool = False
-    """Continue from the latest checkpoint in the stage folder (the configuration must match the
-    recorded one, apart from out, steps, stop_after, log_every, save_every, tensorboard and shard)."""
-    overwrite: bool = False
-    """Delete what an earlier run left in the stage folder and start over."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files under OUT/tb/."""
-    gradient_checkpointing: bool = False
-    """Recompute the student's activations in the backward pass to save memory."""
-    shard: str = "full"
-    """Under torchrun, FSDP2 sharding of the student and the teacher over the ranks: `full` (ZeRO-3),
-    `grad_op` (ZeRO-2) or `none` (replicated). Ignored in a single process."""
-    device: str = "auto"
-    """`auto` (CUDA if available), `cpu` or `cuda`; under torchrun each rank uses cuda:LOCAL_RANK."""
 
 
 @dataclass
@@ -465,6 +374,8 @@ class PipelineConfig:
     """Run directory for every stage; overrides the stages' own `out`."""
     seed: int = 0
     """Seed for every stage; overrides the stages' own `seed`."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun, the collective timeout of every stage; overrides the stages' own `dist_timeout_s`."""
     resume: bool = False
     """Skip finished stages and resume the unfinished one from its latest checkpoint (the
     configuration must match the recorded one)."""
@@ -493,8 +404,8 @@ class PipelineConfig:
 # ---------------------------------------------------------------- parsing
 
 
-def field_docs(cls) -> dict[str, str]:
-    """The string literal under each field of a dataclass, read from its source."""
+def own_field_docs(cls) -> dict[str, str]:
+    """The string literal under each field that the class body of `cls` declares, read from its source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
@@ -502,6 +413,16 @@ def field_docs(cls) -> dict[str, str]:
         is_doc = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and is_doc:
             docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring of every field of a dataclass, inherited ones included (a field a subclass
+    redeclares for another default keeps its base's docstring)."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(own_field_docs(klass))
     return docs
 
 
@@ -517,8 +438,9 @@ def flat_fields(cls, prefix: str = "", defaults=None) -> dict[str, Key]:
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     defaults = cls() if defaults is None else defaults
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
     out = {}
-    for f in dataclasses.fields(cls):
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name in inherited):  # the class's own keys first
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             out.update(flat_fields(tp, f"{prefix}{f.name}.", getattr(defaults, f.name)))
@@ -527,7 +449,29 @@ def flat_fields(cls, prefix: str = "", defaults=None) -> dict[str, Key]:
     return out
 
 
+def _members(tp) -> tuple:
+    """The types of a union (`int | str | None`), () for any other type."""
+    return typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else ()
+
+
+def _type_name(tp) -> str:
+    if _members(tp):
+        return " | ".join(_type_name(m) for m in _members(tp))
+    return "None" if tp is type(None) else getattr(tp, "__name__", None) or str(tp)
+
+
 def _convert(key: str, tp: type, value):
+    members = _members(tp)
+    if members:  # `int | str | None`: None from none/null, else the first member that takes the value
+        if type(None) in members and (value is None or str(value).lower() in ("none", "null")):
+            return None
+        kinds = [m for m in members if m is not type(None)]
+        for member in [m for m in kinds if isinstance(m, type) and isinstance(value, m)] + kinds:
+            try:
+                return _convert(key, member, value)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -537,10 +481,12 @@ def _convert(key: str, tp: type, value):
         if text in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"config key {key!r} expects a boolean (true/false), got {value!r}")
+    if tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+        raise ValueError(f"config key {key!r} expects an integer, got {value!r}")
     try:
         return tp(value)
     except (TypeError, ValueError):
-        raise ValueError(f"config key {key!r} expects {tp.__name__}, got {value!r}") from None
+        raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r}") from None
 
 
 def _set(cfg, dotted: str, value) -> None:
@@ -579,6 +525,22 @@ def _unknown(keys, valid) -> ValueError:
     return ValueError(f"unknown config key(s): {'; '.join(parts)}. `--help` lists every key.")
 
 
+def _read_yaml(path: Path):
+    """The YAML file at `path`; a file that is not UTF-8 text or not YAML is an error naming its line."""
+    raw = path.read_bytes()
+    try:
+        return yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"config file {str(path)!r}, line {line}: not UTF-8 text ({e.reason}); save it as "
+                         "UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"config file {str(path)!r}{where}: not valid YAML ({problem})") from None
+
+
 def load_config(cls, overrides: dict | None = None, path: str | None = None):
     """Build `cls` from its defaults, then the YAML file at `path`, then `overrides` (dotted keys)."""
     fields_ = flat_fields(cls)
@@ -586,7 +548,7 @@ def load_config(cls, overrides: dict | None = None, path: str | None = None):
     if path:
         if not Path(path).is_file():
             raise ValueError(f"config file {path!r} does not exist")
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        loaded = _read_yaml(Path(path)) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {path!r} must hold a mapping of keys to values")
         values.update(_flatten_mapping(loaded))
@@ -604,7 +566,7 @@ def help_text(cls) -> str:
     """Every key with its type, default and docstring, as `--help` prints them."""
     lines = []
     for name, key in flat_fields(cls).items():
-        lines.append(f"  --{name} ({key.type.__name__}, default {key.default!r})")
+        lines.append(f"  --{name} ({_type_name(key.type)}, default {key.default!r})")
         lines += textwrap.wrap(key.doc, width=96, initial_indent="      ", subsequent_indent="      ")
     return "keys:\n" + "\n".join(lines)
 
@@ -643,13 +605,42 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (it diverged, a reward hangs, the disk is full): `run_cli` prints
+    `prog: error: ...` and exits with `exit_code` (1), no traceback."""
+
+    exit_code = 1
+
+
+class Stopped(RunError):
+    """A signal stopped the run after its checkpoint: exit 128 + the signal's number (SIGTERM 143,
+    SIGINT 130), as a shell reports a process the signal ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def run_cli(cls, argv: list[str], prog: str, train) -> int:
     """Parse `argv` into `cls` and call `train(cfg)`; bad input (ValueError/TypeError) prints
-    `prog: error: ...` and returns 2 instead of a traceback."""
+    `prog: error: ...` and returns 2 instead of a traceback; a run that cannot go on (RunError)
+    returns its exit code (1; 143 / 130 when SIGTERM / SIGINT stopped it after a checkpoint);
+    Ctrl-C outside a training loop (loading, evaluating, exporting) returns 130."""
+    log = logging.getLogger("fastrlhf")
     try:
         train(parse_args(cls, argv, prog=prog))
     except (ValueError, TypeError) as e:
-        logging.getLogger("fastrlhf").debug("error details", exc_info=True)
+        log.debug("error details", exc_info=True)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return e.exit_code
+    except RunError as e:
+        log.debug("error details", exc_info=True)
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted outside a training loop; the checkpoints written so far are kept", file=sys.stderr)
+        return 130
     return 0

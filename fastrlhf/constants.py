@@ -25,6 +25,26 @@ WHITEN_MODES = ("none", "tokens", "sequences")
 VAR_EPS_MODES = ("add", "clamp")  # token whitening: rsqrt(var + eps) (verl), rsqrt(max(var, eps)) (OpenRLHF)
 DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
 
+# The policy-loss family (reference.POLICY_LOSSES, ops.policy_modes; formulas and peers in docs/ops.md)
+POLICY_LOSS_MODES = ("vanilla", "ppo", "gspo", "gspo_token", "luspo", "cispo", "sapo", "gpg", "reinforce", "dro",
+                     "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "vespo")
+RATIO_LEVELS = ("token", "sequence", "sequence_token")  # per-token ratio; GSPO's exp(row mean); GSPO-token's
+GEO_MEAN_IS_EPS = 1e-10  # verl's geo_mean averages log(is_weight + 1e-10) over a sequence
+DPPO_BINARY_KL_EPS = 1e-8  # verl's dppo_kl: log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+VESPO_LOG_W_MIN = -18.420680743952367  # log(1e-8): TRL's VESPO clamps its log weights to [log(1e-8), 20]
+VESPO_LAMBDA_MIN = 1e-4  # TRL's VESPO clamps lambda to >= 1e-4
+# Rollout (sampler vs trainer) correction: fastrlhf.rollout_correction
+CORRECTION_LEVELS = ("token", "sequence", "geometric")  # a token's ratio; the row's product; the row's geometric mean
+CORRECTION_MODES = ("truncate", "mask")  # clamp a weight into [low, high]; zero a unit outside [low, high]
+CORRECTION_GATES = ("ratio", "binary_kl", "tv")  # the statistic a mask compares with [low, high] (OpenRLHF's gating)
+CORRECTION_WEIGHTS = ("level", "token")  # what a kept unit weighs: its level's ratio, or each token its own ratio
+CORRECTION_MISSING = ("propagate", "ignore")  # a NaN sampler log-prob: NaN on (verl, OpenRLHF); log-ratio 0 (TRL)
+IS_ESS_EPS = 1e-8  # verl's effective sample size divides the weights by their mean + 1e-8
+BATCH_NORMALIZE_MIN = 1e-8  # verl normalises the IS weights to mean 1 only when their mean exceeds this
+GATE_PROB_CLAMP = 1e-6  # OpenRLHF clamps the probabilities of its divergence gates to [1e-6, 1 - 1e-6]
+REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # verl's rollout_rs options
+
 # Sizes the trainer uses and the planner predicts with
 CHUNK_BUDGET_BYTES = 64 * 2**20  # the linear ops cut tokens into chunks whose [rows, V] logits fit this
 CHUNK_BUDGET_BYTES_CUDA = 640 * 2**20  # the same on CUDA: 2048-row chunks at V = 151936 in bf16 (fewer, larger GEMMs)

@@ -30,7 +30,7 @@ How a prompt and a response become one token sequence (`Encoder`):
   that renders the prompt differently alone and followed by an answer is an error.
 
 Over-long prompts keep their last tokens and over-long responses their first, each with one
-warning that counts them. Empty responses (EOS alone) are counted in a warning.
+warning that counts them. Empty prompts and empty responses (EOS alone) are counted in a warning.
 
 Layout of a packed batch (`pack`): prompts left-padded to P tokens, responses right-padded
 to R tokens, `position_ids = cumsum(attention_mask) - 1`, so every response starts at
@@ -65,17 +65,65 @@ ENCODE_BLOCK = 4096
 # ---------------------------------------------------------------- reading user data
 
 
+def _utf8_lines(path: Path):
+    """(line number, text) of each line of a text file; a line that is not UTF-8 is a ValueError
+    naming the file, the line and the byte."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); save the file as UTF-8") from None
+
+
+def _diagnose(path: Path, fmt: str) -> str | None:
+    """Why a text file the reader refused is bad, as 'path:line: ...': a line that is not UTF-8,
+    or (JSON lines) the first line that does not parse; None when neither is found."""
+    try:
+        if fmt == "json":
+            return _first_bad_json_line(path)
+        for _ in _utf8_lines(path):
+            pass
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _unique_keys(pairs: list[tuple]) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"key {twice[0]!r} appears twice in one object")
+    return dict(pairs)
+
+
 def _first_bad_json_line(path: Path) -> str:
     """Where a JSON-lines file stops parsing, as 'path:line: ...' (for the error message)."""
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as e:
-                return f"{path}:{lineno}: malformed JSON line ({e.msg})"
+    for lineno, line in _utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line, object_pairs_hook=_unique_keys)
+        except json.JSONDecodeError as e:
+            return f"{path}:{lineno}: malformed JSON line ({e.msg})"
+        except ValueError as e:
+            return f"{path}:{lineno}: {e}"
     return f"{path}: not a JSON-lines file"
+
+
+def _check_csv_header(path: Path) -> None:
+    """A CSV file whose header names a column twice is an error (the reader would rename the second
+    `name.1` and use the first without a word)."""
+    import csv
+
+    for _, line in _utf8_lines(path):
+        header = next(csv.reader([line]))
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:
+            raise ValueError(f"{path}:1: the header names column(s) {', '.join(map(repr, twice))} more than once; "
+                             "give each column its own name")
+        return
 
 
 def _blank(path: Path) -> bool:
@@ -122,6 +170,11 @@ def _read(path: Path, where: str):
                          f"{', '.join(TABLE_FORMATS)} or a Dataset.save_to_disk folder")
     if _blank(path):
         raise ValueError(f"{where}: {path} has no rows (the file is empty or blank)")
+    try:
+        if fmt == "csv":
+            _check_csv_header(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity_error()
     try:
@@ -129,8 +182,9 @@ def _read(path: Path, where: str):
     except Exception as e:  # noqa: BLE001 - datasets wraps parser errors in its own types
         if "corresponds to no data" in str(e):  # datasets' error for a split of 0 rows (a header-only CSV, ...)
             raise ValueError(f"{where}: {path} has no rows") from None
-        if fmt == "json":
-            raise ValueError(f"{where}: {_first_bad_json_line(path)}") from None
+        found = _diagnose(path, fmt)
+        if found:
+            raise ValueError(f"{where}: {found}") from None
         raise ValueError(f"{where}: cannot read {path} as {fmt} ({type(e).__name__}: {e})") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
@@ -155,11 +209,14 @@ def load_table(path: str, columns: dict[str, str], *, where: str, key_prefix: st
     if len(table) == 0:
         raise ValueError(f"{where}: {path} has no rows")
     table = table.select_columns(list(columns.values()))
-    for user in columns.values():
-        for i, value in enumerate(table[user]):
-            if not isinstance(value, str):
-                got = "null" if value is None else f"a {type(value).__name__} ({value!r:.40})"
-                raise ValueError(f"{where}: {path} row {i}: column {user!r} is {got}; expected text")
+    try:
+        for user in columns.values():
+            for i, value in enumerate(table[user]):
+                if not isinstance(value, str):
+                    got = "null" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+                    raise ValueError(f"{where}: {path} row {i}: column {user!r} is {got}; expected text")
+    except UnicodeDecodeError:  # the JSON reader keeps bytes that are not UTF-8 until a value is read
+        raise ValueError(f"{where}: {_diagnose(p, 'text') or f'{path} holds text that is not UTF-8'}") from None
     rename = {user: name for name, user in columns.items() if user != name}
     return table.rename_columns(rename) if rename else table
 
@@ -186,11 +243,25 @@ def ensure_pad_token(tokenizer) -> None:
 
 class Encoder:
     """Prompts and responses -> token ids, by the rule in this module's docstring.
-    `chat_template` asks for the tokenizer's chat template; it is used only when there is one."""
+    `chat_template` asks for the tokenizer's chat template; it is used only when there is one.
+    With `vocab_size` (the model's embedding rows), an id at or past it is an error naming the token
+    and the row (a special token the model has no embedding for, e.g. an unk the data produced)."""
 
-    def __init__(self, tokenizer, *, chat_template: bool = True):
+    def __init__(self, tokenizer, *, chat_template: bool = True, vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.uses_template = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        self.vocab_size = vocab_size
+
+    def _check_ids(self, ids: list[list[int]], what: str, where: str | None) -> None:
+        if self.vocab_size is None:
+            return
+        for row, x in enumerate(ids):
+            if x and max(x) >= self.vocab_size:
+                i = max(x)
+                raise ValueError(f"{where or 'data'}: {what} row {row} encodes to token "
+                                 f"{self.tokenizer.convert_ids_to_tokens(i)!r} (id {i}), outside the model's embedding "
+                                 f"(vocab_size {self.vocab_size}); remove it from the data or resize the embeddings "
+                                 "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
@@ -221,6 +292,12 @@ class Encoder:
                              f"{empty[0]}, prompt {texts[empty[0]]!r:.60}) and the tokenizer adds no BOS token: "
                              "the first response token would be predicted from a padding column; give every row "
                              "a non-empty prompt")
+        blank = [i for i, t in enumerate(texts) if not t.strip()]
+        if where is not None and blank:
+            seen = "the chat template's turn" if self.uses_template else "the tokenizer's special tokens"
+            warnings.warn(f"{where}: {len(blank)} of {len(texts)} prompts are empty or blank (first: row {blank[0]}); "
+                          f"the model sees {seen} alone there", stacklevel=2)
+        self._check_ids(ids, "prompt", where)
         return ids
 
     def _template_response(self, prompt_text: str, prompt_ids: list[int], text: str) -> list[int]:
@@ -260,7 +337,7 @@ class Encoder:
         return [ids + [eos] for ids in out]
 
     def responses(self, prompt_texts: list[str], prompt_ids: list[list[int]], texts: list[str],
-                  *, what: str = "responses", warn_empty: bool = True) -> list[list[int]]:
+                  *, what: str = "responses", warn_empty: bool = True, where: str | None = None) -> list[list[int]]:
         """Token ids per response (EOS included), given each prompt's text and its untruncated ids
         from `prompts`; warns with a count when some are empty."""
         if self.uses_template:
@@ -272,6 +349,7 @@ class Encoder:
         if empty and warn_empty:
             warnings.warn(f"{empty} of {len(texts)} {what} are empty: the model is trained to answer with "
                           "EOS alone there", stacklevel=2)
+        self._check_ids(ids, what.removesuffix("s"), where)
         return ids
 
 

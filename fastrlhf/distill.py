@@ -53,6 +53,7 @@ from fastrlhf.run import (
     describe_data,
     evaluate_true_score,
     guarded_step,
+    holds_run_folder,
     resolve_data,
     start_stage_dir,
     warn_if_batch_exceeds_data,
@@ -221,11 +222,12 @@ def prepare(cfg: DistillConfig, *, student_upstream: ModelSource | None = None,
     cfg.data = resolve_data(cfg.data, student, "distill", f"--{key_prefix}data")
     builtin = cfg.data == BUILTIN
     prompts, responses = _data(cfg, key_prefix)
-    encoder = Encoder(student.tokenizer, chat_template=cfg.chat_template)
-    prompt_ids = encoder.prompts(prompts, where=None if builtin else f"distill data: {cfg.data}")
+    encoder = Encoder(student.tokenizer, chat_template=cfg.chat_template, vocab_size=student.config.vocab_size)
+    where = None if builtin else f"distill data: {cfg.data}"
+    prompt_ids = encoder.prompts(prompts, where=where)
     response_ids = None
     if responses is not None:
-        response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin)
+        response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin, where=where)
     if builtin:
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
         cfg.max_response_len = cfg.max_response_len or (task.MAX_RESPONSE_LEN if response_ids else task.MAX_NEW_TOKENS)
@@ -245,7 +247,8 @@ def prepare(cfg: DistillConfig, *, student_upstream: ModelSource | None = None,
         eval_prompts = [r["prompt"] for r in task.synthetic_prompt_rows(cfg.eval_prompts, cfg.seed, "eval")]
         eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
     cfg.lr = cfg.lr or (TINY_LR if student.origin in TINY_ORIGINS else LORA_LR if cfg.lora_rank else MODEL_LR)
-    check_run_dir(out / "distill", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="distill")
+    check_run_dir(out / "distill", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="distill")
     log.info("distill: teacher %s -> student %s, %s, beta %g (%s); data %s; prompts <= %d tokens, responses <= %d; "
              "lr %g", teacher.spec, student.spec, cfg.mode, cfg.beta,
              {0.0: "forward KL", 1.0: "reverse KL"}.get(cfg.beta, "generalized JSD"),
@@ -257,6 +260,7 @@ def prepare(cfg: DistillConfig, *, student_upstream: ModelSource | None = None,
 # ---------------------------------------------------------------- the loop
 
 
+@holds_run_folder("distill")
 def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -297,7 +301,6 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
         scores = {"true_score_teacher": true_score(teacher=True), "true_score_before": true_score()}
         log.info("distill: true score of the teacher %.3f, of the student before %.3f",
                  scores["true_score_teacher"], scores["true_score_before"])
-    window = []
     pad_id = tokenizer.pad_token_id
     pair.train()
 
@@ -325,14 +328,14 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
         if builtin and not offline:  # the true score of the student's own samples
             texts = tokenizer.batch_decode(batch.responses.tolist(), skip_special_tokens=True)
             row["true_score"] = sum(task.true_score(rows["prompt"], texts)) / len(texts)
-        window.append(row)
-        run.advance(loss=f"{row['loss']:.4f}")
+        run.window.append(row)
+        run.advance(step, skipped, loss=f"{row['loss']:.4f}")  # stops a diverged run; a signal ends the loop here
         # 5. log and checkpoint
         if run.due(step, cfg.log_every):
+            window = run.window
             logged = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
             run.log(step, dict(logged, lr=optimizer.param_groups[0]["lr"], skipped_nonfinite=skipped))
-            window = []
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, pair.trainable_state(), {"skipped_nonfinite": skipped, **scores})
 
     if not run.finish(step):

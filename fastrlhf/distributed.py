@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastrlhf.config import RunConfig
 from fastrlhf.devices import resolve_device
 
 log = logging.getLogger("fastrlhf")
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # set by torchrun
 SHARD_MODES = ("full", "grad_op", "none")
-TIMEOUT = datetime.timedelta(minutes=10)  # a collective that waits longer than this fails instead of hanging
 PER_RANK_PREFIXES = ("time/", "memory/")  # metrics measured per rank: reported as max (and mean_ as mean)
 
 
@@ -134,8 +134,9 @@ def _device(name: str) -> torch.device:
 
 
 def setup(device_name: str, config: dict, what: str) -> torch.device:
-    """The stage's device. Under torchrun, also the process group (once per process) and the
-    check that every rank resolved the same `config`."""
+    """The stage's device. Under torchrun, also the process group (once per process; a collective
+    that waits longer than `config["dist_timeout_s"]` fails instead of hanging) and the check that
+    every rank resolved the same `config`."""
     if not launched():
         return resolve_device(device_name)
     check_launch_env()
@@ -144,7 +145,8 @@ def setup(device_name: str, config: dict, what: str) -> torch.device:
     if not active():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        timeout = datetime.timedelta(seconds=config.get("dist_timeout_s", RunConfig.dist_timeout_s))
+        dist.init_process_group(backend, timeout=timeout)
         log.info("distributed: %d ranks, backend %s, this is rank %d", world_size(), backend, rank())
     elif dist.get_backend() != backend:
         raise ValueError(f"{what}: device {device_name!r} needs the {backend} backend, but this process already uses "
@@ -198,6 +200,15 @@ def check_same_config(config: dict, what: str) -> None:
         diff = "; ".join(_differences(json.loads(texts[0]), first)[:8])
         raise ValueError(f"{what}: rank(s) {bad} resolved a configuration different from rank 0's (rank {bad[0]}: "
                          f"{diff}); every rank must be started with the same arguments, files and environment")
+
+
+def all_gather_object(obj) -> list:
+    """[rank 0's obj, rank 1's obj, ...] on every rank (picklable objects); [obj] on one process."""
+    if not active():
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -48,6 +48,7 @@ from fastrlhf.run import (
     describe_data,
     evaluate_true_score,
     guarded_step,
+    holds_run_folder,
     stage_model,
     start_stage_dir,
     warn_if_batch_exceeds_data,
@@ -156,7 +157,8 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
         eval_ids = truncate_prompts(Encoder(model.tokenizer, chat_template=cfg.chat_template).prompts(eval_prompts),
                                     cfg.max_prompt_len, what="evaluation prompts")
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else LORA_LR if cfg.lora_rank else MODEL_LR)
-    check_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="dpo")
+    check_run_dir(Path(cfg.out) / "dpo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="dpo")
     log.info("dpo: model %s; data %s; prompts <= %d tokens, responses <= %d; %s loss, beta %g; lr %g; "
              "%d pairs held out", model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)),
              cfg.max_prompt_len, cfg.max_response_len, cfg.loss_type, cfg.beta, cfg.lr, len(eval_idx))
@@ -164,6 +166,7 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
     return DPOPlan(cfg, model, enc, train_idx, eval_idx, eval_prompts, eval_ids)
 
 
+@holds_run_folder("dpo")
 def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -191,7 +194,6 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     if builtin and not run.resumed:
         true_before = true_score()
         log.info("dpo: true score before DPO %.3f", true_before)
-    window = []
     pad_id = tokenizer.pad_token_id
     policy.train()
 
@@ -208,18 +210,18 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
         if not guarded_step(optimizer, loss, trainable, step, lr=cfg.lr):
             skipped += 1
         step += 1
-        window.append(dict(to_floats(stats), loss=loss.item()))
-        run.advance(loss=f"{loss.item():.3f}", margin=f"{stats['reward_margin'].item():.3f}")
+        run.window.append(dict(to_floats(stats), loss=loss.item()))
+        run.advance(step, skipped, loss=f"{loss.item():.3f}", margin=f"{stats['reward_margin'].item():.3f}")
         # 5. log every log_every steps, and with the held-out accuracy every eval_every steps; checkpoint
         evaluate = run.due(step, cfg.eval_every)
         if evaluate or run.due(step, cfg.log_every):
+            window = run.window
             row = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
             row["skipped_nonfinite"] = skipped
             if evaluate:
                 row["accuracy"] = heldout_accuracy(model, data, eval_idx, pad_id, device)
             run.log(step, row)
-            window = []
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, policy.trainable_state(), {"skipped_nonfinite": skipped, "true_before": true_before})
 
     if not run.finish(step):

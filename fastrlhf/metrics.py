@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from fastrlhf.checkpoint import json_safe, write_json_atomic
+from fastrlhf.checkpoint import json_safe, read_json, temp_path, write_json_atomic, writing
 
 log = logging.getLogger("fastrlhf")
 
@@ -163,7 +163,8 @@ class RunLogger:
     optionally TensorBoard under OUT/tb/<stage>.
 
     A fresh run of a stage drops that stage's old rows; a resumed run keeps the rows up to
-    the checkpoint's step, so the file reads like one uninterrupted run.
+    the checkpoint's step, so the file reads like one uninterrupted run (a last line cut short
+    by a crash is dropped, with a warning).
     """
 
     def __init__(self, out: Path, stage: str, *, resume_step: int | None = None, tensorboard: bool = False):
@@ -172,13 +173,13 @@ class RunLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                row = json.loads(line)
+            for row, line in _rows_and_lines(self.path, warn_torn=True):
                 if row.get("stage") != stage or (resume_step is not None and row.get("step", 0) <= resume_step):
                     kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
+        tmp = temp_path(self.path)
+        with writing(self.path):
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
         self.writer = None
         if tensorboard:
             try:
@@ -191,7 +192,7 @@ class RunLogger:
 
     def log(self, step: int, stats: dict) -> dict:
         row = {"stage": self.stage, "step": step, **to_floats(stats)}
-        with self.path.open("a") as f:
+        with writing(self.path), self.path.open("a") as f:
             f.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
         if self.writer is not None:
             for k, v in row.items():
@@ -207,16 +208,49 @@ class RunLogger:
             self.writer.close()
 
 
+def _rows_and_lines(path: Path, *, warn_torn: bool = False) -> list[tuple[dict, str]]:
+    """(row, line) for each line of a metrics.jsonl. The last line, when it is cut short (a crash
+    during its append), is dropped (with a warning if `warn_torn`); any other line that is not a
+    JSON object is a ValueError naming the file and the line."""
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for i, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode()
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except ValueError as e:
+            if i == len(lines):  # no newline after it: its append never finished
+                if warn_torn:
+                    log.warning("%s: line %d is cut short (%r...: a crash during its write); it is dropped", path, i,
+                                raw[:40])
+                break
+            raise ValueError(f"{path}, line {i}, is not a metrics row ({e}); the file was changed or damaged: repair "
+                             "or remove that line") from None
+        out.append((row, line))
+    return out
+
+
 def read_metrics(out: Path) -> list[dict]:
     path = Path(out) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [row for row, _ in _rows_and_lines(path)] if path.exists() else []
+
+
+def read_summary(out: Path) -> dict:
+    """OUT/summary.json ({} when there is none); one that cannot be read is an error naming it."""
+    path = Path(out) / "summary.json"
+    fix = "repair it, or delete it (the stages that finished then lose their entry)"
+    return read_json(path, fix=fix) if path.exists() else {}
 
 
 def update_summary(out: Path, stage: str, values: dict | None) -> dict:
     """Merge `values` under `stage` in OUT/summary.json (valid JSON: NaN as null, written
     atomically); `values=None` removes the stage's entry."""
     path = Path(out) / "summary.json"
-    summary = json.loads(path.read_text()) if path.exists() else {}
+    summary = read_summary(out)
     if values is None:
         summary.pop(stage, None)
     else:

@@ -17,14 +17,15 @@ stage trained from one, counts as built-in.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fastrlhf.checkpoint import read_json
 from fastrlhf.data import Encoder, ensure_pad_token
 from fastrlhf.devices import attention_backend, cpu_threads_for
 from fastrlhf.task import build_char_tokenizer
@@ -111,26 +112,59 @@ class ModelSource:
         return {"origin": self.origin, "trained_on": trained_on}
 
 
+# a (prompt, response) that `same_encoding` and `check_tokenizer` encode
+PROBE = ("Question: what is two plus two?", " Four.")
+FED_SPECIAL_TOKENS = ("pad", "eos")  # the trainer puts these into its batches itself (padding, the EOS appended)
+
+
+def _template_ids(tokenizer) -> set[int]:
+    """The ids a chat template renders around a probe conversation (empty without a template, or
+    when it cannot render one: data.Encoder reports that when it is used)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return set()
+    prompt, response = PROBE
+    try:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": response}], tokenize=True,
+                                            return_dict=True)
+    except Exception:  # noqa: BLE001 - a template is user code: whatever it raises, Encoder reports it on use
+        return set()
+    return set(out["input_ids"])
+
+
 def check_tokenizer(tokenizer, config, where: str) -> None:
     """The tokenizer can end responses (EOS), pads (EOS as pad, with a warning, when it has no
-    pad token), and every id it can produce, special ones included, indexes the model's embedding."""
+    pad token), and every id the trainer feeds the model indexes its embedding: pad, EOS, the
+    chat template's tokens and every token text can encode to. A special token past the embedding
+    that none of those is (e.g. the unk token a byte-level BPE never emits, which transformers'
+    Qwen2Tokenizer adds) is a warning naming it; data that encodes to it is an error naming the
+    row (data.Encoder)."""
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{where}: the tokenizer has no EOS token (responses end with one); set eos_token")
     ensure_pad_token(tokenizer)
     rows = config.vocab_size
-    specials = {f"{name} token {getattr(tokenizer, name + '_token')!r}": getattr(tokenizer, name + "_token_id")
-                for name in ("pad", "eos", "bos", "unk")}
-    specials.update({f"special token {t!r}": i for t, i in zip(tokenizer.all_special_tokens,
-                                                               tokenizer.all_special_ids)})
-    bad = [f"{name} has id {i}" for name, i in specials.items() if i is not None and not 0 <= i < rows]
-    if bad:
-        raise ValueError(f"{where}: the tokenizer's {'; '.join(dict.fromkeys(bad))}, outside the model's "
-                         f"embedding (vocab_size {rows}); resize the embeddings "
-                         "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
-    if len(tokenizer) > rows:
+    outside = {token: i for token, i in tokenizer.get_vocab().items() if not 0 <= i < rows}
+    if not outside:
+        return
+    fed = {getattr(tokenizer, f"{name}_token"): f"{name} token" for name in FED_SPECIAL_TOKENS}
+    template = _template_ids(tokenizer)
+    special = set(tokenizer.all_special_tokens)
+    refused = [f"{fed[t]} {t!r} has id {i}" for t, i in outside.items() if t in fed]
+    refused += [f"chat template token {t!r} has id {i}" for t, i in outside.items() if t not in fed and i in template]
+    textual = sorted(i for t, i in outside.items() if t not in special)
+    if refused:
+        raise ValueError(f"{where}: the tokenizer's {'; '.join(refused)}, outside the model's embedding "
+                         f"(vocab_size {rows}); resize the embeddings (model.resize_token_embeddings(len(tokenizer))) "
+                         "and save the model again")
+    if textual:
         raise ValueError(f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
-                         f"{rows} rows (vocab_size); ids from {rows} on would index past it; resize the "
-                         "embeddings (model.resize_token_embeddings(len(tokenizer))) and save the model again")
+                         f"{rows} rows (vocab_size); {len(textual)} tokens that text can encode to have ids from "
+                         f"{textual[0]} on, past it; resize the embeddings "
+                         "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
+    unfed = ", ".join(f"{t!r} (id {i})" for t, i in sorted(outside.items(), key=lambda x: x[1]))
+    warnings.warn(f"{where}: the tokenizer's special token(s) {unfed} lie outside the model's embedding "
+                  f"(vocab_size {rows}); the trainer never feeds them (not pad, EOS or the chat template's), and "
+                  "data that encodes to one is an error naming its row", stacklevel=3)
 
 
 def model_source(spec, *, where: str = "model") -> ModelSource:
@@ -158,7 +192,9 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{where}: cannot load the tokenizer of {spec!r} ({str(e).splitlines()[0]})") from None
-        lineage = json.loads((path / LINEAGE_FILE).read_text()) if (path / LINEAGE_FILE).is_file() else {}
+        lineage_file = path / LINEAGE_FILE
+        fix = "fastrlhf wrote it with the model: restore it, or delete it (the model then has no recorded lineage)"
+        lineage = read_json(lineage_file, fix=fix) if lineage_file.is_file() else {}
         source = ModelSource(spec, tokenizer, config, origin=lineage.get("origin", str(path.resolve())),
                              trained_on=lineage.get("trained_on"))
     else:
@@ -166,9 +202,6 @@ def model_source(spec, *, where: str = "model") -> ModelSource:
                          f"({', '.join(BUILTIN_MODELS)})")
     check_tokenizer(source.tokenizer, source.config, f"{where} {spec!r}")
     return source
-
-
-PROBE = ("Question: what is two plus two?", " Four.")  # a (prompt, response) that `same_encoding` encodes
 
 
 def same_encoding(a: Encoder, b: Encoder, probe: tuple[str, str] = PROBE) -> bool:

@@ -33,10 +33,11 @@ from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PipelineConfig, run_cli, to_dict
 from fastrlhf.metrics import log, setup_logging, update_summary
 from fastrlhf.rewards import is_rule
-from fastrlhf.run import start_stage_dir
+from fastrlhf.run import holds_run_folder, start_stage_dir
 
+# what a pipeline writes in OUT: what makes a folder hold a run, and all that --overwrite deletes
 OUTPUTS = ("config.json", "sft", "rm", "ppo", "dpo", "student", "distill", "metrics.jsonl", "summary.json", "plots",
-           "tb")  # what --overwrite removes
+           "tb")
 ALGOS = ("ppo", "dpo", "distill")
 STUDENT_DIR = "student"  # the student's SFT run folder inside OUT (--algo distill)
 
@@ -51,6 +52,7 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     out = Path(cfg.out)
     for stage in (cfg.sft, cfg.rm, cfg.ppo, cfg.dpo, cfg.student, cfg.distill):
         stage.out, stage.seed, stage.resume, stage.overwrite = cfg.out, cfg.seed, cfg.resume, cfg.overwrite
+        stage.dist_timeout_s = cfg.dist_timeout_s
     cfg.student.out = str(out / STUDENT_DIR)
     not_run = f"not run (algo {cfg.algo})"
     sft_plan = sft.prepare(cfg.sft, key_prefix="sft.")
@@ -58,7 +60,8 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
         dpo_plan = dpo.prepare(cfg.dpo, upstream=sft_plan.produces, key_prefix="dpo.")
         resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), dpo=to_dict(dpo_plan.cfg),
                         rm=not_run, ppo=not_run, student=not_run, distill=not_run)
-        check_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline")
+        check_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS,
+                      defaults=to_dict(PipelineConfig()))
         return resolved, [("sft", sft.train, sft_plan, out / "sft" / "final"),
                           ("dpo", dpo.train, dpo_plan, out / "dpo" / "final")]
     own_rm = str(out / "rm" / "final")
@@ -84,10 +87,12 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
         resolved.update(student=to_dict(student_plan.cfg), distill=to_dict(distill_plan.cfg))
         stages += [("student", sft.train, student_plan, out / STUDENT_DIR / "sft" / "final"),
                    ("distill", distill.train, distill_plan, out / "distill" / "final")]
-    check_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline")
+    check_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS,
+                  defaults=to_dict(PipelineConfig()))
     return resolved, [s for s in stages if s[2] is not None]
 
 
+@holds_run_folder("pipeline")
 def run(cfg: PipelineConfig) -> dict:
     resolved, stages = prepare(cfg)
     distributed.setup(stages[0][2].cfg.device, resolved, "pipeline")  # torchrun: every rank, the same config

@@ -42,7 +42,16 @@ from fastrlhf.models import ModelSource, empty_copy, load_causal_lm, same_encodi
 from fastrlhf.ops.advantages import GROUPED
 from fastrlhf.plots import plot_phases
 from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_reward, reward_encoder
-from fastrlhf.rollout import ROLLOUT_CACHES, Rollout, generate, token_logprobs
+from fastrlhf.rollout import (
+    ROLLOUT_CACHES,
+    ROLLOUT_ENGINES,
+    Rollout,
+    engine_generate,
+    generate,
+    make_engine,
+    sampler_gap,
+    token_logprobs,
+)
 from fastrlhf.run import (
     POSITIVE,
     StageRun,
@@ -50,6 +59,7 @@ from fastrlhf.run import (
     describe_data,
     evaluate_true_score,
     finite_or_warn,
+    holds_run_folder,
     resolve_data,
     stage_model,
     start_stage_dir,
@@ -201,8 +211,11 @@ def rollout_cache(cfg: PPOConfig, device: torch.device) -> str:
     return "static" if device.type == "cuda" and not distributed.active() else "dynamic"
 
 
-def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device) -> Rollout:
-    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids})."""
+def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device, engine=None) -> Rollout:
+    """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids}), by the
+    decode engine when there is one (it re-forms its weights from the policy first), else by `generate`."""
+    if engine is not None:
+        return engine_generate(engine, ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"])
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device))
 
@@ -252,6 +265,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_cache not in ("auto", *ROLLOUT_CACHES):
         raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
                          f"got {cfg.rollout_cache!r}")
+    if cfg.rollout_engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():
         raise ValueError(f"ppo: the rollout's {cfg.rollout_batch_size // cfg.num_generations} prompts "
@@ -292,7 +307,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         prompts = list(load_table(cfg.data, {"prompt": cfg.prompt_key}, where="ppo data",
                                         key_prefix=key_prefix)["prompt"])
         eval_prompts = []
-    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template, vocab_size=model.config.vocab_size)
     prompt_ids = encoder.prompts(prompts, where=None if builtin else f"ppo data: {cfg.data}")
     auto_new_tokens = not cfg.max_new_tokens
     cfg.max_prompt_len, cfg.max_new_tokens = auto_lengths(
@@ -302,7 +317,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
         cfg.max_new_tokens = min(cfg.max_new_tokens, AUTO_MAX_NEW_TOKENS)
     prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
     eval_ids = truncate_prompts(encoder.prompts(eval_prompts), cfg.max_prompt_len, what="evaluation prompts")
-    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="ppo")
+    check_run_dir(out / "ppo", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="ppo")
     log.info("ppo: policy %s; %s; data %s; prompts <= %d tokens, responses <= %d; %s", model.spec, reward_desc,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_new_tokens,
              "chat template" if encoder.uses_template else "plain prompt tokens")
@@ -311,6 +327,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     return PPOPlan(cfg, model, prompts, prompt_ids, eval_prompts, eval_ids)
 
 
+@holds_run_folder("ppo")
 def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -326,7 +343,12 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=critic)
     model = distributed.shard_model(ac, cfg.shard, device)
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
-    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template)
+    engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
+                         batch=cfg.rollout_batch_size // distributed.world_size(),
+                         prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                         device=device)  # None: the hf path
+    reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
+                            clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
     builtin = cfg.data == BUILTIN
     data = Dataset.from_dict({"prompt": plan.prompts, "prompt_ids": plan.prompt_ids})
     trainable = [p for p in ac.parameters() if p.requires_grad]
@@ -338,7 +360,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         return evaluate_true_score(model, tokenizer, plan.eval_ids, plan.eval_prompts,
                                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, device=device)
 
-    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer)
+    run = StageRun("ppo", cfg, model=ac, optimizer=optimizer,
+                   updates_per_step=cfg.ppo_epochs * (cfg.rollout_batch_size // cfg.mini_batch_size))
     step, skipped, true_before = run.step, 0, None
     if run.resumed:
         extra = run.extra
@@ -359,7 +382,7 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
             G = cfg.num_generations
             idx = distributed.draw(range(len(data)), cfg.rollout_batch_size // G)
             rows = distributed.local_rows(data, [i for i in idx for _ in range(G)])
-            rollout = model.run(sample, tokenizer, rows, cfg, device, gathered=ac.policy)  # not the reference
+            rollout = model.run(sample, tokenizer, rows, cfg, device, engine, gathered=ac.policy)  # not the reference
         # 2. reward: one score per sequence
         with timer.phase("reward"):
             scores = reward_fn(rollout)
@@ -368,6 +391,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         with timer.phase("logprobs"):
             old_logp, old_values, ref_logp = model.run(forward_logprobs_values, rollout,
                                                        temperature=cfg.temperature, device=device)
+            gap = {} if rollout.sampler_logp is None else sampler_gap(rollout.sampler_logp, old_logp,
+                                                                      rollout.batch.response_mask)
         # 4. KL-shaped per-token rewards (the KL goes to the loss instead with kl_in_loss), then GAE,
         #    or critic-free: one score per response (verl's token_level_rewards.sum(-1)) compared
         #    within each prompt's group of G responses
@@ -400,17 +425,17 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         stats = {"reward": scores.mean().item(), "kl": kl, "kl_coef": kl_ctl.coef,
                  "response_length": mask.sum(-1).mean().item(),
                  "tokens_per_s": n_tokens / (time.perf_counter() - t0),
-                 "skipped_nonfinite": skipped, **update_stats, **timer.step_stats()}
+                 "skipped_nonfinite": skipped, **gap, **update_stats, **timer.step_stats()}
         if critic:
             stats["explained_variance"] = explained_variance(old_values, returns, mask).item()
         if G > 1:
             stats["group_reward_std"] = group_reward_std(scores, G)
         if builtin:
             stats["true_score"] = sum(task.true_score(rollout.prompts, rollout.responses)) / len(rollout.prompts)
-        run.advance(reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")
+        run.advance(step, skipped, reward=f"{stats['reward']:.3f}", kl=f"{kl:.3f}")  # guards; a signal ends here
         if run.due(step, cfg.log_every):
             run.log(step, stats)
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, ac.trainable_state(),
                      {"kl_coef": kl_ctl.coef, "skipped_nonfinite": skipped, "true_before": true_before,
                       "phase_seconds": dict(timer.total_seconds),
@@ -441,6 +466,8 @@ def train(cfg: PPOConfig, plan: PPOPlan | None = None) -> dict:
         "num_generations": cfg.num_generations, "model_dir": str(run.dir / "final"),
         "max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens,  # as resolved (0 = auto in config)
         "rollout_cache": rollout_cache(cfg, device),
+        "rollout_engine": "hf" if engine is None else "graph",
+        **({} if engine is None else {"rollout_engine_stats": dict(engine.stats, **engine.memory_bytes())}),
         **state_bytes,
     }
     if distributed.active():  # per-rank figures: max above, mean here

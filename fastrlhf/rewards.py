@@ -14,10 +14,12 @@ Rollout -> scores [B] float32, every score checked.
   with two lists of B strings. It returns one real number per response: a list/tuple of
   floats or ints (bools count as 0/1), or a 1-D numpy array or torch tensor (used detached).
 
-Scores are checked at every call: their count, their type, and finiteness (a NaN or inf is
-an error naming the reward and the sample). Scores far from order 1 get one warning: PPO's KL
-coefficient and value targets assume rewards of that scale (the reward model's are
-normalised to mean 0, std 1).
+Scores are checked at every call: their count, their type, finiteness and plausibility (a NaN,
+an inf or a |score| above `--reward_clip_abs` is an error naming the reward and the sample).
+Scores far from order 1 get one warning: PPO's KL coefficient and value targets assume rewards
+of that scale (the reward model's are normalised to mean 0, std 1). Every call is bounded by
+`--reward_timeout_s` (`bounded`): a reward that hangs is an error naming it, not a run that
+waits forever.
 
 The reward-model *training* stage is `fastrlhf rm` (fastrlhf/rm.py).
 """
@@ -25,18 +27,20 @@ The reward-model *training* stage is `fastrlhf rm` (fastrlhf/rm.py).
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import numbers
 import os
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fastrlhf.checkpoint import CONFIG_FILE
+from fastrlhf.checkpoint import CONFIG_FILE, read_json
+from fastrlhf.config import PPOConfig, RunError
 from fastrlhf.data import Encoder, auto_lengths, pack
 from fastrlhf.devices import autocast
 from fastrlhf.heads import SCORE_HEAD_FILE, RewardModel
@@ -47,6 +51,7 @@ log = logging.getLogger("fastrlhf")
 
 RewardFn = Callable[[Rollout], torch.Tensor]
 LARGE_SCORE = 100.0  # |score| above this gets a warning about the reward's scale
+WAIT_LOG_S = 60.0  # while a reward call runs, the log says this often that the run is still waiting
 
 
 def is_rule(spec: str) -> bool:
@@ -76,9 +81,10 @@ def _sample(rollout: Rollout, i: int) -> str:
     return f"sample {i} (prompt {rollout.prompts[i]!r:.80}, response {rollout.responses[i]!r:.80})"
 
 
-def check_scores(scores, rollout: Rollout, name: str, *, device) -> torch.Tensor:
+def check_scores(scores, rollout: Rollout, name: str, *, device,
+                 clip_abs: float = PPOConfig.reward_clip_abs) -> torch.Tensor:
     """`scores` from reward `name` as a float32 tensor [B] on `device`, after checking their
-    count, type and finiteness (a clear TypeError / ValueError otherwise)."""
+    count, type, finiteness and |score| <= `clip_abs` (a clear TypeError / ValueError otherwise)."""
     n = len(rollout.prompts)
     if isinstance(scores, torch.Tensor) or type(scores).__module__ == "numpy":
         shape = tuple(scores.shape)
@@ -101,10 +107,15 @@ def check_scores(scores, rollout: Rollout, name: str, *, device) -> torch.Tensor
         raise TypeError(f"reward {name} returned {type(scores).__name__}; expected a list of {n} floats "
                         "(one per response), or a 1-D array / tensor")
     finite = torch.isfinite(values)
-    if not bool(finite.all()):
-        i = int((~finite).nonzero()[0])
-        raise ValueError(f"reward {name} returned a non-finite score ({values[i].item()}) for {_sample(rollout, i)}; "
-                         "scores must be finite numbers")
+    ok = finite & (values.abs() <= clip_abs)
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0])
+        if not finite[i]:
+            raise ValueError(f"reward {name} returned a non-finite score ({values[i].item()}) for "
+                             f"{_sample(rollout, i)}; scores must be finite numbers")
+        raise ValueError(f"reward {name} returned an implausible score ({values[i].item():.3g}) for "
+                         f"{_sample(rollout, i)}; |score| must be at most --reward_clip_abs {clip_abs:g}: rescale the "
+                         "reward (PPO expects scores of order 1), or raise --reward_clip_abs")
     return values
 
 
@@ -122,7 +133,7 @@ class _ScaleWarning:
                           "value targets assume rewards of order 1: rescale them", stacklevel=3)
 
 
-def _rule_reward(spec: str, device) -> RewardFn:
+def _rule_reward(spec: str, device, clip_abs: float) -> RewardFn:
     fn = import_rule(spec)
     scale = _ScaleWarning(spec)
     said = []
@@ -134,7 +145,7 @@ def _rule_reward(spec: str, device) -> RewardFn:
             log.info("ppo: reward %s returns a %s%s; used as float32", spec, type(raw).__name__,
                      f" of {'/'.join(kinds)}" if kinds else "")
             said.append(True)
-        scores = check_scores(raw, rollout, spec, device=device)
+        scores = check_scores(raw, rollout, spec, device=device, clip_abs=clip_abs)
         scale(scores)
         return scores
 
@@ -157,7 +168,7 @@ def recorded_encoding(spec) -> dict:
     when `spec` is OUT/rm/final; {} when neither records them."""
     path = Path(spec)
     for f in (path / LINEAGE_FILE, path.parent / CONFIG_FILE if path.name == "final" else None):
-        record = json.loads(f.read_text()) if f is not None and f.is_file() else {}
+        record = read_json(f, fix="fastrlhf wrote it with the reward model: restore it") if f and f.is_file() else {}
         if all(k in record for k in RM_ENCODING_KEYS):
             return {k: record[k] for k in RM_ENCODING_KEYS}
     return {}
@@ -187,9 +198,8 @@ def _fit(prompt_ids, response_ids, lengths, max_positions, name: str, warned: li
     return [x[-P:] for x in prompt_ids], [x[:R] for x in response_ids]
 
 
-def _model_reward(spec: str, device, policy_tokenizer, chat_template: bool) -> RewardFn:
+def _model_reward(spec: str, name: str, device, policy_tokenizer, chat_template: bool, clip_abs: float) -> RewardFn:
     model, rm_tokenizer = RewardModel.from_pretrained(spec, device=device)
-    name = f"model {spec}"
     scale = _ScaleWarning(name)
     encoder = reward_encoder(spec, rm_tokenizer, chat_template)
     recorded = recorded_encoding(spec)
@@ -219,19 +229,60 @@ def _model_reward(spec: str, device, policy_tokenizer, chat_template: bool) -> R
             b = pack(prompt_ids, response_ids, rm_tokenizer.pad_token_id).to(device)
         with autocast(device):
             scores = model(b.input_ids, b.attention_mask, b.position_ids).float()
-        scores = check_scores(scores, rollout, name, device=device)
+        scores = check_scores(scores, rollout, name, device=device, clip_abs=clip_abs)
         scale(scores)
         return scores
 
     return score_with_model
 
 
-def load_reward(spec: str, *, device: torch.device, policy_tokenizer=None, chat_template: bool = True) -> RewardFn:
-    """A reward function Rollout -> checked scores [B]: a reward-model directory (scored at
-    the last response token), or a rule `module:function` taking (prompts, responses)."""
-    if Path(spec).is_dir():
-        return _model_reward(spec, device, policy_tokenizer, chat_template)
-    if is_rule(spec):
-        return _rule_reward(spec, device)
-    raise ValueError(f"reward {spec!r}: expected a reward-model directory or a Python callable 'module:function'")
+def bounded(fn: RewardFn, name: str, timeout_s: float, device: torch.device) -> RewardFn:
+    """`fn`, each call bounded by `timeout_s` seconds: it runs in a daemon thread (one that hangs
+    holds up neither the run nor its exit), the log says every WAIT_LOG_S seconds that the run is
+    still waiting, and past `timeout_s` it is a RunError naming the reward. What `fn` raises is
+    raised here."""
 
+    def call(rollout: Rollout) -> torch.Tensor:
+        result = {}
+
+        def target():
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # the current device is per thread
+                result["scores"] = fn(rollout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                result["error"] = e
+
+        thread = threading.Thread(target=target, name=f"reward {name}", daemon=True)
+        start = time.monotonic()
+        thread.start()
+        while True:
+            thread.join(min(WAIT_LOG_S, max(0.0, timeout_s - (time.monotonic() - start))))
+            if not thread.is_alive():
+                break
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise RunError(f"reward {name} did not return within --reward_timeout_s {timeout_s:g} s (called with "
+                               f"{len(rollout.prompts)} responses); fix the reward, or raise --reward_timeout_s, then "
+                               "continue with --resume")
+            log.info("ppo: still waiting for reward %s: %.0f s so far (--reward_timeout_s %g)", name, waited, timeout_s)
+        if "error" in result:
+            raise result["error"]
+        return result["scores"]
+
+    return call
+
+
+def load_reward(spec: str, *, device: torch.device, policy_tokenizer=None, chat_template: bool = True,
+                clip_abs: float = PPOConfig.reward_clip_abs, timeout_s: float = PPOConfig.reward_timeout_s) -> RewardFn:
+    """A reward function Rollout -> checked scores [B] (each call bounded by `timeout_s`): a
+    reward-model directory (scored at the last response token), or a rule `module:function`
+    taking (prompts, responses)."""
+    if Path(spec).is_dir():
+        name = f"model {spec}"
+        fn = _model_reward(spec, name, device, policy_tokenizer, chat_template, clip_abs)
+    elif is_rule(spec):
+        name, fn = spec, _rule_reward(spec, device, clip_abs)
+    else:
+        raise ValueError(f"reward {spec!r}: expected a reward-model directory or a Python callable 'module:function'")
+    return bounded(fn, name, timeout_s, device)

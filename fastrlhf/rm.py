@@ -46,6 +46,7 @@ from fastrlhf.run import (
     check_common,
     describe_data,
     guarded_step,
+    holds_run_folder,
     resolve_data,
     stage_model,
     start_stage_dir,
@@ -158,11 +159,12 @@ def prepare_pairs(cfg, model: ModelSource, stage: str, key_prefix: str = ""):
     n_eval = max(1, int(n * cfg.eval_fraction))
     if n_eval >= n:
         raise ValueError(f"{stage}: eval_fraction={cfg.eval_fraction} leaves no training pairs out of {n}")
-    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    enc = {"prompt": encoder.prompts(rows["prompt"], where=None if builtin else f"{stage} data: {cfg.data}")}
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template, vocab_size=model.config.vocab_size)
+    where = None if builtin else f"{stage} data: {cfg.data}"
+    enc = {"prompt": encoder.prompts(rows["prompt"], where=where)}
     for k in ("chosen", "rejected"):
         enc[k] = encoder.responses(rows["prompt"], enc["prompt"], rows[k], what=f"{k} responses",
-                                   warn_empty=not builtin)
+                                   warn_empty=not builtin, where=where)
     if builtin:
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
         cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
@@ -187,7 +189,8 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     cfg.model = model.spec
     enc, train_idx, eval_idx = prepare_pairs(cfg, model, "rm", key_prefix)
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
-    check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="rm")
+    check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="rm")
     log.info("rm: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %d pairs held out",
              model.spec, describe_data(cfg.data, len(train_idx) + len(eval_idx)), cfg.max_prompt_len,
              cfg.max_response_len, cfg.lr, len(eval_idx))
@@ -195,6 +198,7 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     return RMPlan(cfg, model, enc, train_idx=train_idx, eval_idx=eval_idx)
 
 
+@holds_run_folder("rm")
 def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -210,7 +214,6 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("rm", cfg, model=model, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
-    window = []
     pad_id = tokenizer.pad_token_id
     model.train()
 
@@ -227,18 +230,18 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
         if not guarded_step(optimizer, loss, model.parameters(), step, lr=cfg.lr):
             skipped += 1
         step += 1
-        window.append((loss.item(), (chosen > rejected).float().mean().item()))
-        run.advance(loss=f"{loss.item():.3f}")
+        run.window.append((loss.item(), (chosen > rejected).float().mean().item()))
+        run.advance(step, skipped, loss=f"{loss.item():.3f}")  # stops a diverged run; a signal ends the loop here
         # 4. log every log_every steps, and with the held-out accuracy every eval_every steps; checkpoint
         evaluate = run.due(step, cfg.eval_every)
         if evaluate or run.due(step, cfg.log_every):
+            window = run.window
             stats = {"loss": sum(w[0] for w in window) / len(window),
                      "train_accuracy": sum(w[1] for w in window) / len(window), "skipped_nonfinite": skipped}
             if evaluate:
                 stats["accuracy"] = accuracy(sharded, data, eval_idx, pad_id, device)
             run.log(step, stats)
-            window = []
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, dict(model.named_parameters()), {"skipped_nonfinite": skipped})
 
     if not run.finish(step):

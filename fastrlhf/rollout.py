@@ -1,10 +1,16 @@
 """Generation: prompts -> a `Rollout` of sampled responses; log-probs of response tokens.
 
 Sampling draws from softmax(logits / temperature), the distribution `token_logprobs` scores,
-and nothing else: `generate` samples with a complete GenerationConfig of its own (`sampling_config`)
-and the model's `generation_config.json` (repetition_penalty, min_new_tokens, no_repeat_ngram_size,
-suppress_tokens, bad_words_ids, top_k, top_p, min_p, ...) takes no part, as TRL's GRPO trainer
-builds its own. Processors asked for there are named once in the log.
+and nothing else. Two samplers (`--rollout_engine`, `choose_engine`):
+- `hf` (the reference and fallback): `generate` samples with transformers' `generate` and a complete
+  GenerationConfig of its own (`sampling_config`); the model's `generation_config.json`
+  (repetition_penalty, min_new_tokens, no_repeat_ngram_size, suppress_tokens, bad_words_ids, top_k,
+  top_p, min_p, ...) takes no part, as TRL's GRPO trainer builds its own. Processors asked for there
+  are named once in the log.
+- `graph`: fastrlhf's own decode engine (fastrlhf.engine: merged-LoRA rollout weights, its own KV
+  cache, sampling inside one compiled, CUDA-graph captured step); `engine_generate`. Its rollouts
+  also carry the sampler's log-probs (`Rollout.sampler_logp`; `sampler_gap` measures them against
+  the trainer's).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastrlhf import ops
+from fastrlhf import distributed, ops
 from fastrlhf.data import IGNORE_INDEX, Batch, left_pad, position_ids_from_mask
 from fastrlhf.devices import autocast
 from fastrlhf.models import lm_head, unwrap
@@ -31,12 +37,15 @@ class Rollout(NamedTuple):
     prompts         list[str] of B prompt texts
     responses       list[str] of B decoded responses (special tokens dropped)
     scores          [B] float32 sequence scores (reward model or rule), on the batch's device
+    sampler_logp    [B, R] float32 log-probs of the response tokens under the sampler itself (the
+                    graph engine's merged bf16 weights), 0 where response_mask is 0; None (hf path)
     """
 
     batch: Batch
     prompts: list[str]
     responses: list[str]
     scores: torch.Tensor | None = None
+    sampler_logp: torch.Tensor | None = None
 
 
 def response_mask_after_eos(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -117,15 +126,80 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
         # position_ids = cumsum(mask) - 1, made by HF
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     lm.train(was_training)
-    P = input_ids.shape[1]
-    responses = out[:, P:]
+    return _rollout(input_ids, attention_mask, out[:, input_ids.shape[1]:], tokenizer, prompts)
+
+
+def _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=None) -> Rollout:
+    """The Rollout of left-padded prompts [B, P] and sampled tokens [B, R']: tokens after the first EOS
+    become padding and are masked out; columns past the longest response are dropped."""
     response_mask = response_mask_after_eos(responses, tokenizer.eos_token_id)
+    R = max(1, int(response_mask.sum(-1).max()))
+    response_mask, responses = response_mask[:, :R], responses[:, :R]
     responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
     full_mask = torch.cat([attention_mask, response_mask.long()], dim=1)
     batch = Batch(torch.cat([input_ids, responses], dim=1), full_mask, position_ids_from_mask(full_mask),
-                  response_mask, P)
+                  response_mask, input_ids.shape[1])
     texts = tokenizer.batch_decode(responses.tolist(), skip_special_tokens=True)
-    return Rollout(batch, list(prompts), texts)
+    if sampler_logp is not None:
+        sampler_logp = sampler_logp[:, :R] * response_mask
+    return Rollout(batch, list(prompts), texts, sampler_logp=sampler_logp)
+
+
+# ---------------------------------------------------------------- the graph engine
+
+ROLLOUT_ENGINES = ("hf", "graph", "auto")
+
+
+def choose_engine(name: str, lm, device: torch.device) -> tuple[str, str]:
+    """(`hf` or `graph`, why) for `--rollout_engine name`: `auto` is graph on CUDA where the engine
+    supports the model, else hf; `graph` falls back to hf (with the reason) where it does not."""
+    from fastrlhf.engine import unsupported_reason
+
+    if name not in ROLLOUT_ENGINES:
+        raise ValueError(f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {name!r}")
+    if name == "hf":
+        return "hf", "--rollout_engine hf"
+    reason = unsupported_reason(lm)
+    if reason is not None:
+        return "hf", f"--rollout_engine {name}, but the graph engine cannot run this model: {reason}"
+    if name == "auto" and device.type != "cuda":
+        return "hf", f"--rollout_engine auto on {device.type}: the graph engine's gain is CUDA graphs"
+    how = "compiled step captured as a CUDA graph" if device.type == "cuda" else \
+        f"the same step function run eagerly on {device.type} (no CUDA graph)"
+    return "graph", f"--rollout_engine {name}: fastrlhf's decode engine, {how}"
+
+
+def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_tokens: int, temperature: float,
+                device: torch.device):
+    """The decode engine `--rollout_engine name` asks for, or None for the hf path; the choice and
+    its reason are logged. Under torchrun each rank builds its own for its share of the rows."""
+    from fastrlhf.engine import DecodeEngine
+
+    engine, why = choose_engine(name, lm, device)
+    log.info("rollout: engine %s (%s)", engine, why)
+    if engine == "hf":
+        return None
+    cuda = device.type == "cuda"
+    # a sharded policy's gathered tensors are freed after each rollout: the engine keeps copies
+    return DecodeEngine(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature,
+                        eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=device, compile=cuda,
+                        cuda_graph=cuda, share_frozen=not distributed.active())
+
+
+def engine_generate(engine, lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str]) -> Rollout:
+    """`generate`'s Rollout, sampled by the decode engine from the current weights of `lm` (re-formed
+    in place first: the rollout follows the last optimizer step), with the sampler's log-probs."""
+    input_ids, attention_mask, responses, logps = engine.generate(lm, prompt_ids)
+    return _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=logps)
+
+
+def sampler_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max over the response tokens of every rank of |logp_sampler - old_logp|: how far the
+    distribution the engine sampled from (merged bf16 weights) is from the one the trainer scores."""
+    gap = (sampler_logp - old_logp).abs() * mask
+    total = distributed.all_sum(torch.stack([gap.sum(), mask.sum()]))
+    top, _ = distributed.max_and_mean({"gap": gap.max().item()})
+    return {"rollout/logp_gap_mean": (total[0] / total[1].clamp(min=1)).item(), "rollout/logp_gap_max": top["gap"]}
 
 
 def token_logprobs(lm, batch: Batch, hidden: torch.Tensor, *, temperature: float = 1.0,

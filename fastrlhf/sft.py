@@ -38,6 +38,7 @@ from fastrlhf.run import (
     check_common,
     describe_data,
     guarded_step,
+    holds_run_folder,
     resolve_data,
     start_stage_dir,
     warn_if_batch_exceeds_data,
@@ -78,9 +79,10 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
         table = load_table(cfg.data, {"prompt": cfg.prompt_key, "response": cfg.response_key}, where="sft data",
                            key_prefix=key_prefix)
     prompts, responses = list(table["prompt"]), list(table["response"])
-    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template)
-    prompt_ids = encoder.prompts(prompts, where=None if builtin else f"sft data: {cfg.data}")
-    response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin)
+    encoder = Encoder(model.tokenizer, chat_template=cfg.chat_template, vocab_size=model.config.vocab_size)
+    where = None if builtin else f"sft data: {cfg.data}"
+    prompt_ids = encoder.prompts(prompts, where=where)
+    response_ids = encoder.responses(prompts, prompt_ids, responses, warn_empty=not builtin, where=where)
     if builtin:
         cfg.max_prompt_len = cfg.max_prompt_len or task.MAX_PROMPT_LEN
         cfg.max_response_len = cfg.max_response_len or task.MAX_RESPONSE_LEN
@@ -90,7 +92,8 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     prompt_ids = truncate_prompts(prompt_ids, cfg.max_prompt_len)
     response_ids = truncate_responses(response_ids, cfg.max_response_len)
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
-    check_run_dir(Path(cfg.out) / "sft", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite, what="sft")
+    check_run_dir(Path(cfg.out) / "sft", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
+                  defaults=to_dict(type(cfg)()), what="sft")
     log.info("sft: model %s; data %s; prompts <= %d tokens, responses <= %d; lr %g; %s", model.spec,
              describe_data(cfg.data, len(prompts)), cfg.max_prompt_len, cfg.max_response_len, cfg.lr,
              "chat template" if encoder.uses_template else "plain prompt + response tokens")
@@ -105,6 +108,7 @@ def response_logprobs(lm, batch, device) -> torch.Tensor:
     return token_logprobs(lm, batch, hidden)
 
 
+@holds_run_folder("sft")
 def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
     plan = plan or prepare(cfg)
     cfg = plan.cfg
@@ -119,7 +123,6 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
     optimizer = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("sft", cfg, model=lm, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
-    window = []
     lm.train()
 
     while step < run.stop:
@@ -138,14 +141,13 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
             skipped += 1
         step += 1
         loss_value = distributed.all_sum(loss.detach()).item()
-        window.append(loss_value)
-        run.advance(loss=f"{loss_value:.3f}")
+        run.window.append(loss_value)
+        run.advance(step, skipped, loss=f"{loss_value:.3f}")  # stops a diverged run; a signal ends the loop here
         # 5. log and checkpoint
         if run.due(step, cfg.log_every):
-            run.log(step, {"loss": sum(window) / len(window), "lr": optimizer.param_groups[0]["lr"],
+            run.log(step, {"loss": sum(run.window) / len(run.window), "lr": optimizer.param_groups[0]["lr"],
                            "skipped_nonfinite": skipped})
-            window = []
-        if run.due(step, cfg.save_every):
+        if run.checkpoint_due(step):
             run.save(step, dict(lm.named_parameters()), {"skipped_nonfinite": skipped})
 
     if not run.finish(step):

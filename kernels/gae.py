@@ -12,8 +12,9 @@ reversed order so that a forward `tl.associative_scan` runs backwards in time, a
 itself a scan: "the nearest counted value at a later time", over values loaded shifted by one.
 
 Whitening is global over all mask=1 entries of the batch: each row writes (n, mean, M2)
-(combined block by block with Chan's formula, stable when |mean| >> std), torch combines the B
-partials deterministically, and a light elementwise pass writes (x - mean) * rsqrt(var + 1e-8).
+(combined block by block with Chan's formula, stable when |mean| >> std), one program combines the
+B partials in a fixed order (deterministic) into (mean, rstd), and a light elementwise pass writes
+(x - mean) * rsqrt(var + 1e-8). Three launches, no torch op between them.
 
 Where fast: one program per row, the row streamed once (plus a cached re-read of V and the mask
 shifted by one in skip mode); well occupied from B >= a few hundred, any T (the row loops over
@@ -25,12 +26,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._launch import cdiv, next_power_of_2
 from fastrlhf.kernels._masks import as_loadable
 
 from fastrlhf.constants import MASK_MODES, WHITEN_EPS
 
 _MAX_BLOCK_T = 1024
 _BLOCK = 1024
+_MOMENTS_BLOCK_B = 1024
+EPS = tl.constexpr(WHITEN_EPS)
 
 
 @triton.jit
@@ -68,7 +72,7 @@ def _gae_fwd_kernel(
     # pointers
     rewards_ptr,  # [B, T] fp32/bf16/fp16, contiguous
     values_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    mask_ptr,  # [B, T] bool (as int8) or float, contiguous
+    mask_ptr,  # [B, T] bool (as int8), int or float, contiguous; any non-zero selects
     adv_ptr,  # [B, T] fp32 out: raw advantages * mask
     ret_ptr,  # [B, T] fp32 out: (raw advantages + values) * mask
     stats_ptr,  # [3, B] fp32 out: per-row (n, mean, M2) of the advantages, when WHITEN
@@ -95,12 +99,12 @@ def _gae_fwd_kernel(
     for blk in range(0, tl.cdiv(T, BLOCK_T)):
         t = T - 1 - blk * BLOCK_T - i  # reversed: i = 0 is the latest time of the block
         inb = t >= 0
-        m = tl.load(mask_ptr + base + t, mask=inb, other=0).to(tl.float32)
+        m = (tl.load(mask_ptr + base + t, mask=inb, other=0) != 0).to(tl.float32)
         r = tl.load(rewards_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         v = tl.load(values_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         # the same row shifted by one: time t + 1 (out of the row past T - 1)
         nxt = inb & (t + 1 < T)
-        m_next = tl.load(mask_ptr + base + t + 1, mask=nxt, other=0).to(tl.float32)
+        m_next = (tl.load(mask_ptr + base + t + 1, mask=nxt, other=0) != 0).to(tl.float32)
         v_next = tl.load(values_ptr + base + t + 1, mask=nxt, other=0.0).to(tl.float32)
         counted = m != 0.0
         if SKIP:
@@ -140,7 +144,7 @@ def _gae_fwd_kernel(
 def _row_stats_kernel(
     # pointers
     x_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    mask_ptr,  # [B, T] bool (as int8) or float, contiguous
+    mask_ptr,  # [B, T] bool (as int8), int or float, contiguous; any non-zero selects
     stats_ptr,  # [3, B] fp32 out: per-row (n, mean, M2) of the masked entries
     # shapes
     B,
@@ -157,7 +161,7 @@ def _row_stats_kernel(
     for start in range(0, T, BLOCK_T):
         t = start + cols
         inb = t < T
-        m = tl.load(mask_ptr + base + t, mask=inb, other=0).to(tl.float32)
+        m = (tl.load(mask_ptr + base + t, mask=inb, other=0) != 0).to(tl.float32)
         x = tl.load(x_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         n_blk, mean_blk, m2_blk = _block_stats(x, m)
         n_row, mean_row, m2_row = _chan_combine(n_row, mean_row, m2_row, n_blk, mean_blk, m2_blk)
@@ -167,10 +171,46 @@ def _row_stats_kernel(
 
 
 @triton.jit
+def _moments_kernel(
+    # pointers
+    stats_ptr,  # [3, B] fp32: per-row (n, mean, M2)
+    moments_ptr,  # [2] fp32 out: (mean, rstd)
+    # shapes
+    B,
+    # meta
+    UNBIASED: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # one program, in float64: the rows' summaries merged block by block in a fixed order (Chan's formula); an empty
+    # mask gives mean 0 and a finite rstd (every output is then masked to 0), without a host sync
+    rows = tl.arange(0, BLOCK_B)
+    n = tl.zeros((), tl.float64)
+    mean = tl.zeros((), tl.float64)
+    m2 = tl.zeros((), tl.float64)
+    for start in range(0, B, BLOCK_B):
+        b = start + rows
+        ok = b < B
+        n_b = tl.load(stats_ptr + b, mask=ok, other=0.0).to(tl.float64)
+        mean_b = tl.load(stats_ptr + B + b, mask=ok, other=0.0).to(tl.float64)
+        m2_b = tl.load(stats_ptr + 2 * B + b, mask=ok, other=0.0).to(tl.float64)
+        n_blk = tl.sum(n_b, axis=0)
+        mean_blk = tl.sum(n_b * mean_b, axis=0) / tl.maximum(n_blk, 1.0)
+        dev = mean_b - mean_blk
+        m2_blk = tl.sum(m2_b + n_b * dev * dev, axis=0)
+        n, mean, m2 = _chan_combine(n, mean, m2, n_blk, mean_blk, m2_blk)
+    denom = tl.maximum(n, 1.0)
+    if UNBIASED:
+        denom = tl.where(n > 1, n - 1.0, denom)
+    rstd = 1.0 / tl.sqrt(m2 / denom + EPS)
+    tl.store(moments_ptr, mean.to(tl.float32))
+    tl.store(moments_ptr + 1, rstd.to(tl.float32))
+
+
+@triton.jit
 def _normalize_kernel(
     # pointers
     x_ptr,  # [N] fp32/bf16/fp16
-    mask_ptr,  # [N] bool (as int8) or float
+    mask_ptr,  # [N] bool (as int8), int or float; any non-zero selects
     moments_ptr,  # [2] fp32: (mean, rstd)
     out_ptr,  # [N] fp32 out (may be x_ptr)
     # shapes
@@ -185,33 +225,22 @@ def _normalize_kernel(
     mean = tl.load(moments_ptr)
     rstd = tl.load(moments_ptr + 1)
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    m = tl.load(mask_ptr + offs, mask=valid, other=0).to(tl.float32)
+    m = (tl.load(mask_ptr + offs, mask=valid, other=0) != 0).to(tl.float32)
     y = (x - mean) * rstd
     if not SHIFT_MEAN:
         y = y + mean
     tl.store(out_ptr + offs, y * m, mask=valid)
 
 
-def _moments(stats: torch.Tensor, unbiased: bool) -> torch.Tensor:
-    """(mean, rstd) fp32 [2] from per-row (n, mean, M2) [3, B], combined in float64 on device.
-
-    No host sync: an empty mask gives mean 0 and a finite rstd (every output is then masked to 0).
-    """
-    n_b, mean_b, m2_b = stats.double().unbind(0)
-    n = n_b.sum()
-    n_safe = n.clamp(min=1.0)
-    mean = (n_b * mean_b).sum() / n_safe
-    m2 = m2_b.sum() + (n_b * (mean_b - mean) ** 2).sum()
-    denom = torch.where(n > 1, n - 1, n_safe) if unbiased else n_safe
-    rstd = torch.rsqrt(m2 / denom + WHITEN_EPS)
-    return torch.stack([mean, rstd]).float()
-
-
-def _normalize(
-    x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shift_mean: bool, out: torch.Tensor
-) -> torch.Tensor:
+def _normalize(x: torch.Tensor, mask: torch.Tensor, stats: torch.Tensor, unbiased: bool, shift_mean: bool,
+               out: torch.Tensor) -> torch.Tensor:
+    """out = (x - mean) * rstd * mask from the per-row (n, mean, M2) `stats` [3, B]: the moments kernel, then
+    the elementwise pass."""
+    B = stats.shape[1]
+    moments = torch.empty(2, dtype=torch.float32, device=x.device)
+    _moments_kernel[(1,)](stats, moments, B, UNBIASED=unbiased, BLOCK_B=min(next_power_of_2(B), _MOMENTS_BLOCK_B))
     n = x.numel()
-    _normalize_kernel[(triton.cdiv(n, _BLOCK),)](
+    _normalize_kernel[(cdiv(n, _BLOCK),)](
         x,
         as_loadable(mask),
         moments,
@@ -243,7 +272,7 @@ def gae_fwd(
     if B == 0 or T == 0:
         return adv, ret
     stats = torch.empty((3, B), dtype=torch.float32, device=device)
-    block_t = min(triton.next_power_of_2(T), _MAX_BLOCK_T)
+    block_t = min(next_power_of_2(T), _MAX_BLOCK_T)
     mask_l = as_loadable(mask)
     _gae_fwd_kernel[(B,)](
         rewards,
@@ -261,7 +290,7 @@ def gae_fwd(
         BLOCK_T=block_t,
     )
     if whiten:
-        _normalize(adv, mask_l, _moments(stats, unbiased=True), True, out=adv)
+        _normalize(adv, mask_l, stats, True, True, out=adv)
     return adv, ret
 
 
@@ -273,6 +302,5 @@ def whiten_fwd(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool, shift_mea
         return out
     stats = torch.empty((3, B), dtype=torch.float32, device=x.device)
     mask_l = as_loadable(mask)
-    block_t = min(triton.next_power_of_2(T), _MAX_BLOCK_T)
-    _row_stats_kernel[(B,)](x, mask_l, stats, B, T, BLOCK_T=block_t)
-    return _normalize(x, mask_l, _moments(stats, unbiased), shift_mean, out=out)
+    _row_stats_kernel[(B,)](x, mask_l, stats, B, T, BLOCK_T=min(next_power_of_2(T), _MAX_BLOCK_T))
+    return _normalize(x, mask_l, stats, unbiased, shift_mean, out=out)

@@ -8,9 +8,12 @@ k3 and its derivative 1 - exp(-c) cancel for small |c| (k3 ~ c^2 / 2 from terms 
 K3_SERIES_BELOW they are summed as their Taylor series instead (relative error ~1e-7, not ~1e-7 / c^2).
 
 Where fast: elementwise, memory-bound; one program per BLOCK elements (flat grid, up to 2^31-1
-programs), so any shape that fits in memory. `kl_shaped_rewards` runs one program per row and
-reads the mask twice (once to find the last response token): fast when B is at least a few
-hundred rows; with only a handful of very long rows the GPU is under-occupied.
+programs), so any shape that fits in memory. The backward writes d(logp) and d(ref_logp) = -d(logp)
+in one pass, reading the upstream gradient through its strides (the expanded ones of `kl.sum()`
+are never materialised) and the straight-through weight w in place. `kl_shaped_rewards` runs one
+program per row and reads each input once (the last response token's reward is kept in registers
+and its score added after the row): fast when B is at least a few hundred rows; with only a
+handful of very long rows the GPU is under-occupied.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._launch import cdiv, next_power_of_2
 from fastrlhf.kernels._masks import as_loadable
 
 from fastrlhf.constants import K3_SERIES_BELOW, LOG_RATIO_CLAMP
@@ -27,6 +31,17 @@ R_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |r| bound of k3
 SERIES_BELOW = tl.constexpr(K3_SERIES_BELOW)
 _BLOCK = 1024
 _ROW_BLOCK = 1024
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    # fp32 x in `dtype`, rounded to nearest even: the compiled cast does so; the interpreter truncates
+    # fp32 -> bf16, so there the bits are rounded first (the cast of the rounded value is then exact)
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN kept as it is
+    return x.to(dtype)
 
 
 @triton.jit
@@ -108,25 +123,44 @@ def _token_kl_fwd_kernel(
 @triton.jit
 def _token_kl_bwd_kernel(
     # pointers
-    logp_ptr,  # [N] fp32/bf16/fp16
-    ref_ptr,  # [N] fp32/bf16/fp16
-    grad_ptr,  # [N] upstream d(kl), any float dtype
-    dlogp_ptr,  # [N] fp32 out; d(ref_logp) = -d(logp)
+    logp_ptr,  # [N] fp32/bf16/fp16, contiguous
+    ref_ptr,  # [N] fp32/bf16/fp16, contiguous
+    grad_ptr,  # [R, C] upstream d(kl), any float dtype, any strides (R * C = N)
+    weight_ptr,  # [N] straight-through weight w, contiguous, read only if HAS_WEIGHT
+    dlogp_ptr,  # [N] logp's dtype out, written only if HAS_DLOGP
+    dref_ptr,  # [N] ref_logp's dtype out, written only if HAS_DREF
     # shapes
     N,
+    C,
+    # strides
+    stride_gr,
+    stride_gc,
     # meta
     clamp,  # fp32, used only when HAS_CLAMP
     ESTIMATOR: tl.constexpr,
     HAS_CLAMP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DLOGP: tl.constexpr,
+    HAS_DREF: tl.constexpr,
+    GRAD_FLAT: tl.constexpr,  # the upstream gradient is contiguous: read at the flat offsets
     BLOCK: tl.constexpr,
 ):
-    # d(logp) = g * dkl/dr (see _kl_derivative)
+    # d(logp) = g [w] dkl/dr = -d(ref_logp) (see _kl_derivative), both written in this one pass
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < N
     r = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     r -= tl.load(ref_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    tl.store(dlogp_ptr + offs, g * _kl_derivative(r, ESTIMATOR, HAS_CLAMP, clamp), mask=valid)
+    g_offs = offs
+    if not GRAD_FLAT:
+        g_offs = (offs // C) * stride_gr + (offs % C) * stride_gc
+    g = tl.load(grad_ptr + g_offs, mask=valid, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        g *= tl.load(weight_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    d = g * _kl_derivative(r, ESTIMATOR, HAS_CLAMP, clamp)
+    if HAS_DLOGP:
+        tl.store(dlogp_ptr + offs, _rounded(d, dlogp_ptr.dtype.element_ty), mask=valid)
+    if HAS_DREF:
+        tl.store(dref_ptr + offs, _rounded(-d, dref_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -147,20 +181,15 @@ def _kl_shaped_rewards_fwd_kernel(
     BLOCK_T: tl.constexpr,
 ):
     # rewards[b, t] = -kl_coef * KL[b, t] * m[b, t] + scores[b] * [t == last mask=1 token of row b]
+    # one pass over the row: the last response token so far and its reward are kept in registers, and the
+    # score is added to that reward after the row (rewritten over what the pass stored there)
     row = tl.program_id(0).to(tl.int64)
     base = row * T
     cols = tl.arange(0, BLOCK_T)
-    # pass 1: the last response token of the row (-1 when the row has none)
-    last = tl.full((BLOCK_T,), -1, tl.int32)
-    for start in range(0, T, BLOCK_T):
-        t = start + cols
-        m = tl.load(mask_ptr + base + t, mask=t < T, other=0).to(tl.float32)
-        last = tl.maximum(last, tl.where(m != 0.0, t, -1))
-    last_t = tl.max(last, axis=0)
-    score = tl.load(scores_ptr + row).to(tl.float32)
     coef = kl_coef
     c = clamp
-    # pass 2: the shaped rewards
+    last_t = -1
+    last_rew = 0.0
     for start in range(0, T, BLOCK_T):
         t = start + cols
         inb = t < T
@@ -168,8 +197,15 @@ def _kl_shaped_rewards_fwd_kernel(
         r = tl.load(logp_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         r -= tl.load(ref_ptr + base + t, mask=inb, other=0.0).to(tl.float32)
         kl = _kl_value(r, ESTIMATOR, HAS_CLAMP, c)
-        rew = tl.where(m != 0.0, -coef * kl * m, 0.0) + tl.where(t == last_t, score, 0.0)  # NaN-proof off the mask
+        rew = tl.where(m != 0.0, -coef * kl * m, 0.0)  # NaN-proof off the mask
         tl.store(out_ptr + base + t, rew, mask=inb)
+        blk_last = tl.max(tl.where(m != 0.0, t, -1), axis=0)
+        blk_rew = tl.sum(tl.where(t == blk_last, rew, 0.0), axis=0)
+        last_rew = tl.where(blk_last >= 0, blk_rew, last_rew)
+        last_t = tl.maximum(last_t, blk_last)
+    tl.debug_barrier()  # every thread's stores of the row before the rewrite of its last token
+    score = tl.load(scores_ptr + row).to(tl.float32)
+    tl.store(out_ptr + base + last_t, last_rew + score, mask=last_t >= 0)
 
 
 def _canonical(estimator: str) -> int:
@@ -178,49 +214,36 @@ def _canonical(estimator: str) -> int:
     return ESTIMATOR_IDS[estimator]
 
 
-def token_kl_fwd(logp: torch.Tensor, ref_logp: torch.Tensor, *, estimator: str, clamp: float | None):
-    """Per-token KL estimate, fp32, same shape as `logp`."""
+def token_kl_fwd(logp: torch.Tensor, ref_logp: torch.Tensor, *, estimator: str, clamp: float | None,
+                 out_dtype: torch.dtype = torch.float32):
+    """Per-token KL estimate of contiguous logp, ref_logp, in `out_dtype` (fp32 math), logp's shape."""
     est = _canonical(estimator)
-    lp, rf = logp.reshape(-1), ref_logp.reshape(-1)
-    n = lp.numel()
-    out = torch.empty(n, dtype=torch.float32, device=logp.device)
+    out = torch.empty(logp.shape, dtype=out_dtype, device=logp.device)
+    n = logp.numel()
     if n:
-        grid = (triton.cdiv(n, _BLOCK),)
-        _token_kl_fwd_kernel[grid](
-            lp,
-            rf,
-            out,
-            n,
-            float(clamp or 0.0),
-            ESTIMATOR=est,
-            HAS_CLAMP=clamp is not None,
-            BLOCK=_BLOCK,
-        )
-    return out.view(logp.shape)
+        _token_kl_fwd_kernel[(cdiv(n, _BLOCK),)](logp, ref_logp, out, n, float(clamp or 0.0), ESTIMATOR=est,
+                                                  HAS_CLAMP=clamp is not None, BLOCK=_BLOCK)
+    return out
 
 
-def token_kl_bwd(
-    logp: torch.Tensor, ref_logp: torch.Tensor, grad: torch.Tensor, *, estimator: str, clamp: float | None
-):
-    """d(loss)/d(logp) given d(loss)/d(kl) = `grad`; fp32. d(ref_logp) is its negation."""
+def token_kl_bwd(logp: torch.Tensor, ref_logp: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor | None, *,
+                 estimator: str, clamp: float | None, need_logp: bool = True, need_ref: bool = True):
+    """(d(logp) in logp.dtype or None, d(ref_logp) = -d(logp) in ref_logp.dtype or None) from the upstream
+    d(kl) `grad` [R, C] (any strides; R * C = logp.numel()) and the weight w (contiguous, or None = 1):
+    d(logp) = grad * w * dkl/dr. logp and ref_logp contiguous."""
     est = _canonical(estimator)
-    lp, rf, g = logp.reshape(-1), ref_logp.reshape(-1), grad.reshape(-1)
-    n = lp.numel()
-    out = torch.empty(n, dtype=torch.float32, device=logp.device)
-    if n:
-        grid = (triton.cdiv(n, _BLOCK),)
-        _token_kl_bwd_kernel[grid](
-            lp,
-            rf,
-            g,
-            out,
-            n,
-            float(clamp or 0.0),
-            ESTIMATOR=est,
-            HAS_CLAMP=clamp is not None,
-            BLOCK=_BLOCK,
-        )
-    return out.view(logp.shape)
+    d_logp = torch.empty(logp.shape, dtype=logp.dtype, device=logp.device) if need_logp else None
+    d_ref = torch.empty(ref_logp.shape, dtype=ref_logp.dtype, device=logp.device) if need_ref else None
+    n = logp.numel()
+    if n and (need_logp or need_ref):
+        R, C = grad.shape
+        _token_kl_bwd_kernel[(cdiv(n, _BLOCK),)](
+            logp, ref_logp, grad, logp if weight is None else weight,
+            logp if d_logp is None else d_logp, logp if d_ref is None else d_ref,  # never written when None
+            n, C, grad.stride(0), grad.stride(1), float(clamp or 0.0),
+            ESTIMATOR=est, HAS_CLAMP=clamp is not None, HAS_WEIGHT=weight is not None, HAS_DLOGP=need_logp,
+            HAS_DREF=need_ref, GRAD_FLAT=grad.stride(1) == 1 and grad.stride(0) == C, BLOCK=_BLOCK)
+    return d_logp, d_ref
 
 
 def kl_shaped_rewards_fwd(
@@ -232,24 +255,15 @@ def kl_shaped_rewards_fwd(
     kl_coef: float,
     estimator: str,
     clamp: float | None,
+    out_dtype: torch.dtype = torch.float32,
 ):
-    """rewards [B, T] fp32: -kl_coef * KL on mask=1 tokens plus scores[b] on the row's last one."""
+    """rewards [B, T] in `out_dtype`: -kl_coef * KL on mask=1 tokens plus scores[b] on the row's last one.
+    Inputs contiguous."""
     est = _canonical(estimator)
     B, T = logp.shape
-    out = torch.empty((B, T), dtype=torch.float32, device=logp.device)
+    out = torch.empty((B, T), dtype=out_dtype, device=logp.device)
     if B and T:
-        block_t = min(triton.next_power_of_2(T), _ROW_BLOCK)
         _kl_shaped_rewards_fwd_kernel[(B,)](
-            scores,
-            logp,
-            ref_logp,
-            as_loadable(mask),
-            out,
-            T,
-            float(kl_coef),
-            float(clamp or 0.0),
-            ESTIMATOR=est,
-            HAS_CLAMP=clamp is not None,
-            BLOCK_T=block_t,
-        )
+            scores, logp, ref_logp, as_loadable(mask), out, T, float(kl_coef), float(clamp or 0.0), ESTIMATOR=est,
+            HAS_CLAMP=clamp is not None, BLOCK_T=min(next_power_of_2(T), _ROW_BLOCK))
     return out

@@ -56,9 +56,12 @@ config in CONFIGS through it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._launch import cdiv, next_power_of_2, sm_count  # noqa: F401 (sm_count: kernels.logprobs.sm_count)
 
 FIXED_BLOCK_V = 4096  # the untuned tile: 8 KiB of bf16
 TUNE_MIN_V = 16384  # from this V on, CUDA launches are autotuned over CONFIGS
@@ -340,14 +343,7 @@ _logprobs_bwd_tuned = triton.autotune(configs=CONFIGS, key=["V", "HAS_GRAD_LOGP"
 # ---------------------------------------------------------------- launchers
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; elsewhere (the interpreter) 2, so that the CPU tests
-    reach the few-rows split and the persistent grids with a handful of rows."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
+@functools.cache
 def vocab_splits(n_rows: int, V: int, device: torch.device) -> tuple[int, int]:
     """(splits, chunk_v): programs per row along the vocab, and the vocab elements each takes.
     Below FEW_ROWS_WAVES programs per SM the rows alone cannot fill the GPU, so each row's vocab
@@ -356,14 +352,15 @@ def vocab_splits(n_rows: int, V: int, device: torch.device) -> tuple[int, int]:
     block_v = fixed_config(V)["BLOCK_V"]
     if n_rows >= target or V < 2 * SPLIT_MIN_V:
         return 1, V
-    splits = min(triton.cdiv(target, n_rows), V // SPLIT_MIN_V, MAX_SPLITS)
-    chunk_v = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
-    return triton.cdiv(V, chunk_v), chunk_v
+    splits = min(cdiv(target, n_rows), V // SPLIT_MIN_V, MAX_SPLITS)
+    chunk_v = cdiv(cdiv(V, splits), block_v) * block_v
+    return cdiv(V, chunk_v), chunk_v
 
 
+@functools.cache
 def fixed_config(V: int) -> dict:
     """The untuned launch: BLOCK_V and num_warps for a vocab of V."""
-    block_v = min(FIXED_BLOCK_V, triton.next_power_of_2(V))
+    block_v = min(FIXED_BLOCK_V, next_power_of_2(V))
     return {"BLOCK_V": block_v, "num_warps": 8 if block_v >= 2048 else 4}
 
 
@@ -420,7 +417,7 @@ def logprobs_fwd(logits, labels, *, temperature: float, ignore_index: int, compu
         B * T, T, V, splits,
         logits.stride(0), logits.stride(1),
         inv_t, int(ignore_index),
-        COMPUTE_ENTROPY=compute_entropy, BLOCK_S=triton.next_power_of_2(splits), num_warps=1,
+        COMPUTE_ENTROPY=compute_entropy, BLOCK_S=next_power_of_2(splits), num_warps=1,
     )
     return logp, entropy, lse
 

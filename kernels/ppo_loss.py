@@ -1,11 +1,22 @@
-"""Clipped PPO losses: one kernel per formula, forward and gradient in the same pass.
+"""Clipped PPO losses: one kernel per formula, forward and gradient in the same pass, and the aggregation
+inside the kernels.
 
-Every aggregation mode reduces to per-row weights (computed by `fastrlhf.ops`):
-    loss = sum_b row_scale[b] * sum_t m[b, t] * l[b, t],   d_x[b, t] = row_scale[b] * m[b, t] * dl/dx
-(the policy loss optionally times per-token importance weights). A token with m = 0 adds exactly
-0 and gets gradient 0, whatever (NaN, inf) its inputs hold.
-Each program writes its partial sums to its own slot of a buffer which torch then sums, so the
-result is deterministic (no float atomics).
+Every aggregation mode (verl's agg_loss) is per-row weights, n_b = sum_t m[b, t], S = #{b: n_b > 0}:
+    loss = sum_b scale[b] * sum_t m[b, t] * l[b, t],   d_x[b, t] = scale[b] * m[b, t] * dl/dx
+    token-mean               scale = dp / (global_num_tokens or sum_b n_b)
+    token-sum                scale = dp
+    seq-mean-token-sum       scale = dp [n_b > 0] / (global_num_seqs or S)
+    seq-mean-token-sum-norm  scale = dp [n_b > 0] / ((global_num_seqs or S) (loss_scale_factor or T))
+    seq-mean-token-mean      scale = dp [n_b > 0] / (n_b (global_num_seqs or S))
+(the policy loss optionally times per-token importance weights). Two launches, no torch op between:
+    main    one program per row: the per-token loss and gradient, and the row's sums (loss, n_b, what
+            the stats average), with every factor of the scale known at launch (dp, a global count,
+            1 / n_b counted in a first pass over the row's mask) already in the gradient
+    finish  one program over the rows in a fixed order (deterministic, no float atomics): the counts,
+            the scale, the loss, the stats, and, when the count is local, the factor the gradient still
+            needs, which the backward's one in-place scale applies (`scale_unless_one_`: together with
+            the upstream gradient; nothing read or written when their product is 1)
+A token with m = 0 adds exactly 0 and gets gradient 0, whatever (NaN, inf) its inputs hold.
 
 Policy (verl's vanilla loss, `fastrlhf.reference.policy_loss`):
     lr = clamp(logp - old_logp, -20, 20), ratio = exp(lr)
@@ -18,48 +29,41 @@ Gradients follow the tie rules stated in `fastrlhf.reference`: clamp passes the 
 closed interval and blocks it outside; at a tie of max(l1, l2) (or of the dual-clip min) the
 unclipped term takes the whole gradient, as the clip fractions count only strict inequalities.
 
-Where fast: elementwise and memory-bound; one program per (row, block of T), so the grid is
-B * cdiv(T, BLOCK_T) in x only (fine up to 2^31 - 1 programs). Short rows (T << BLOCK_T) leave
-lanes idle: BLOCK_T is the next power of two of T, capped at 1024.
+Where fast: elementwise and memory-bound; one program per row (grid B, fine up to 2^31 - 1 rows), the
+row walked in tiles of BLOCK_T (the next power of two of T, capped at 1024): well occupied from a few
+hundred rows; a handful of very long rows leaves most SMs idle. The finish kernel reads 4-6 floats per
+row in one program (B = 1024: a few microseconds).
 
 The whole actor loss from logits (`_actor_loss_fwd_kernel`): every term of
     L = sum_i w_i (is_i pg(logp_i) + kl_coef KL(logp_i) - entropy_coef H_i),  w = row_scale * mask
-is token-local once w is known, so one program per token row does it all in one launch:
-    pass 1  read the row: lse, entropy, logp (the base-2 online softmax of kernels/logprobs.py)
-    then    dL/dlogp and dL/dH of the token (the policy and KL formulas above and in kernels/kl.py)
-    pass 2  read the row again, write d(logits) = p (a + b t) [+ g_logp / temperature at the label]
-instead of a log-prob forward, torch glue, and a log-prob backward that re-reads the logits from
-DRAM. The bet (to be measured, `fastrlhf bench`: ppo_actor_loss fwd+bwd vs logprobs fwd+bwd): pass 2
-walks the row from its end with L2 hints (pass-1 loads evict-last, pass-2 loads and the d(logits)
-stores evict-first), so the tiles read last are re-read from L2 rather than DRAM. The hit rate is
-about L2 / (rows in flight x row bytes): a row is 297 KiB at V = 151936 in bf16, an H100's L2 50 MB.
-One program per row, at 127 registers x 256 threads two per SM, keeps ~264 rows, ~78 MB, in
-flight: ~60% of pass 2 from L2, ~2.4 passes of DRAM traffic instead of 3. A persistent grid (the
-kernel walks rows pid, pid + grid, ...) of 1 program per SM keeps 39 MB in flight (nearly all of
-pass 2 from L2; the 0.75 target needs ~75%) but half the bytes in flight to hide DRAM latency;
-2 per SM is the one-row-per-program occupancy without the tail effect of 16k short-lived programs.
-Measured on an H100 (B = 16, T = 1024, V = 151936 bf16, autotuned among the first three configs,
-the winner not recorded): fwd+bwd 0.977x logprobs fwd+bwd, so pass 2 costs about a full DRAM read
-and write, not L2 hits. Possible reasons (not measured): even 39 MB of rows in flight, next to the
-streamed d(logits) stores, is more than L2 (two partitions of 25 MB) keeps under an evict-last hint.
-So the list also offers persistent grids of fewer programs than SMs: 0.5 per SM (66 rows, ~20 MB in
-flight on 132 SMs) and 0.25 (33 rows, ~10 MB). The prediction: these re-read most of pass 2 from L2,
-at the cost of fewer bytes in flight per SM to hide DRAM latency in pass 1; which effect wins is for
-the tuner (and the bench, which records the config it picked) to tell.
-On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x
-warps x programs per SM, keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with
-8192 x 8, two per SM with 8192 x 8, then 16384 x 16 (32 logits per thread) at one, one half and one
-quarter program per SM (at least one program).
-Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on CUDA).
+is token-local once w is known, so one program per token row does it all in one launch, in small jit
+helpers (`_actor_loss_row` composes them):
+    `_row_stats`           pass 1 over the row: lse, entropy (the base-2 online softmax of kernels/logprobs.py)
+    `_token_logp`          logp of the label
+    `_actor_token_grads`   dL/dlogp and dL/dH of the token (the policy and KL formulas above and in kernels/kl.py)
+    `_write_dlogits`       pass 2, the row again from its end (L2 hints: pass-1 loads evict-last, pass-2 loads
+                           and the d(logits) stores evict-first), d(logits) = p (a + b t) [+ g_logp / T at the label]
+instead of a log-prob forward, torch glue, and a log-prob backward. The options arrive as one spec
+(fastrlhf.ops.losses.ActorSpec), unpacked into the kernel's scalars and constexprs by `actor_loss_fwd`.
+On CUDA for V >= TUNE_MIN_V the launch is autotuned among ACTOR_CONFIGS (tile x warps x programs per SM,
+keyed on V, NEED_GRAD, HAS_ENTROPY and dtypes): one program per row with 8192 x 8, two per SM with
+8192 x 8, then 16384 x 16 at one, one half and one quarter program per SM (a persistent grid walking rows
+pid, pid + grid, ...). Elsewhere: one program per row, the log-prob kernels' fixed tile (8192 at most on
+CUDA). Whether pass 2 is served from L2, the configs measured and the candidates for the <= 0.75x goal
+(ppo_actor_loss fwd+bwd over logprobs fwd+bwd): bench/experiments/README.md, "The actor loss in two passes".
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+from fastrlhf.kernels._launch import cdiv, next_power_of_2, sm_count
 from fastrlhf.kernels._masks import as_loadable
-from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative
+from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative, _rounded
 from fastrlhf.kernels.logprobs import (
     FP32_MIN,
     LN2,
@@ -76,13 +80,28 @@ from fastrlhf.constants import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024
+_FINISH_BLOCK_B = 1024
+_SCALE_BLOCK = 4096
 # the fused actor loss on CUDA: tile x warps x grid, autotuned among these (module docstring)
 ACTOR_CONFIGS = [triton.Config({"BLOCK_V": block_v, "PROGRAMS_PER_SM": per_sm}, num_warps=warps)
                  for block_v, warps, per_sm in ((8192, 8, 0), (8192, 8, 2), (16384, 16, 1), (16384, 16, 0.5),
                                                 (16384, 16, 0.25))]
 IGNORE = tl.constexpr(IGNORE_INDEX)
-POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
-VALUE_SUMS = ("loss", "n_clipped", "n_mask")
+POLICY_SUMS = ("loss", "n_mask", "n_clipped", "n_clipped_lower", "neg_log_ratio", "neg_log_ratio_unclamped")
+VALUE_SUMS = ("loss", "n_mask", "n_clipped")
+
+
+class AggLaunch(NamedTuple):
+    """An aggregation as the policy / value launchers take it (ops.losses builds it once per mode and counts)."""
+
+    agg_id: int  # the mode's index in fastrlhf.constants.AGG_MODES (0 token-mean ... 4 seq-mean-token-sum-norm)
+    has_global: bool  # global_count given (token-mean: global_num_tokens; seq-mean-*: global_num_seqs)
+    global_count: float
+    dp_size: float
+    norm: float | None  # seq-mean-token-sum-norm: loss_scale_factor (None: T)
+    row_mean: bool  # seq-mean-token-mean: 1 / n_b per row, in the main kernel
+    grad_scale: float  # the gradient's factor known at launch: dp / global count (/ norm), else 1
+    pending: bool  # the count's factor is known only after the finish kernel (no global count given)
 
 
 @triton.jit
@@ -110,115 +129,208 @@ def _policy_token(x, a, lo, hi, dual_clip, DUAL_CLIP: tl.constexpr):
 
 
 @triton.jit
+def _row_inverse_count(mask_ptr, base, T, cols, BLOCK_T: tl.constexpr):
+    # 1 / n_b (0 for an empty row) of one row of the mask: seq-mean-token-mean's per-row factor
+    n = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        t = start + cols
+        n += tl.load(mask_ptr + base + t, mask=t < T, other=0).to(tl.float32)
+    n_b = tl.sum(n, axis=0)
+    return tl.where(n_b > 0, 1.0 / tl.where(n_b > 0, n_b, 1.0), 0.0)
+
+
+@triton.jit
 def _policy_loss_fwd_kernel(
     # pointers
-    logp_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    old_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    adv_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    mask_ptr,  # [B, T] bool (as int8) or float, contiguous
-    scale_ptr,  # [B] fp32 per-row weight of the aggregation
-    is_weights_ptr,  # [B, T] fp32/bf16/fp16, contiguous, read only if HAS_IS_WEIGHTS
-    partial_ptr,  # [6, n_programs] fp32 out: see POLICY_SUMS
-    dlogp_ptr,  # [B, T] fp32 out, written when NEED_GRAD
+    logp_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
+    old_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
+    adv_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
+    mask_ptr,  # [B, T] bool (as int8) or float, stride(1) == 1
+    is_weights_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1, read only if HAS_IS_WEIGHTS
+    dlogp_ptr,  # [B, T] out (fp32, fp64 for fp64 inputs), contiguous, written when NEED_GRAD
+    partial_ptr,  # [6, B] fp32 out, per row: see POLICY_SUMS
     # shapes
+    B,
     T,
-    n_programs,
+    # strides (rows)
+    stride_logp,
+    stride_old,
+    stride_adv,
+    stride_mask,
+    stride_is,
     # meta
+    grad_scale,  # fp32: the part of the row scale known at launch (1 when it waits for the finish kernel)
     ratio_low,  # fp32, 1 - clip_low
     ratio_high,  # fp32, 1 + clip_high
     dual_clip,  # fp32, used only when DUAL_CLIP
     DUAL_CLIP: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr,
     NEED_GRAD: tl.constexpr,
+    ROW_MEAN: tl.constexpr,  # seq-mean-token-mean: the row's loss and gradient times 1 / n_b
     BLOCK_T: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    blocks_per_row = tl.cdiv(T, BLOCK_T)
-    row = (pid // blocks_per_row).to(tl.int64)
-    t = (pid % blocks_per_row) * BLOCK_T + tl.arange(0, BLOCK_T)
-    inb = t < T
-    offs = row * T + t
-    m = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32)
-    x = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    x -= tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    a = tl.load(adv_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
-    w = tl.load(scale_ptr + row) * m
-    if HAS_IS_WEIGHTS:  # the policy term of each token times its importance weight
-        w = w * tl.load(is_weights_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    loss, d, takes_l2, lower, log_ratio = _policy_token(x, a, ratio_low, ratio_high, dual_clip, DUAL_CLIP)
-
-    tl.store(partial_ptr + pid, tl.sum(tl.where(counts, w * loss, 0.0), axis=0))
-    tl.store(partial_ptr + n_programs + pid, tl.sum(tl.where(takes_l2 & counts, m, 0.0), axis=0))
-    tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(tl.where(lower & counts, m, 0.0), axis=0))
-    tl.store(partial_ptr + 3 * n_programs + pid, tl.sum(tl.where(counts, -log_ratio * m, 0.0), axis=0))
-    tl.store(partial_ptr + 4 * n_programs + pid, tl.sum(m, axis=0))
-    tl.store(partial_ptr + 5 * n_programs + pid, tl.sum(tl.where(counts, -x * m, 0.0), axis=0))
-
-    if NEED_GRAD:
-        tl.store(dlogp_ptr + offs, tl.where(counts, w * d, 0.0), mask=inb)
+    # one program per row: the per-token loss and gradient, and the row's sums (unscaled but for 1 / n_b)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_T)
+    inv_n = 1.0
+    if ROW_MEAN:
+        inv_n = _row_inverse_count(mask_ptr, row * stride_mask, T, cols, BLOCK_T)
+    acc_loss = tl.zeros((BLOCK_T,), tl.float32)
+    acc_clipped = tl.zeros((BLOCK_T,), tl.float32)
+    acc_lower = tl.zeros((BLOCK_T,), tl.float32)
+    acc_nlr = tl.zeros((BLOCK_T,), tl.float32)
+    acc_m = tl.zeros((BLOCK_T,), tl.float32)
+    acc_nlru = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        t = start + cols
+        inb = t < T
+        m = tl.load(mask_ptr + row * stride_mask + t, mask=inb, other=0).to(tl.float32)
+        x = tl.load(logp_ptr + row * stride_logp + t, mask=inb, other=0.0).to(tl.float32)
+        x -= tl.load(old_ptr + row * stride_old + t, mask=inb, other=0.0).to(tl.float32)
+        a = tl.load(adv_ptr + row * stride_adv + t, mask=inb, other=0.0).to(tl.float32)
+        counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
+        w = m
+        if HAS_IS_WEIGHTS:  # the policy term of each token times its importance weight
+            w = w * tl.load(is_weights_ptr + row * stride_is + t, mask=inb, other=0.0).to(tl.float32)
+        loss, d, takes_l2, lower, log_ratio = _policy_token(x, a, ratio_low, ratio_high, dual_clip, DUAL_CLIP)
+        acc_loss += tl.where(counts, w * loss, 0.0)
+        acc_clipped += tl.where(takes_l2 & counts, m, 0.0)
+        acc_lower += tl.where(lower & counts, m, 0.0)
+        acc_nlr += tl.where(counts, -log_ratio * m, 0.0)
+        acc_m += m
+        acc_nlru += tl.where(counts, -x * m, 0.0)
+        if NEED_GRAD:
+            tl.store(dlogp_ptr + row * T + t, tl.where(counts, (grad_scale * inv_n) * (w * d), 0.0), mask=inb)
+    tl.store(partial_ptr + row, tl.sum(acc_loss, axis=0) * inv_n)
+    tl.store(partial_ptr + B + row, tl.sum(acc_m, axis=0))
+    tl.store(partial_ptr + 2 * B + row, tl.sum(acc_clipped, axis=0))
+    tl.store(partial_ptr + 3 * B + row, tl.sum(acc_lower, axis=0))
+    tl.store(partial_ptr + 4 * B + row, tl.sum(acc_nlr, axis=0))
+    tl.store(partial_ptr + 5 * B + row, tl.sum(acc_nlru, axis=0))
 
 
 @triton.jit
 def _value_loss_fwd_kernel(
     # pointers
-    values_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    old_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    returns_ptr,  # [B, T] fp32/bf16/fp16, contiguous
-    mask_ptr,  # [B, T] bool (as int8) or float, contiguous
-    scale_ptr,  # [B] fp32 per-row weight of the aggregation
-    partial_ptr,  # [3, n_programs] fp32 out: see VALUE_SUMS
-    dvalues_ptr,  # [B, T] fp32 out, written when NEED_GRAD
+    values_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
+    old_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
+    returns_ptr,  # [B, T] fp32/bf16/fp16, stride(1) == 1
+    mask_ptr,  # [B, T] bool (as int8) or float, stride(1) == 1
+    dvalues_ptr,  # [B, T] out (fp32, fp64 for fp64 inputs), contiguous, written when NEED_GRAD
+    partial_ptr,  # [3, B] fp32 out, per row: see VALUE_SUMS
     # shapes
+    B,
     T,
-    n_programs,
+    # strides (rows)
+    stride_v,
+    stride_old,
+    stride_ret,
+    stride_mask,
     # meta
+    grad_scale,  # fp32: the part of the row scale known at launch (1 when it waits for the finish kernel)
     clip,  # fp32, used only when HAS_CLIP
     HAS_CLIP: tl.constexpr,
     NEED_GRAD: tl.constexpr,
+    ROW_MEAN: tl.constexpr,  # seq-mean-token-mean: the row's loss and gradient times 1 / n_b
     BLOCK_T: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    blocks_per_row = tl.cdiv(T, BLOCK_T)
-    row = (pid // blocks_per_row).to(tl.int64)
-    t = (pid % blocks_per_row) * BLOCK_T + tl.arange(0, BLOCK_T)
-    inb = t < T
-    offs = row * T + t
-    m = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32)
-    v = tl.load(values_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    ret = tl.load(returns_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
-    w = tl.load(scale_ptr + row) * m
-
-    err1 = v - ret
-    l1 = err1 * err1
-    if HAS_CLIP:
-        c = clip  # fp32 scalar
-        v_low = old - c
-        v_high = old + c
-        v_clip = tl.minimum(tl.maximum(v, v_low), v_high)
-        err2 = v_clip - ret
-        l2 = err2 * err2
-        takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
-        loss = tl.where(takes_l2, l2, l1)
-        n_clipped = tl.sum(tl.where(takes_l2 & counts, m, 0.0), axis=0)
-    else:
-        loss = l1
-        n_clipped = 0.0
-    tl.store(partial_ptr + pid, tl.sum(tl.where(counts, 0.5 * w * loss, 0.0), axis=0))
-    tl.store(partial_ptr + n_programs + pid, n_clipped)
-    tl.store(partial_ptr + 2 * n_programs + pid, tl.sum(m, axis=0))
-
-    if NEED_GRAD:
-        # d(0.5 (v - R)^2)/dv = v - R
-        # d(0.5 (v_clip - R)^2)/dv = (v_clip - R) * [old - clip <= v <= old + clip]
+    # one program per row: l = 0.5 max((v - R)^2, (v_clip - R)^2) per token, its gradient, the row's sums
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_T)
+    inv_n = 1.0
+    if ROW_MEAN:
+        inv_n = _row_inverse_count(mask_ptr, row * stride_mask, T, cols, BLOCK_T)
+    acc_loss = tl.zeros((BLOCK_T,), tl.float32)
+    acc_clipped = tl.zeros((BLOCK_T,), tl.float32)
+    acc_m = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        t = start + cols
+        inb = t < T
+        m = tl.load(mask_ptr + row * stride_mask + t, mask=inb, other=0).to(tl.float32)
+        v = tl.load(values_ptr + row * stride_v + t, mask=inb, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + row * stride_old + t, mask=inb, other=0.0).to(tl.float32)
+        ret = tl.load(returns_ptr + row * stride_ret + t, mask=inb, other=0.0).to(tl.float32)
+        counts = m != 0.0  # a token under mask = 0 adds exactly 0, whatever (NaN, inf) its inputs hold
+        err1 = v - ret
+        l1 = err1 * err1
+        d = err1  # d(0.5 (v - R)^2)/dv
         if HAS_CLIP:
-            in_clip = (v >= v_low) & (v <= v_high)
-            d = tl.where(takes_l2, tl.where(in_clip, err2, 0.0), err1)
+            v_low = old - clip
+            v_high = old + clip
+            err2 = tl.minimum(tl.maximum(v, v_low), v_high) - ret
+            l2 = err2 * err2
+            takes_l2 = l2 > l1  # max(l1, l2); a tie goes to the unclipped l1
+            loss = tl.where(takes_l2, l2, l1)
+            acc_clipped += tl.where(takes_l2 & counts, m, 0.0)
+            # d(0.5 (v_clip - R)^2)/dv = (v_clip - R) [old - clip <= v <= old + clip]
+            d = tl.where(takes_l2, tl.where((v >= v_low) & (v <= v_high), err2, 0.0), err1)
         else:
-            d = err1
-        tl.store(dvalues_ptr + offs, tl.where(counts, w * d, 0.0), mask=inb)
+            loss = l1
+        acc_loss += tl.where(counts, 0.5 * m * loss, 0.0)
+        acc_m += m
+        if NEED_GRAD:
+            tl.store(dvalues_ptr + row * T + t, tl.where(counts, (grad_scale * inv_n) * (m * d), 0.0), mask=inb)
+    tl.store(partial_ptr + row, tl.sum(acc_loss, axis=0) * inv_n)
+    tl.store(partial_ptr + B + row, tl.sum(acc_m, axis=0))
+    tl.store(partial_ptr + 2 * B + row, tl.sum(acc_clipped, axis=0))
+
+
+@triton.jit
+def _loss_finish_kernel(
+    # pointers
+    partial_ptr,  # [K, B] fp32 per-row sums: row 0 the loss, row 1 n_b = sum_t m, rows 2.. what the stats average
+    loss_ptr,  # [] out (fp32, fp64 for fp64 inputs)
+    stats_ptr,  # [K - 2] out: the masked means sum_b partial[k] / sum_b n_b
+    factor_ptr,  # [1] fp32 out, written when PENDING: the gradient's factor left to the backward
+    # shapes
+    B,
+    # meta
+    global_count,  # fp32: global_num_tokens (token-mean) or global_num_seqs (seq-mean-*), used if HAS_GLOBAL
+    dp_size,  # fp32
+    norm,  # fp32: seq-mean-token-sum-norm's loss_scale_factor or T
+    K: tl.constexpr,
+    AGG: tl.constexpr,  # AggLaunch.agg_id
+    HAS_GLOBAL: tl.constexpr,
+    PENDING: tl.constexpr,  # the main kernel wrote the gradient without the count's factor
+    BLOCK_B: tl.constexpr,
+    K_PAD: tl.constexpr,
+):
+    # one program, rows in a fixed order (deterministic): the counts, the row scale of the aggregation
+    # (module docstring), the loss and the stats
+    k = tl.arange(0, K_PAD)
+    cols = tl.arange(0, BLOCK_B)
+    acc = tl.zeros((K_PAD, BLOCK_B), tl.float32)
+    acc_seqs = tl.zeros((BLOCK_B,), tl.float32)  # S = #{b: n_b > 0}
+    acc_seq_loss = tl.zeros((BLOCK_B,), tl.float32)  # the loss of those rows
+    for start in range(0, B, BLOCK_B):
+        rows = start + cols
+        tile = tl.load(partial_ptr + k[:, None] * B + rows[None, :], mask=(k[:, None] < K) & (rows[None, :] < B),
+                       other=0.0)
+        acc += tile
+        n_b = tl.sum(tl.where(k[:, None] == 1, tile, 0.0), axis=0)
+        nonempty = n_b > 0
+        acc_seqs += tl.where(nonempty, 1.0, 0.0)
+        acc_seq_loss += tl.where(nonempty, tl.sum(tl.where(k[:, None] == 0, tile, 0.0), axis=0), 0.0)
+    sums = tl.sum(acc, axis=1)
+    n = tl.sum(tl.where(k == 1, sums, 0.0), axis=0)
+    if AGG < 2:  # token-mean, token-sum
+        total = tl.sum(tl.where(k == 0, sums, 0.0), axis=0)
+        count = n
+    else:
+        total = tl.sum(acc_seq_loss, axis=0)
+        count = tl.sum(acc_seqs, axis=0)
+    if HAS_GLOBAL:
+        count = global_count + 0.0 * count
+    c = dp_size + 0.0 * count
+    if AGG != 1:
+        c = tl.where(count > 0, dp_size / tl.where(count > 0, count, 1.0), 0.0)
+    if AGG == 4:
+        c = c / norm
+    tl.store(loss_ptr, c * total)
+    inv_n = tl.where(n > 0, 1.0 / tl.where(n > 0, n, 1.0), 0.0)
+    tl.store(stats_ptr + k - 2, sums * inv_n, mask=(k >= 2) & (k < K))
+    if PENDING:
+        tl.store(factor_ptr, c)
 
 
 @triton.jit
@@ -275,23 +387,10 @@ def _actor_loss_fwd_kernel(
 
 
 @triton.jit
-def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, logp_ptr,
-                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, ratio_low,
-                    ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
-                    HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
-                    HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                    NEED_GRAD: tl.constexpr, SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index. The row is walked as
-    # in kernels/logprobs.py: its 16-byte aligned middle in BLOCK_V tiles (the last one masked in whole
-    # 16-byte groups), then its few ragged columns at either end
-    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
-    a, n = _aligned_span(row_off, 0, V, ALIGN)
-    n_full = n // BLOCK_V * BLOCK_V
-    cols = tl.arange(0, BLOCK_V)
-    src = logits_ptr + a
-    col, ok = _ragged_ends(0, V, a - row_off, n, ALIGN)
-
-    # pass 1: lse, entropy, logp (base 2, kernels/logprobs.py); these loads ask L2 to keep the row
+def _row_stats(logits_ptr, row_off, src, n, n_full, cols, col, ok, scale, BLOCK_V: tl.constexpr):
+    # pass 1 over a row: the base-2 online softmax stats (m, d, s) of kernels/logprobs.py, over the row's
+    # aligned middle `src` [0, n) in BLOCK_V tiles and its ragged ends `col` (ok); the loads ask L2 to keep
+    # the row for pass 2
     m = tl.full((), FP32_MIN, tl.float32)
     d = tl.zeros((), tl.float32)
     s = tl.zeros((), tl.float32)
@@ -303,96 +402,150 @@ def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_p
                          eviction_policy="evict_last")
         m, d, s = _online_tile(x_tail.to(tl.float32), m, d, s, scale, True)
     x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=float("-inf")).to(tl.float32)
-    m, d, s = _online_tile(x_ends, m, d, s, scale, True)
+    return _online_tile(x_ends, m, d, s, scale, True)
+
+
+@triton.jit
+def _token_logp(logits_ptr, row_off, label, V, inv_temperature, lse2):
+    # logits[label] / temperature - lse: 0 for an ignored label, NaN for one outside [0, V)
+    valid = (label >= 0) & (label < V)
+    x_label = tl.load(logits_ptr + row_off + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
+    logp = tl.where(valid, x_label * inv_temperature - lse2 * LN2, float("nan"))
+    return tl.where(label == IGNORE, 0.0, logp)
+
+
+@triton.jit
+def _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
+                       ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef,
+                       DUAL_CLIP: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr,
+                       KL_ESTIMATOR: tl.constexpr, HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr,
+                       HAS_ENTROPY: tl.constexpr):
+    # the token's upstream gradients, token-local once w is known:
+    #   L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i);  returns (dL/dlogp, dL/dH), 0 under mask 0
+    # (a policy-loss mode would select its formula here, in place of `_policy_token`)
+    counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
+    w = tl.load(weight_ptr + row)
+    _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low, ratio_high,
+                                     dual_clip, DUAL_CLIP)
+    pg_w = w
+    if HAS_IS_WEIGHTS:
+        pg_w = w * tl.load(is_weights_ptr + row)
+    g_logp = pg_w * d_pg
+    if HAS_KL:
+        r = logp - tl.load(ref_ptr + row)
+        if KL_STRAIGHT_THROUGH:  # the gradient of r^2 / 2
+            d_kl = r
+        else:
+            d_kl = _kl_derivative(r, KL_ESTIMATOR, HAS_KL_CLAMP, kl_clamp)
+        g_logp += kl_coef * w * d_kl
+    g_logp = tl.where(counts, g_logp, 0.0)
+    g_ent = tl.zeros((), tl.float32)
+    if HAS_ENTROPY:
+        g_ent = tl.where(counts, -entropy_coef * w, 0.0)
+    return g_logp, g_ent
+
+
+@triton.jit
+def _write_dlogits(logits_ptr, dlogits_ptr, row, row_off, a, src, n, n_full, cols, col, ok, V, label, scale, lse2,
+                   a_coef, b_coef, g_label, takes_grad, HAS_ENTROPY: tl.constexpr, SAME_LAYOUT: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    # pass 2, from the row's end back to its start (the tiles read last in pass 1 are the likeliest still in
+    # L2): d(logits) = p (a + b t) [+ g_label at the label], written once and streamed out (evict first).
+    # d(logits) is contiguous (or the logits themselves): with SAME_LAYOUT its rows align as theirs
+    label_col = tl.where(takes_grad, label - (a - row_off), -1).to(tl.int32)  # from the aligned start
+    drow_off = row * V
+    dst = dlogits_ptr + (drow_off + (a - row_off))
+    if SAME_LAYOUT:
+        drow_off = row_off
+        dst = dlogits_ptr + a  # as aligned as the loads
+    out_ty = dlogits_ptr.dtype.element_ty
+    if n_full < n:
+        in_span = n_full + cols < n
+        x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0, eviction_policy="evict_first")
+        dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz += tl.where(cols == label_col - n_full, g_label, 0.0)
+        tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span, eviction_policy="evict_first")
+    for i in range(0, n_full // BLOCK_V):
+        k = n_full - BLOCK_V - i * BLOCK_V
+        x = tl.load(src + k + cols, eviction_policy="evict_first").to(tl.float32)
+        dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz += tl.where(cols == label_col - k, g_label, 0.0)
+        tl.store(dst + k + cols, dz.to(out_ty), eviction_policy="evict_first")
+    x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32)
+    dz = _bwd_tile(x_ends, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+    dz += tl.where(col == label, g_label, 0.0)  # g_label is 0 where the label takes no gradient
+    tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
+
+
+@triton.jit
+def _actor_loss_row(logits_ptr, labels_ptr, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr, logp_ptr,
+                    entropy_ptr, dlogits_ptr, row, T, V, stride_b, stride_t, scale, inv_temperature, ratio_low,
+                    ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP: tl.constexpr,
+                    HAS_IS_WEIGHTS: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+                    HAS_KL_CLAMP: tl.constexpr, KL_STRAIGHT_THROUGH: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                    NEED_GRAD: tl.constexpr, SAME_LAYOUT: tl.constexpr, ALIGN: tl.constexpr, BLOCK_V: tl.constexpr):
+    # one token row of _actor_loss_fwd_kernel (its arguments), row an int64 index: the row is walked as in
+    # kernels/logprobs.py, its 16-byte aligned middle in BLOCK_V tiles (the last one masked in whole 16-byte
+    # groups), then its few ragged columns at either end
+    row_off = (row // T) * stride_b + (row % T) * stride_t  # elements from logits_ptr, int64
+    a, n = _aligned_span(row_off, 0, V, ALIGN)
+    n_full = n // BLOCK_V * BLOCK_V
+    cols = tl.arange(0, BLOCK_V)
+    src = logits_ptr + a
+    col, ok = _ragged_ends(0, V, a - row_off, n, ALIGN)
+    m, d, s = _row_stats(logits_ptr, row_off, src, n, n_full, cols, col, ok, scale, BLOCK_V)  # pass 1
     log2_d = tl.log2(d)
     lse2 = m + log2_d  # lse / ln 2
     entropy = (log2_d - s / d) * LN2
     label = tl.load(labels_ptr + row)
-    valid = (label >= 0) & (label < V)
-    x_label = tl.load(logits_ptr + row_off + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
-    logp = tl.where(valid, x_label * inv_temperature - lse2 * LN2, float("nan"))
-    logp = tl.where(label == IGNORE, 0.0, logp)
+    logp = _token_logp(logits_ptr, row_off, label, V, inv_temperature, lse2)
     tl.store(logp_ptr + row, logp)
     tl.store(entropy_ptr + row, entropy)
-
     if NEED_GRAD:
-        # the token's upstream gradients, dL/dlogp and dL/dH: token-local once w is known
-        # L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i)
-        counts = tl.load(mask_ptr + row) != 0.0  # a token with mask 0 gets exactly 0, whatever its inputs
-        w = tl.load(weight_ptr + row)
-        _, d_pg, _, _, _ = _policy_token(logp - tl.load(old_ptr + row), tl.load(adv_ptr + row), ratio_low,
-                                         ratio_high, dual_clip, DUAL_CLIP)
-        pg_w = w
-        if HAS_IS_WEIGHTS:
-            pg_w = w * tl.load(is_weights_ptr + row)
-        g_logp = pg_w * d_pg
-        if HAS_KL:
-            r = logp - tl.load(ref_ptr + row)
-            if KL_STRAIGHT_THROUGH:
-                d_kl = r
-            else:
-                d_kl = _kl_derivative(r, KL_ESTIMATOR, HAS_KL_CLAMP, kl_clamp)
-            g_logp += kl_coef * w * d_kl
+        g_logp, g_ent = _actor_token_grads(logp, entropy, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr,
+                                           is_weights_ptr, ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp,
+                                           entropy_coef, DUAL_CLIP, HAS_IS_WEIGHTS, HAS_KL, KL_ESTIMATOR,
+                                           HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY)
         # ignored and out-of-range labels have no log-prob, hence no gradient through it
-        takes_grad = counts & valid & (label != IGNORE)
+        takes_grad = (label >= 0) & (label < V) & (label != IGNORE)
         g_logp = tl.where(takes_grad, g_logp, 0.0)
         # d(logits) = p (a + b t) [+ g_logp / temperature at the label], p = 2^t, t = y - lse / ln 2
         a_coef = -g_logp * inv_temperature
         b_coef = tl.zeros((), tl.float32)
         if HAS_ENTROPY:
-            g_ent = tl.where(counts, -entropy_coef * w, 0.0)
             a_coef -= g_ent * entropy * inv_temperature
             b_coef = -g_ent * LN2 * inv_temperature
-        g_label = g_logp * inv_temperature
-        label_col = tl.where(takes_grad, label - (a - row_off), -1).to(tl.int32)  # from the aligned start
-
-        # pass 2, from the row's end back to its start: the tiles read last in pass 1 are the likeliest
-        # still in L2; d(logits) is written once and streamed out (evict first). d(logits) is contiguous
-        # (or the logits themselves): with SAME_LAYOUT (contiguous logits) its rows align as theirs.
-        drow_off = row * V
-        dst = dlogits_ptr + (drow_off + (a - row_off))
-        if SAME_LAYOUT:
-            drow_off = row_off
-            dst = dlogits_ptr + a  # as aligned as the loads
-        out_ty = dlogits_ptr.dtype.element_ty
-        if n_full < n:
-            in_span = n_full + cols < n
-            x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0, eviction_policy="evict_first")
-            dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-            dz += tl.where(cols == label_col - n_full, g_label, 0.0)
-            tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span, eviction_policy="evict_first")
-        for i in range(0, n_full // BLOCK_V):
-            k = n_full - BLOCK_V - i * BLOCK_V
-            x = tl.load(src + k + cols, eviction_policy="evict_first").to(tl.float32)
-            dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-            dz += tl.where(cols == label_col - k, g_label, 0.0)
-            tl.store(dst + k + cols, dz.to(out_ty), eviction_policy="evict_first")
-        x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32)
-        dz = _bwd_tile(x_ends, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-        dz += tl.where(col == label, g_label, 0.0)  # g_label is 0 where the label takes no gradient
-        tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
+        _write_dlogits(logits_ptr, dlogits_ptr, row, row_off, a, src, n, n_full, cols, col, ok, V, label, scale, lse2,
+                       a_coef, b_coef, g_logp * inv_temperature, takes_grad, HAS_ENTROPY, SAME_LAYOUT, BLOCK_V)
 
 
 @triton.jit
 def _scale_unless_one_kernel(
     # pointers
-    x_ptr,  # [N] any float dtype, scaled in place
-    g_ptr,  # [] fp32: the factor
+    x_ptr,  # [N] any float dtype, contiguous
+    g_ptr,  # [] any float dtype: the upstream gradient
+    factor_ptr,  # [1] fp32, read only if HAS_FACTOR: a factor the forward left to the backward
+    out_ptr,  # [N] any float dtype, contiguous; may be x_ptr (in place)
     # shapes
     N,
     # meta
+    HAS_FACTOR: tl.constexpr,
+    INPLACE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # x *= g, skipped when g == 1 (x * 1 == x exactly): a grid-stride loop over blocks, so a
-    # skipped call costs one launch of a few programs, not one program per block
-    g = tl.load(g_ptr)
-    if g != 1.0:
+    # out = x * g [* factor] in float32, rounded once to out's dtype; in place nothing is read or written
+    # when the product is 1 (x * 1 == x exactly). A grid-stride loop over blocks, so a skipped call costs
+    # one launch of a few programs, not one program per block
+    g = tl.load(g_ptr).to(tl.float32)
+    if HAS_FACTOR:
+        g = g * tl.load(factor_ptr)
+    if (g != 1.0) or (not INPLACE):
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(tl.program_id(0).to(tl.int64) * BLOCK, N, step):  # int64: N may pass 2^31
             offs = start + tl.arange(0, BLOCK)
             inb = offs < N
             x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-            tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x_ptr.dtype.element_ty), mask=inb)
+            tl.store(out_ptr + offs, _rounded(x.to(tl.float32) * g, out_ptr.dtype.element_ty), mask=inb)
 
 
 # the fused actor loss, autotuned on CUDA for V >= TUNE_MIN_V (module docstring); it writes only its outputs,
@@ -401,113 +554,90 @@ _actor_loss_tuned = triton.autotune(configs=ACTOR_CONFIGS, key=["V", "NEED_GRAD"
     _actor_loss_fwd_kernel)
 
 
-def _grid(B: int, T: int) -> tuple[int, int]:
-    block_t = min(triton.next_power_of_2(max(T, 1)), _MAX_BLOCK_T)
-    return B * triton.cdiv(T, block_t), block_t
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x with stride(-1) == 1: itself, or a contiguous copy (rows may have any stride)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def policy_loss_fwd(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    row_scale: torch.Tensor,
-    is_weights: torch.Tensor | None = None,
-    *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    need_grad: bool,
-):
-    """Returns (sums fp32 [6] = POLICY_SUMS, d_logp fp32 [B, T] or None).
+def _block_t(T: int) -> int:
+    return min(next_power_of_2(T), _MAX_BLOCK_T)
 
-    sums: the weighted loss (row_scale[b] * mask * is_weights), then over mask (not weighted):
-    clipped count, dual-clipped count, sum of -log_ratio, the token count, sum of -(logp - old_logp)
-    (the log-ratio before its +-20 clamp).
-    """
+
+def _finish(partial: torch.Tensor, B: int, T: int, spec: AggLaunch, loss: torch.Tensor, stats: torch.Tensor,
+            factor: torch.Tensor | None) -> None:
+    K = partial.shape[0]
+    _loss_finish_kernel[(1,)](
+        partial, loss, stats, partial if factor is None else factor, B,
+        spec.global_count, spec.dp_size, spec.norm if spec.norm is not None else float(max(T, 1)),
+        K=K, AGG=spec.agg_id, HAS_GLOBAL=spec.has_global, PENDING=factor is not None,
+        BLOCK_B=min(next_power_of_2(B), _FINISH_BLOCK_B), K_PAD=next_power_of_2(K), num_warps=4)
+
+
+def _outputs(x: torch.Tensor, n_stats: int, n_sums: int, spec: AggLaunch, need_grad: bool, out_dtype):
+    """(loss [], stats [n_stats], d [B, T] or None, factor [1] or None, partial [n_sums, B])."""
+    B, T = x.shape
+    device = x.device
+    loss = torch.empty((), dtype=out_dtype, device=device)
+    stats = torch.empty(n_stats, dtype=out_dtype, device=device)
+    d = torch.empty((B, T), dtype=out_dtype, device=device) if need_grad else None
+    factor = torch.empty(1, dtype=torch.float32, device=device) if need_grad and spec.pending else None
+    partial = torch.empty((n_sums, B), dtype=torch.float32, device=device)
+    return loss, stats, d, factor, partial
+
+
+def policy_loss_fwd(logp, old_logp, advantages, mask, is_weights, *, clip_low: float, clip_high: float,
+                    dual_clip: float | None, spec: AggLaunch, need_grad: bool, out_dtype=torch.float32):
+    """[B, T] inputs with stride(1) == 1 (any row strides). Returns (loss [], stats [4] = clipfrac,
+    clipfrac_lower, approx_kl, approx_kl_unclamped (masked means), d(loss)/d(logp) [B, T] or None,
+    factor [1] or None): the main kernel, then the one-program finish kernel. d(logp) holds every factor
+    of the row scale known at launch; `factor` (spec.pending) is the count's, applied by `scale_unless_one_`."""
     B, T = logp.shape
-    device = logp.device
-    d_logp = torch.empty((B, T), dtype=torch.float32, device=device) if need_grad else None
-    n_programs, block_t = _grid(B, T)
-    if n_programs == 0:
-        return torch.zeros(len(POLICY_SUMS), dtype=torch.float32, device=device), d_logp
-    partials = torch.empty((len(POLICY_SUMS), n_programs), dtype=torch.float32, device=device)
-    _policy_loss_fwd_kernel[(n_programs,)](
-        logp,
-        old_logp,
-        advantages,
-        as_loadable(mask),
-        row_scale,
-        is_weights if is_weights is not None else row_scale,  # never read without HAS_IS_WEIGHTS
-        partials,
-        d_logp if need_grad else partials,  # never written without NEED_GRAD
-        T,
-        n_programs,
-        1.0 - float(clip_low),
-        1.0 + float(clip_high),
-        float(dual_clip if dual_clip is not None else 0.0),
-        DUAL_CLIP=dual_clip is not None,
-        HAS_IS_WEIGHTS=is_weights is not None,
-        NEED_GRAD=need_grad,
-        BLOCK_T=block_t,
-    )
-    return partials.sum(1), d_logp
+    logp, old_logp, advantages, mask = (_unit_last(x) for x in (logp, old_logp, advantages, mask))
+    is_weights = None if is_weights is None else _unit_last(is_weights)
+    loss, stats, d, factor, partial = _outputs(logp, len(POLICY_SUMS) - 2, len(POLICY_SUMS), spec, need_grad,
+                                               out_dtype)
+    if B:
+        _policy_loss_fwd_kernel[(B,)](
+            logp, old_logp, advantages, as_loadable(mask), logp if is_weights is None else is_weights,
+            partial if d is None else d, partial,  # d never written without NEED_GRAD
+            B, T, logp.stride(0), old_logp.stride(0), advantages.stride(0), mask.stride(0),
+            0 if is_weights is None else is_weights.stride(0),
+            spec.grad_scale, 1.0 - clip_low, 1.0 + clip_high, 0.0 if dual_clip is None else dual_clip,
+            DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, NEED_GRAD=need_grad,
+            ROW_MEAN=spec.row_mean, BLOCK_T=_block_t(T))
+    _finish(partial, B, T, spec, loss, stats, factor)
+    return loss, stats, d, factor
 
 
-def value_loss_fwd(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    row_scale: torch.Tensor,
-    *,
-    clip: float | None,
-    need_grad: bool,
-):
-    """Returns (sums fp32 [3] = VALUE_SUMS, d_values fp32 [B, T] or None); the loss includes 0.5."""
+def value_loss_fwd(values, old_values, returns, mask, *, clip: float | None, spec: AggLaunch, need_grad: bool,
+                   out_dtype=torch.float32):
+    """As `policy_loss_fwd` for the clipped value loss (0.5 included): stats [1] = clipfrac."""
     B, T = values.shape
-    device = values.device
-    d_values = torch.empty((B, T), dtype=torch.float32, device=device) if need_grad else None
-    n_programs, block_t = _grid(B, T)
-    if n_programs == 0:
-        return torch.zeros(len(VALUE_SUMS), dtype=torch.float32, device=device), d_values
-    partials = torch.empty((len(VALUE_SUMS), n_programs), dtype=torch.float32, device=device)
-    _value_loss_fwd_kernel[(n_programs,)](
-        values,
-        old_values,
-        returns,
-        as_loadable(mask),
-        row_scale,
-        partials,
-        d_values if need_grad else partials,  # never written without NEED_GRAD
-        T,
-        n_programs,
-        float(clip if clip is not None else 0.0),
-        HAS_CLIP=clip is not None,
-        NEED_GRAD=need_grad,
-        BLOCK_T=block_t,
-    )
-    return partials.sum(1), d_values
+    values, old_values, returns, mask = (_unit_last(x) for x in (values, old_values, returns, mask))
+    loss, stats, d, factor, partial = _outputs(values, len(VALUE_SUMS) - 2, len(VALUE_SUMS), spec, need_grad,
+                                               out_dtype)
+    if B:
+        _value_loss_fwd_kernel[(B,)](
+            values, old_values, returns, as_loadable(mask), partial if d is None else d, partial,
+            B, T, values.stride(0), old_values.stride(0), returns.stride(0), mask.stride(0),
+            spec.grad_scale, 0.0 if clip is None else clip,
+            HAS_CLIP=clip is not None, NEED_GRAD=need_grad, ROW_MEAN=spec.row_mean, BLOCK_T=_block_t(T))
+    _finish(partial, B, T, spec, loss, stats, factor)
+    return loss, stats, d, factor
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; elsewhere (the interpreter) 2, so that a persistent
-    grid still walks several rows per program in the CPU tests."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
+@functools.cache
 def actor_config(V: int, device: torch.device) -> dict:
     """The fused actor loss's untuned launch (CPU, and V < TUNE_MIN_V on CUDA): one program per row,
     the log-prob kernels' fixed tile (up to ACTOR_CONFIGS[0]'s on CUDA)."""
     config = fixed_config(V)
     if device.type == "cuda":
-        block_v = min(ACTOR_CONFIGS[0].kwargs["BLOCK_V"], triton.next_power_of_2(V))
+        block_v = min(ACTOR_CONFIGS[0].kwargs["BLOCK_V"], next_power_of_2(V))
         config = {"BLOCK_V": block_v, "num_warps": 8 if block_v >= 2048 else 4}
     return config | {"PROGRAMS_PER_SM": 0}
 
 
+@functools.cache
 def _actor_grid(N: int, programs_per_sm: float, device: torch.device) -> tuple[int]:
     """(programs,): one per row for programs_per_sm == 0, else programs_per_sm x SMs (a fraction
     allowed), at least 1 and at most N."""
@@ -526,20 +656,13 @@ def actor_loss_fwd(
     ref_logp: torch.Tensor | None,
     is_weights: torch.Tensor | None,
     *,
-    temperature: float,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    kl_coef: float,
-    kl_estimator: str,
-    kl_clamp: float | None,
-    kl_straight_through: bool,
-    entropy_coef: float,
+    spec,
     need_grad: bool,
     inplace: bool = False,
 ):
     """The fused actor loss over logits [B, T, V] (stride(-1) == 1), per-token fp32 [B * T] inputs
-    (weight = row_scale * mask). Returns (logp fp32 [B * T], entropy fp32 [B * T], d(logits)
+    (weight = row_scale * mask), `spec` the options (fastrlhf.ops.losses.ActorSpec: temperature, clips, KL,
+    entropy; read by attribute). Returns (logp fp32 [B * T], entropy fp32 [B * T], d(logits)
     [B, T, V] contiguous in logits.dtype or None): d(logits) is the gradient of
     L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i), formed in the same launch.
     inplace=True writes d(logits) over contiguous logits (each row is read in full before any of it
@@ -560,7 +683,7 @@ def actor_loss_fwd(
         d_logits = logits if inplace else torch.empty((B, T, V), dtype=logits.dtype, device=device)
     if N == 0:
         return logp, entropy, d_logits
-    has_kl = ref_logp is not None and kl_coef != 0.0
+    has_kl = ref_logp is not None and spec.kl_coef != 0.0
     if logits.is_cuda and V >= TUNE_MIN_V and not inplace:
         kernel, config = _actor_loss_tuned, {}
         grid = lambda meta: _actor_grid(N, meta["PROGRAMS_PER_SM"], device)  # noqa: E731
@@ -575,25 +698,28 @@ def actor_loss_fwd(
         d_logits if need_grad else logits,  # never written without NEED_GRAD
         N, T, V,
         logits.stride(0), logits.stride(1),
-        LOG2E / float(temperature), 1.0 / float(temperature), 1.0 - float(clip_low), 1.0 + float(clip_high),
-        float(dual_clip if dual_clip is not None else 0.0), float(kl_coef),
-        float(kl_clamp if kl_clamp is not None else 0.0), float(entropy_coef),
-        DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
-        KL_ESTIMATOR=ESTIMATOR_IDS[kl_estimator], HAS_KL_CLAMP=kl_clamp is not None,
-        KL_STRAIGHT_THROUGH=bool(kl_straight_through), HAS_ENTROPY=entropy_coef != 0.0, NEED_GRAD=need_grad,
+        LOG2E / spec.temperature, 1.0 / spec.temperature, 1.0 - spec.clip_low, 1.0 + spec.clip_high,
+        0.0 if spec.dual_clip is None else spec.dual_clip, float(spec.kl_coef),
+        0.0 if spec.kl_clamp is None else spec.kl_clamp, float(spec.entropy_coef),
+        DUAL_CLIP=spec.dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
+        KL_ESTIMATOR=ESTIMATOR_IDS[spec.kl_estimator], HAS_KL_CLAMP=spec.kl_clamp is not None,
+        KL_STRAIGHT_THROUGH=bool(spec.kl_straight_through), HAS_ENTROPY=spec.entropy_coef != 0.0, NEED_GRAD=need_grad,
         SAME_LAYOUT=logits.is_contiguous(), ALIGN=16 // logits.element_size(), **config,
     )
     return logp, entropy, d_logits
 
 
-def scale_unless_one_(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """x *= g in place for a contiguous x and a one-element g, without a host sync; no read or write
-    of x when g == 1 (the common `loss.backward()`). Returns x."""
+def scale_unless_one_(x: torch.Tensor, g: torch.Tensor, factor: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """x * g [* factor] (g one element of any float dtype, factor fp32 [1]) for a contiguous x, without a host
+    sync: in place (out None), no read or write of x when the product is 1 (the common `loss.backward()`);
+    else into `out` (contiguous, x's shape, any float dtype). Returns the result."""
     n = x.numel()
+    dst = x if out is None else out
     if n:
-        block = 4096
         # enough programs to stream x when it is scaled, few enough that a skipped call is one wave
-        programs = 8 * sm_count(x.device)
-        _scale_unless_one_kernel[(max(1, min(triton.cdiv(n, block), programs)),)](
-            x, g.reshape(()).float(), n, BLOCK=block, num_warps=8)
-    return x
+        programs = min(cdiv(n, _SCALE_BLOCK), 8 * sm_count(x.device))
+        _scale_unless_one_kernel[(programs,)](x, g, x if factor is None else factor, dst, n,
+                                              HAS_FACTOR=factor is not None, INPLACE=out is None,
+                                              BLOCK=_SCALE_BLOCK, num_warps=8)
+    return dst

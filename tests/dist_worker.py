@@ -7,10 +7,11 @@ tests/test_distributed.py):
 The rollout (8 sequences, responses of different lengths, old log-probs perturbed so some
 ratios clip) is the same global batch on every rank; each rank takes its contiguous share.
 For every case rank 0 saves the full gradients after one optimizer step (AdamW at lr 0: the
-weights do not move, the gradients and optimizer states stay), the stats, and every rank's
-bytes of parameters, gradients and optimizer states. Then `fastrlhf dpo` trains 3 steps
-(`dpo_rows`), and, under torchrun, `fastrlhf sft` starts with another learning rate on rank 1
-(`configured_differently`).
+weights do not move, the gradients and optimizer states stay), the stats, every rank's
+bytes of parameters, gradients and optimizer states, and how far the decode engine's log-probs,
+its weights merged from the gathered policy, are from the policy's own (`engine_vs_policy`).
+Then `fastrlhf dpo` trains 3 steps (`dpo_rows`), and, under torchrun, `fastrlhf sft` starts with
+another learning rate on rank 1 (`configured_differently`).
 """
 
 import json
@@ -22,10 +23,11 @@ import torch
 from fastrlhf import distributed, dpo, ops, sft, task
 from fastrlhf.config import DPOConfig, PPOConfig, SFTConfig
 from fastrlhf.data import pack
+from fastrlhf.engine import DecodeEngine
 from fastrlhf.heads import ActorCritic
-from fastrlhf.models import load_causal_lm
+from fastrlhf.models import hidden_states, load_causal_lm
 from fastrlhf.ppo import forward_logprobs_values, ppo_update
-from fastrlhf.rollout import Rollout
+from fastrlhf.rollout import Rollout, engine_generate, token_logprobs
 
 B = 8  # sequences in the rollout (the global batch)
 CASES = {  # name: (lora_rank, gradient_checkpointing, shard, advantage)
@@ -97,6 +99,7 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
         advantages = distributed.outcome_advantages(rewards.sum(-1), mask, group_size=GROUP, estimator=advantage)
     local_vs_global = (here - advantages).abs().max().item()
     generation_gathers = model.run(gathered_layers, gathered=ac.policy)  # what the rollout's generate sees
+    engine_gap = model.run(engine_vs_policy, tokenizer, device, gathered=ac.policy)
     trainable = [p for p in ac.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
     cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9)
@@ -110,12 +113,27 @@ def one_update(case: str, dtype: torch.dtype, device) -> dict:
             grads[name] = g.detach().cpu().clone()
     per_rank = [None] * distributed.world_size()
     mine = dict(distributed.state_bytes(ac, optimizer), tokens=float(mask.sum()),
-                whiten_local_vs_global=local_vs_global)
+                whiten_local_vs_global=local_vs_global, engine_vs_policy=engine_gap)
     if distributed.active():
         torch.distributed.all_gather_object(per_rank, mine)
     else:
         per_rank = [mine]
     return {"grads": grads, "stats": stats, "per_rank": per_rank, "generation_gathers": generation_gathers}
+
+
+def engine_vs_policy(ac: ActorCritic, tokenizer, device) -> float:
+    """Max |log-prob of the decode engine - the policy's teacher-forced one| over this rank's rollout of
+    4 prompts: the engine's own weights, copied and merged from the gathered policy (never read in
+    place under FSDP: the gathered tensors are freed after the rollout)."""
+    engine = DecodeEngine(ac.policy, batch=4, prompt_len=7, new_tokens=6, temperature=1.0,
+                          eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=device, compile=False,
+                          share_frozen=not distributed.active())
+    prompts = [[5 + distributed.rank(), 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17]]
+    rollout = engine_generate(engine, ac.policy, tokenizer, prompts, [""] * len(prompts))
+    b = rollout.batch
+    with torch.no_grad():
+        logp = token_logprobs(ac.policy, b, hidden_states(ac.policy, b.input_ids, b.attention_mask, b.position_ids))
+    return ((logp - rollout.sampler_logp).abs() * b.response_mask).max().item()
 
 
 def gathered_layers(ac: ActorCritic) -> dict[str, bool]:

@@ -211,8 +211,12 @@ def test_dpo_raises_the_true_score_from_sft(sft_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_true_score_from_sft(sft_model, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "graph"])
+def test_grpo_raises_the_true_score_from_sft(engine, sft_model, tmp_path):
+    """With either sampler (`graph`: fastrlhf's decode engine, its step run eagerly on CPU)."""
     s = ppo.train(PPOConfig(out=str(tmp_path), model=sft_model, reward="fastrlhf.task:true_score", advantage="grpo",
                             num_generations=4, kl_in_loss=True, kl_coef=0.05, steps=15, rollout_batch_size=32,
-                            mini_batch_size=32, micro_batch_size=32, eval_prompts=64, device="cpu"))
+                            mini_batch_size=32, micro_batch_size=32, eval_prompts=64, device="cpu",
+                            rollout_engine=engine))
+    assert s["rollout_engine"] == engine
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s

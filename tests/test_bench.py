@@ -29,7 +29,8 @@ from fastrlhf.bench.cases import GRID_TARGET, LINEAR_TARGET, LOGITS_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_KEYS = {"op", "shape", "dims", "dtype", "pass", "provider", "backend", "median_ms", "p10_ms", "p90_ms", "reps",
-            "bytes", "gbps", "roofline", "peak_mem_bytes", "grad_bytes", "extra_peak_bytes", "autotune"}
+            "bytes", "gbps", "roofline", "peak_mem_bytes", "grad_bytes", "extra_peak_bytes", "autotune", "host_us",
+            "wall_ms"}
 RECORD_KEYS = {"schema", "device", "kind", "torch", "triton", "commit", "kernels_tree", "kernels_tree_files", "dirty",
                "command", "driver", "probes", "settings", "cases", "finished", "results", "targets", "skipped",
                "errors", "notes"}
@@ -73,6 +74,8 @@ def test_rows_for_every_op_pass_and_provider(record):
         assert row["gbps"] == pytest.approx(row["bytes"] / 1e9 / (row["median_ms"] / 1e3))
         assert row["peak_mem_bytes"] is None and row["extra_peak_bytes"] is None
         assert row["autotune"] == []  # CPU tensors: no autotuned launch
+        # on CPU all three timings are one: the host's
+        assert row["host_us"] == pytest.approx(row["median_ms"] * 1e3) and row["wall_ms"] == row["median_ms"]
     measured = {(r["op"], r["shape"], r["dtype"], r["pass"], r["provider"]) for r in rows}
     cases = bench.cases("tiny")
     assert {c.op for c in cases} == set(bench.OPS)
@@ -345,3 +348,22 @@ def test_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device"):
             bench.main(["--device", "cuda", "--ops", "gae"])
+
+
+def test_liger_is_pinned_alike_and_imports_on_cpu():
+    """Liger's wheel for the GPU machine (bench/gpu_wheels.sh) is the version CI installs (.ci/install_peers.sh);
+    installed, its provider's module imports on CPU and the provider is skipped only for needing CUDA."""
+    import re
+
+    pins = [re.findall(r"liger-kernel==([\w.]+)", (ROOT / path).read_text())
+            for path in ("bench/gpu_wheels.sh", ".ci/install_peers.sh")]
+    assert pins[0] and pins[0] == pins[1], pins
+    if importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel not installed (.ci/install_peers.sh installs it)")
+    from importlib.metadata import version
+
+    assert version("liger-kernel") == pins[0][0]
+    module = __import__(providers._LIGER_F, fromlist=["liger_cross_entropy"])
+    assert callable(module.liger_cross_entropy) and callable(module.liger_fused_linear_cross_entropy)
+    with pytest.raises(bench.Skip, match="needs CUDA"):
+        bench.load_provider("logprobs", "liger", "fwd", torch.device("cpu"))

@@ -99,16 +99,17 @@ def _close(got, want, name, **tol):
                                msg=lambda m: f"{name}: {m}\n{worst(got[ok], want[ok])}")
 
 
-def _run_case(case, spin_limit):
-    """(coop outputs, actor_loss_fwd outputs, timeouts, S) for one case."""
+def _run_case(case, spin_limit, tile=None):
+    """(coop outputs, actor_loss_fwd outputs, timeouts, S) for one case; `tile` < CHUNK: the REREAD variant."""
     dtype, B, T, changes, view, is_w = CASES[case]
     inputs = _inputs(B, T, dtype, view=view)
     if is_w:
         inputs["is_weights"] = torch.rand(B * T) + 0.5
     flags = FLAGS | changes
-    want = actor_loss_fwd(*inputs.values(), **flags)
+    want = actor_loss_fwd(*inputs.values(), **coop.spec_kwargs(flags))
     timeouts = torch.zeros(1, dtype=torch.int32)
-    got = coop.coop_actor_loss_fwd(*inputs.values(), **flags, chunk=CHUNK, spin_limit=spin_limit, timeouts=timeouts)
+    got = coop.coop_actor_loss_fwd(*inputs.values(), **flags, chunk=CHUNK, spin_limit=spin_limit, timeouts=timeouts,
+                                   tile=tile)
     for name, g, w in zip(("logp", "entropy"), got[:2], want[:2]):
         _close(g, w, name, rtol=0, atol=2e-6)
     assert got[0][-1].item() == 0.0  # ignore_index: logp 0
@@ -119,11 +120,13 @@ def _run_case(case, spin_limit):
     return timeouts.item(), B * T, -(-V // CHUNK), flags["need_grad"]
 
 
+@pytest.mark.parametrize("tile", [None, CHUNK // 4], ids=["registers", "reread"])
 @pytest.mark.parametrize("case", CASES)
-def test_coop_matches_actor_loss_fwd(case):
+def test_coop_matches_actor_loss_fwd(case, tile):
     """spin_limit 0: every program but the last to arrive at its row falls back (interpreter and GPU alike),
-    so both paths run and, with gradients, the timeout count is exact."""
-    timeouts, N, S, need_grad = _run_case(case, spin_limit=0)
+    so both paths run and, with gradients, the timeout count is exact. The REREAD variant (the chunk in
+    tiles, pass 2 re-reading it from memory, the last tile first) gives the same numbers."""
+    timeouts, N, S, need_grad = _run_case(case, spin_limit=0, tile=tile)
     if need_grad:
         assert timeouts == N * (S - 1)
     elif SEQUENTIAL:  # only split 0 waits without gradients; in the interpreter it arrives first
@@ -144,7 +147,7 @@ def test_coop_waits_on_the_gpu(case):
 def test_one_program_per_row_merges_alone():
     """chunk >= V: S = 1, split 0 is the last (only) arrival and takes the cooperative path: no timeout."""
     inputs = _inputs(1, 2, torch.float32)
-    want = actor_loss_fwd(*inputs.values(), **FLAGS)
+    want = actor_loss_fwd(*inputs.values(), **coop.spec_kwargs(FLAGS))
     timeouts = torch.zeros(1, dtype=torch.int32)
     got = coop.coop_actor_loss_fwd(*inputs.values(), **FLAGS, chunk=512, spin_limit=0, timeouts=timeouts)
     for name, g, w in zip(("logp", "entropy", "d(logits)"), got, want):

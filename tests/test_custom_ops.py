@@ -162,6 +162,18 @@ def _outcome_advantages(dtype):
     return (lambda: [ops.outcome_advantages(scores, mask, group_ids=ids, estimator="rloo", whiten="tokens")]), []
 
 
+def _rollout_correction(dtype):
+    old, rollout, mask = _lp(B, T, dtype=dtype), _lp(B, T, dtype=dtype), _mask()
+
+    def fn():
+        weights, keep, metrics = ops.rollout_correction(old, rollout, mask, level="sequence", mode="mask", low=0.5,
+                                                        high=2.0, batch_normalize=True,
+                                                        reject={"token_k1": (0.5, 2.0), "seq_max_k3": 1.0})
+        return [weights, keep, *metrics.values()]
+
+    return fn, []
+
+
 def _pair_leaves(dtype):
     return [_lp(B, requires_grad=True, dtype=dtype) * 10 for _ in range(4)]
 
@@ -250,6 +262,7 @@ CASES = {
     "linear_logprobs": _linear_logprobs,
     "linear_ppo_actor_loss": _linear_ppo_actor_loss,
     "outcome_advantages": _outcome_advantages,
+    "rollout_correction": _rollout_correction,
     "dpo_loss": _dpo_loss,
     "linear_sequence_logprobs": _linear_sequence_logprobs,
     "linear_dpo_loss": _linear_dpo_loss,
@@ -394,13 +407,20 @@ def _opcheck_samples(dtype, triton):
         "token_kl": (fl.token_kl, (lp, ref_lp, "k3", 10.0, False, None, triton)),
         "token_kl-straight_through": (fl.token_kl, (lp, ref_lp, "abs", None, True, torch.rand(B, T, dtype=dtype),
                                                     triton)),
-        "token_kl_backward": (fl.token_kl_backward, (lp.detach(), ref_lp, g, "abs", None, triton)),
+        "token_kl_backward": (fl.token_kl_backward, (lp.detach(), ref_lp, g, None, "abs", None, True, True, triton)),
+        "token_kl_backward-weighted": (fl.token_kl_backward, (lp.detach(), ref_lp, g.t().contiguous().t(), w, "k2",
+                                                              None, True, False, triton)),
         "kl_shaped_rewards": (fl.kl_shaped_rewards, (g[:, 0], lp.detach(), ref_lp, mask, 0.1, "k1", None, triton)),
         "gae": (fl.gae, (g, ref_lp, mask, 0.99, 0.95, "skip", True, triton)),
         "whiten": (fl.whiten, (g, mask, True, True, triton)),
-        "policy_loss": (fl.policy_loss, (lp, ref_lp, adv, mask, scale, None, 0.2, 0.28, 3.0, True, triton)),
-        "policy_loss-is_weights": (fl.policy_loss, (lp, ref_lp, adv, mask, scale, w, 0.2, 0.28, None, True, triton)),
-        "value_loss": (fl.value_loss, (lp, ref_lp, adv, mask, scale, 0.2, True, triton)),
+        "policy_loss": (fl.policy_loss, (lp, ref_lp, adv, mask, None, 0.2, 0.28, 3.0, "seq-mean-token-mean", None,
+                                         None, 1, None, True, triton)),
+        "policy_loss-is_weights": (fl.policy_loss, (lp, ref_lp, adv, mask, w, 0.2, 0.28, None, "token-mean", 9.0,
+                                                    None, 2, None, True, triton)),
+        "value_loss": (fl.value_loss, (lp, ref_lp, adv, mask, 0.2, "seq-mean-token-sum-norm", None, 4.0, 2, 3.0,
+                                       True, triton)),
+        "value_loss-local_count": (fl.value_loss, (lp, ref_lp, adv, mask, None, "token-mean", None, None, 1, None,
+                                                   True, triton)),
         "ppo_actor_loss": (fl.ppo_actor_loss, (x, y, ref_lp, adv, mask, w, ref_lp, w, 0.9, 0.1, "k3", 10.0, True,
                                                0.01, 0.2, 0.2, None, True, triton)),
         "scale_unless_one_": (fl.scale_unless_one_, (torch.randn(B, T, V, dtype=dtype), torch.tensor(0.7), triton)),
@@ -418,6 +438,12 @@ def _opcheck_samples(dtype, triton):
                                    None, True, True, True, triton)),
         "outcome_advantages": (fl.outcome_advantages, (g[:, 0].detach(), mask, torch.tensor([4, 1, 4]), "grpo", 1e-6,
                                                        "group", True, "score", "tokens", 1e-8, "add")),
+        "rollout_correction": (fl.rollout_correction, (lp.detach(), ref_lp, mask, "sequence", "mask", 0.5, 2.0, "ratio",
+                                                       "level", -20.0, 20.0, False, True, [0, 10],
+                                                       [-0.7, float("nan")], [0.7, 1.0])),
+        "rollout_correction-geometric_tv": (fl.rollout_correction, (lp.detach(), ref_lp, mask, "geometric", "mask", 0.0,
+                                                                    0.1, "tv", "token", None, None, True, False, [],
+                                                                    [], [])),
         "dpo_loss": (fl.dpo_loss, (*pairs, None, None, 0.1, "sigmoid", 0.1)),
         "dpo_loss-ipo_lengths": (fl.dpo_loss, (*pairs, lengths, lengths + 1, 0.1, "ipo", 0.0)),
         "dpo_loss-hinge": (fl.dpo_loss, (*pairs, None, None, 0.5, "hinge", 0.0)),

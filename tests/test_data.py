@@ -9,7 +9,19 @@ import pytest
 import torch
 
 from fastrlhf import data
-from fastrlhf.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, field_docs, parse_args
+from fastrlhf.checkpoint import RESUME_FREE_KEYS
+from fastrlhf.config import (
+    DPOConfig,
+    PipelineConfig,
+    PPOConfig,
+    RMConfig,
+    RunConfig,
+    SFTConfig,
+    field_docs,
+    flat_fields,
+    own_field_docs,
+    parse_args,
+)
 from fastrlhf.data import Encoder, ensure_pad_token, load_table, pack, truncate_prompts, truncate_responses
 from fastrlhf.task import build_char_tokenizer, synthetic_pairs, true_score
 
@@ -154,10 +166,33 @@ def test_synthetic_pairs_prefer_the_higher_true_score():
 
 
 def test_every_config_field_has_a_docstring():
-    for cls in (SFTConfig, RMConfig, PPOConfig, PipelineConfig):
+    for cls in (SFTConfig, RMConfig, PPOConfig, DPOConfig, PipelineConfig):
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{cls.__name__}: no docstring for {missing}"
+
+
+STAGE_CONFIGS = (SFTConfig, RMConfig, PPOConfig, DPOConfig)
+
+
+def test_the_keys_every_stage_shares_are_declared_once_on_the_base():
+    """Issue 29: each key every stage has is RunConfig's, with one docstring; a stage may redeclare
+    one only for its own default (PPO logs every iteration), never restating its help."""
+    base_docs = own_field_docs(RunConfig)
+    base = {f.name for f in dataclasses.fields(RunConfig)}
+    assert set(base_docs) == base
+    own_defaults = {PPOConfig: {"log_every", "save_every"}}
+    for cls in STAGE_CONFIGS:
+        assert issubclass(cls, RunConfig)
+        assert base & set(vars(cls)["__annotations__"]) == own_defaults.get(cls, set()), cls.__name__
+        assert not base & set(own_field_docs(cls)), cls.__name__
+        assert {k: field_docs(cls)[k] for k in base} == base_docs
+        assert {k: flat_fields(cls)[k].type for k in base} == {k: flat_fields(RunConfig)[k].type for k in base}
+    # nothing the stages declare themselves is the same key with the same help in all four
+    assert not set.intersection(*(set(own_field_docs(cls).items()) for cls in STAGE_CONFIGS))
+    assert "RESUME_FREE_KEYS" in base_docs["resume"]
+    every_key = set().union(*(flat_fields(cls) for cls in STAGE_CONFIGS))
+    assert set(RESUME_FREE_KEYS) <= every_key
 
 
 def test_yaml_then_cli_overrides(tmp_path):
@@ -325,3 +360,59 @@ def test_encoding_many_texts_shows_progress_and_gives_the_same_ids(template, mon
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("encoding prompts: 10/10 (100%)") for line in lines), lines
     assert any(line.startswith("encoding responses: 10/10 (100%)") for line in lines), lines
+
+
+# ---------------------------------------------------------------- issue 22: input that was silently accepted
+
+
+def test_text_that_is_not_utf8_names_the_file_and_the_line(tmp_path):
+    jsonl, csv = tmp_path / "q.jsonl", tmp_path / "q.csv"
+    jsonl.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    csv.write_bytes(b"prompt,response\na,b\ncaf\xe9,b\n")
+    columns = {"prompt": "prompt", "response": "response"}
+    with pytest.raises(ValueError, match=rf"^sft data: {jsonl}:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_table(str(jsonl), columns, where="sft data")
+    with pytest.raises(ValueError, match=rf"^sft data: {csv}:3: not UTF-8 text \(byte 0xe9 at column 4\); save the "
+                                         "file as UTF-8"):
+        load_table(str(csv), columns, where="sft data")
+
+
+def test_a_column_named_twice_is_an_error(tmp_path):
+    csv, jsonl = tmp_path / "q.csv", tmp_path / "q.jsonl"
+    csv.write_text("prompt,response,prompt\na,b,c\n")  # the reader would rename the second one prompt.1
+    jsonl.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", "prompt": "b", "response": "c"}\n')
+    columns = {"prompt": "prompt", "response": "response"}
+    with pytest.raises(ValueError, match=rf"{csv}:1: the header names column\(s\) 'prompt' more than once"):
+        load_table(str(csv), columns, where="sft data")
+    with pytest.raises(ValueError, match=rf"{jsonl}:2: key 'prompt' appears twice in one object"):
+        load_table(str(jsonl), columns, where="sft data")
+
+
+def test_empty_prompts_are_counted_in_a_warning():
+    enc = Encoder(build_char_tokenizer())  # adds BOS: an empty prompt still has a token
+    with pytest.warns(UserWarning, match=r"sft data: q\.jsonl: 2 of 4 prompts are empty or blank \(first: row 1\); "
+                                         r"the model sees the tokenizer's special tokens alone there"):
+        enc.prompts(["abc:", "", "de:", "  "], where="sft data: q.jsonl")
+
+
+def test_a_non_integer_for_an_integer_key_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    for value, shown in (("3.7", "3.7"), ("true", "True")):
+        path.write_text(f"steps: {value}\n")
+        with pytest.raises(ValueError, match=rf"config key 'steps' expects an integer, got {shown}"):
+            parse_args(SFTConfig, ["--config", str(path)])
+    path.write_text("steps: 3.0\nlr: 1\n")  # an integral float is an integer; an int is a float
+    cfg = parse_args(SFTConfig, ["--config", str(path)])
+    assert (cfg.steps, cfg.lr) == (3, 1.0) and isinstance(cfg.steps, int)
+    with pytest.raises(ValueError, match="'steps' expects int, got '3.7'"):
+        parse_args(SFTConfig, ["--steps", "3.7"])
+
+
+def test_a_yaml_error_gives_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("steps: 3\nlr: [0.1\nseed: 1\n")
+    with pytest.raises(ValueError, match=rf"config file '{path}', line 3, column 5: not valid YAML"):
+        parse_args(SFTConfig, ["--config", str(path)])
+    path.write_bytes(b"steps: 3\ndata: caf\xe9.jsonl\n")
+    with pytest.raises(ValueError, match=rf"config file '{path}', line 2: not UTF-8 text"):
+        parse_args(SFTConfig, ["--config", str(path)])

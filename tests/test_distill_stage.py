@@ -152,3 +152,45 @@ def test_pipeline_distill_short(tmp_path):
     r = _cli("pipeline", *args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 5
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from fastrlhf.checkpoint import run_lock
+with run_lock(Path(sys.argv[1]), "test"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_signal_stops_distill_with_a_checkpoint_and_a_second_process_is_refused(tmp_path):
+    """As every stage (fastrlhf.run): SIGTERM finishes the step, writes its checkpoint and exits 143, --resume
+    continues from it; a folder another process holds is refused before a model loads, naming that process."""
+    from trainer.test_faults import DRIVER
+
+    out = tmp_path / "run"
+    args = ["distill", "--out", str(out), *TINY, "--steps", "4"]
+    stopped = subprocess.run([sys.executable, "-c", DRIVER, "signal", "3", "SIGTERM", *args], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "distill: stopped at step 3; continue with --resume" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert (out / "distill" / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert not (out / "distill" / "final").exists()
+    resumed = _cli(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["step"] for row in _rows(out)] == [1, 2, 3, 4] and (out / "distill" / "final").is_dir()
+
+    held = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(held)], cwd=ROOT, env=_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        refused = _cli("distill", "--out", str(held), *TINY, "--steps", "2")
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert f"{held} is in use by another run (PID {holder.pid}" in refused.stderr
+        assert not (held / "distill").exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -21,7 +21,7 @@ import dist_worker
 import pytest
 import torch
 
-from fastrlhf import distributed, dpo, ppo, sft
+from fastrlhf import checkpoint, distributed, dpo, ppo, sft
 from fastrlhf.config import PPOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +139,15 @@ def test_generation_gathers_the_policy_and_not_the_frozen_reference(one_rank, tw
 
 
 @pytest.mark.parametrize("case", list(dist_worker.CASES))
+def test_decode_engine_on_each_rank_samples_the_gathered_policy(case, one_rank, two_ranks):
+    """Under FSDP2 each rank's decode engine merges its rollout weights from the gathered policy
+    (LoRA or full weights): its log-probs are the policy's within 1e-5 (fp32), as on one process."""
+    assert one_rank[f"{case}/float32"]["per_rank"][0]["engine_vs_policy"] < 1e-5
+    gaps = [r["engine_vs_policy"] for r in two_ranks["runs"][f"{case}/float32"]["per_rank"]]
+    assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
+
+
+@pytest.mark.parametrize("case", list(dist_worker.CASES))
 def test_sharding_saves_what_it_claims(case, one_rank, two_ranks):
     """--shard full: each rank holds half the bytes of parameters, gradients and optimizer
     states (within 5%, padding included); grad_op: half the gradients and optimizer states;
@@ -206,8 +215,9 @@ def test_pipeline_on_2_ranks_writes_one_run(pipeline_2):
         assert row[f"time/{phase}"] >= row[f"time_mean/{phase}"] > 0, phase
         assert row[f"memory/{phase}"] >= row[f"memory_mean/{phase}"] > 0, phase
     ckpt = out / "ppo" / "checkpoints" / (out / "ppo" / "checkpoints" / "latest").read_text().strip()
-    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
                                                       "rank_00000.pt", "rank_00001.pt"]
+    assert checkpoint.check_manifest(ckpt) is None  # every rank's files, hashed by the ranks in turn
     assert "[rank 1]" not in stderr and stderr.count("sft: done") == 1  # rank 0 alone speaks
     # the exported model loads as a plain Hugging Face model with the trained weights
     from transformers import AutoModelForCausalLM

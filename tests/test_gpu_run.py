@@ -120,8 +120,48 @@ def test_only_one_part(tmp_path):
     assert {p.name for p in out.iterdir()} == {"status.json", "bench.json", "bench.png", "logs.tar.gz"}
     status = json.loads((out / "status.json").read_text())
     assert [s["name"] for s in status["steps"]] == ["install", "env", "ops"] and status["ok"] is True
-    assert json.loads((out / "bench.json").read_text())["finished"] is True
+    record = json.loads((out / "bench.json").read_text())
+    assert record["finished"] is True
+    assert all({"host_us", "wall_ms"} <= row.keys() for row in record["results"])  # host and GPU apart
     assert "gpu_run (dry run) ok=True" in proc.stdout
+
+
+def test_the_ops_part_fits_eight_minutes():
+    """`--only ops` on a GPU: install and environment at their limits, the ops step at its own, and a few seconds
+    for the record stay within 8 minutes (the device call's limit); the bench's budget leaves the step time to
+    finish its last measurement and write the record."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_run.sh").read_text()
+    part = (ROOT / "bench" / "parts" / "ops.sh").read_text()
+    install, env = (int(x) for x in re.search(r"L_INSTALL=(\d+) L_ENV=(\d+)\n\s*fi", script).groups())
+    ops = int(re.search(r'L_OPS=\$\(\[ "\$DRY" = 1 \] && echo \d+ \|\| echo (\d+)\)', part).group(1))
+    assert install + env + ops + 20 <= 8 * 60, (install, env, ops)
+    margin = re.search(r"--budget-s \$\(\(L_OPS - (\d+)\)\)\)  #", part)
+    assert margin and int(margin.group(1)) >= 30, "the GPU bench budget: the step's less a margin"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_rollout_dry_run(tmp_path):
+    """`--only rollout --dry-run`: the three samplers, each in its own step, merged into rollout.json with
+    every figure issue 26 asks for (at the tiny size on CPU: no CUDA graph, no launch counts, no goal judged)."""
+    out, proc = _dry_run(tmp_path, "--only", "rollout")
+    assert {p.name for p in out.iterdir()} == {"status.json", "rollout.json", "logs.tar.gz"}
+    status = json.loads((out / "status.json").read_text())
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "rollout_graph", "rollout_static",
+                                                    "rollout_dynamic"] and status["ok"] is True, status["steps"]
+    rollout = json.loads((out / "rollout.json").read_text())
+    assert [e["engine"] for e in rollout["engines"]] == ["graph", "static", "dynamic"] and rollout["missing"] == []
+    for e in rollout["engines"]:
+        for key in ("decode_ms_per_step", "floor_ms_per_step", "rollout_s", "step_s", "compile_s"):
+            assert e[key] is not None and e[key] >= 0, (e["engine"], key)
+        assert e["decode_ms_per_step"] > 0 and e["rollout_s"] > 0 and e["step_s"] > e["rollout_s"]
+        assert e["launches"] is None  # CPU
+    graph = rollout["engines"][0]
+    assert graph["capture_s"] == 0.0 and 0 <= graph["logp_gap"]["max"] < 1e-5  # fp32 on CPU: the same numbers
+    assert [g["met"] for g in rollout["goals"]] == [None] * 4
+    assert "rollout graph" in proc.stdout
 
 
 def test_bad_arguments():

@@ -2,6 +2,7 @@
 statement (module level and inside functions) of every fastrlhf module."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,8 @@ def test_no_import_cycle():
 
 
 def _third_party(name: str) -> set[str]:
-    return {m.split(".")[0] for m in _imports(name) if not m.startswith("fastrlhf")} - {"__future__"}
+    """The packages outside fastrlhf and the standard library that `name` imports."""
+    return {m.split(".")[0] for m in _imports(name) if not m.startswith("fastrlhf")} - set(sys.stdlib_module_names)
 
 
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if m.startswith("fastrlhf.kernels")))
@@ -84,10 +86,13 @@ def test_reference_and_constants_import_only_torch():
 
 
 def test_ops_layers():
-    """The shared module imports no op module; reuse flows one way: linear -> losses -> (logprobs, kl)."""
+    """The shared modules (checks, the call path) import no op module; reuse flows one way:
+    linear -> losses -> (logprobs, kl)."""
     ops = {m for m in MODULES if m.startswith("fastrlhf.ops.")}
+    shared = {"fastrlhf.ops._common", "fastrlhf.ops._dispatch"}
     assert not GRAPH["fastrlhf.ops._common"] & ops
-    assert not GRAPH["fastrlhf.ops.logprobs"] & (ops - {"fastrlhf.ops._common"})
+    assert GRAPH["fastrlhf.ops._dispatch"] & ops <= {"fastrlhf.ops._common"}
+    assert not GRAPH["fastrlhf.ops.logprobs"] & (ops - shared)
     for name in ops:
         own = {m for m in GRAPH[name] if m.startswith("fastrlhf.") and not m.startswith("fastrlhf.ops")}
         assert own <= {"fastrlhf.constants", "fastrlhf.reference", "fastrlhf.kernels", "fastrlhf.kernels.logprobs",

@@ -16,7 +16,7 @@ from local_model import write_jsonl
 
 from fastrlhf import cli, dpo, pipeline, ppo, rm, sft, task
 from fastrlhf.checkpoint import config_changes
-from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig
+from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", data="builtin", rollout_batch_size=4,
@@ -132,7 +132,9 @@ def test_a_run_resumes_under_another_spelling_of_out_and_after_its_folder_moved(
     assert cli.main([*args, "--out", str(tmp_path / "run"), "--stop_after", "1", "--resume"]) == 0
     shutil.move(tmp_path / "run", tmp_path / "moved")
     assert cli.main([*args, "--out", "moved", "--resume"]) == 0
-    assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [1, 2, 3]
+    # log_every 10: the row of the last step alone, as an uninterrupted run writes (an invocation that
+    # stops between two rows writes none: its logging window goes into the checkpoint)
+    assert [r["step"] for r in _rows(tmp_path / "moved", "sft")] == [3]
     assert (tmp_path / "moved" / "sft" / "final").is_dir()
 
 
@@ -214,3 +216,14 @@ def test_a_batch_of_more_rows_than_the_data_warns_that_rows_repeat(tmp_path, sta
         warnings.simplefilter("always")
         module.prepare(make(out=str(tmp_path / "default"), **(TINY_PPO if stage == "ppo" else dict(model="tiny"))))
     assert not [w for w in caught if "repeats rows" in str(w.message)]
+
+
+def test_a_key_a_recorded_run_lacks_is_no_change_at_its_default():
+    """A run recorded by an older fastrlhf lacks the keys added since: resuming it with their defaults is
+    the same run; a value other than the default is a change, named."""
+    current, defaults = to_dict(PPOConfig()), to_dict(PPOConfig())
+    recorded = {k: v for k, v in current.items() if k != "rollout_engine"}
+    assert config_changes(recorded, current, defaults=defaults) == []
+    assert config_changes(recorded, current) == ["rollout_engine: '<absent>' -> 'hf'"]
+    changed = dict(current, rollout_engine="graph")
+    assert config_changes(recorded, changed, defaults=defaults) == ["rollout_engine: '<absent>' -> 'graph'"]

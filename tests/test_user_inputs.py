@@ -5,6 +5,7 @@ and the clear error or warning it now gives."""
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from fastrlhf.config import PipelineConfig, PPOConfig, RMConfig, SFTConfig, help
 from fastrlhf.metrics import update_summary
 from fastrlhf.rewards import check_scores, import_rule, load_reward
 from fastrlhf.rollout import Rollout
+from fastrlhf.run import start_stage_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=4, mini_batch_size=4,
@@ -150,6 +152,29 @@ def test_3_a_fresh_run_in_a_used_folder_is_refused_unless_overwrite(tmp_path):
     assert json.loads((tmp_path / "sft" / "config.json").read_text())["steps"] == 2  # stand-alone: config.json
 
 
+def test_3_a_log_written_into_the_run_folder_is_not_a_run(tmp_path):
+    """Issue 29: `fastrlhf pipeline --out D > D/train.log` creates D/train.log before the run starts.
+    Only a run's own files make a folder hold a run (listed in the refusal); --overwrite deletes
+    those and nothing else."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train.log").write_text("what the shell redirected\n")
+    cfg = PipelineConfig(out=str(out))
+    cfg.sft.num_examples, cfg.rm.num_pairs, cfg.ppo.eval_prompts = 40, 40, 4
+    resolved, _ = pipeline.prepare(cfg)  # not refused
+    start_stage_dir(out, resolved, resume=False, overwrite=False, remove=pipeline.OUTPUTS)
+    (out / "metrics.jsonl").write_text("")
+    (out / "plots").mkdir()
+    with pytest.raises(ValueError, match=r"pipeline: .*run already holds a run \(config\.json; metrics\.jsonl; "
+                                         r"plots/\); pass --resume"):
+        pipeline.prepare(cfg)
+    cfg.overwrite = True
+    resolved, _ = pipeline.prepare(cfg)
+    start_stage_dir(out, resolved, resume=False, overwrite=True, remove=pipeline.OUTPUTS)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "train.log"]  # the log is kept
+    assert (out / "train.log").read_text() == "what the shell redirected\n"
+
+
 def test_3_a_new_checkpoint_is_never_pruned_and_latest_never_dangles(tmp_path):
     _fake_run(tmp_path, steps=(100, 120))
     w = torch.nn.Linear(2, 2)
@@ -269,10 +294,48 @@ def test_6_a_pad_id_outside_the_embedding_is_a_clear_error(tmp_path):
     tok = bpe_tokenizer([r["prompt"] + r["response"] for r in task_rows(50)], pad=False)
     tok.add_special_tokens({"pad_token": "<newpad>"})  # id len(vocab): one past the model's rows
     model = make_local_model(tmp_path / "m", tokenizer=tok, vocab_size=len(tok) - 1)
-    with pytest.raises(ValueError, match=r"the tokenizer's pad token '<newpad>' has id \d+; special token "
-                                         r"'<newpad>' has id \d+, outside the model's embedding \(vocab_size \d+\); "
-                                         r"resize the embeddings"):
+    with pytest.raises(ValueError, match=r"the tokenizer's pad token '<newpad>' has id \d+, outside the model's "
+                                         r"embedding \(vocab_size \d+\); resize the embeddings"):
         sft.prepare(SFTConfig(model=str(model), data="builtin", out=str(tmp_path / "o")))
+
+
+def _qwen2_folder_with_unk_past_the_embedding(path):
+    """A tiny local Qwen2 with its own byte-level BPE (pad, BOS, EOS inside its vocabulary, no unk):
+    AutoTokenizer maps the folder to Qwen2Tokenizer, which adds an unk '<|endoftext|>' one past the
+    embedding, a token byte-level BPE never emits."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([r["prompt"] + r["response"] for r in task_rows(200)], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    model = make_local_model(path, tokenizer=tok)
+    loaded = AutoTokenizer.from_pretrained(model)
+    assert len(loaded) == len(tok) + 1 and loaded.unk_token_id == len(tok)  # the case: an unk past the embedding
+    return model, loaded.unk_token
+
+
+def test_6_a_special_token_the_model_never_sees_is_a_warning_not_a_refusal(tmp_path):
+    model, unk = _qwen2_folder_with_unk_past_the_embedding(tmp_path / "m")
+    data = write_task_data(tmp_path)
+    with pytest.warns(UserWarning, match=rf"special token\(s\) {re.escape(repr(unk))} \(id \d+\) lie outside the "
+                                         r"model's embedding \(vocab_size \d+\); the trainer never feeds them"):
+        plan = sft.prepare(SFTConfig(model=str(model), data=str(data["sft"]), out=str(tmp_path / "o")))
+    assert plan is not None
+
+
+def test_6_a_data_that_encodes_to_a_token_past_the_embedding_names_the_row(tmp_path):
+    model, unk = _qwen2_folder_with_unk_past_the_embedding(tmp_path / "m")
+    rows = [{"prompt": r["prompt"], "response": r["response"]} for r in task_rows(8)]
+    rows[5]["response"] = " beta" + unk  # the unk's text is a special token: the tokenizer encodes it to its id
+    data = write_jsonl(tmp_path / "sft.jsonl", rows)
+    with pytest.warns(UserWarning, match="lie outside the model's embedding"), \
+            pytest.raises(ValueError, match=rf"sft data: .*sft.jsonl: response row 5 encodes to token "
+                                            rf"{re.escape(repr(unk))} \(id \d+\), outside the model's embedding"):
+        sft.prepare(SFTConfig(model=str(model), data=str(data), out=str(tmp_path / "o")))
 
 
 def test_6_a_reward_model_with_another_tokenizer_scores_the_re_tokenized_text(tmp_path):

@@ -110,6 +110,12 @@ SPIN_LIMIT = 2048
 # (an sm_90 compile with triton 3.9: registers 48 / 48 / 114 / 63 / 110, so about 10 / 5 / 2 / 2 / 1 programs
 # per SM; at V = 50257, whose scalar loads need more: 96 / 128 / 213 / 121 / 128)
 CONFIGS = ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+# the REREAD variant (issue 23, "the actor loss in two passes"): (CHUNK, num_warps, TILE), V split over
+# cdiv(V, CHUNK) programs (10 and 5 at V = 151936) that each stream their chunk twice, the second time from L2:
+# ~2-4 programs per SM x 32-64 KiB of chunk in flight is 8-35 MB of the H100's 50 MB L2, and a row's programs
+# are adjacent pids that arrive within one chunk's load of each other. PREDICTION (not measured): one DRAM read
+# and one write of the logits plus short waits: 0.70-0.80x logprobs fwd+bwd at V = 151936 for the best config.
+REREAD_CONFIGS = ((16384, 8, 4096), (16384, 4, 2048), (32768, 8, 4096), (32768, 16, 8192))
 
 
 # ---------------------------------------------------------------- kernel
@@ -195,7 +201,9 @@ def _coop_actor_loss_kernel(
     NEED_GRAD: tl.constexpr,
     CHUNK: tl.constexpr,  # columns per program, a power of two
     BLOCK_S: tl.constexpr,  # next power of two >= S
+    TILE: tl.constexpr,  # columns per load; < CHUNK: the chunk is re-read from memory (L2) in step 6 (REREAD)
 ):
+    REREAD: tl.constexpr = TILE < CHUNK
     pid = tl.program_id(0)
     row = (pid // S).to(tl.int64)
     split = pid % S
@@ -204,15 +212,26 @@ def _coop_actor_loss_kernel(
     cols = tl.arange(0, CHUNK)
     in_row = lo + cols < V
 
-    # 1. the chunk, once, into registers; the token's scalars (before the wait: their latency overlaps it)
-    x = tl.load(logits_ptr + row_off + lo + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    # 1. the chunk, once, into registers (REREAD: tile by tile, asking L2 to keep it for step 6); the token's
+    # scalars (before the wait: their latency overlaps it)
+    tiles = tl.arange(0, TILE)
+    if not REREAD:
+        x = tl.load(logits_ptr + row_off + lo + cols, mask=in_row, other=float("-inf")).to(tl.float32)
     label = tl.load(labels_ptr + row)
     valid = (label >= 0) & (label < V)
     x_label = tl.load(logits_ptr + row_off + tl.where(valid, label, 0), mask=valid, other=0.0).to(tl.float32)
 
     # 2. this chunk's base-2 stats: m = max y, d = sum 2^(y - m), s = sum 2^(y - m) (y - m), y = x scale
-    m, d, s = _online_tile(x, tl.full((), FP32_MIN, tl.float32), tl.zeros((), tl.float32),
-                           tl.zeros((), tl.float32), scale, True)
+    m = tl.full((), FP32_MIN, tl.float32)
+    d = tl.zeros((), tl.float32)
+    s = tl.zeros((), tl.float32)
+    if REREAD:
+        for k in range(0, CHUNK, TILE):
+            x_k = tl.load(logits_ptr + row_off + lo + k + tiles, mask=lo + k + tiles < V, other=float("-inf"),
+                          eviction_policy="evict_last")
+            m, d, s = _online_tile(x_k.to(tl.float32), m, d, s, scale, True)
+    else:
+        m, d, s = _online_tile(x, m, d, s, scale, True)
     NS = N * S
     slot = row * S + split
     tl.store(partial_ptr + slot, m)
@@ -253,8 +272,8 @@ def _coop_actor_loss_kernel(
             for k in range(0, V, CHUNK):
                 x_k = tl.load(logits_ptr + row_off + k + cols, mask=k + cols < V, other=float("-inf"))
                 m, d, s = _online_tile(x_k.to(tl.float32), m, d, s, scale, True)
-            # the own chunk again, so that it need not stay live in registers through the loop above
-            x = tl.load(logits_ptr + row_off + lo + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+            if not REREAD:  # the own chunk again, so that it need not stay live in registers through the loop above
+                x = tl.load(logits_ptr + row_off + lo + cols, mask=in_row, other=float("-inf")).to(tl.float32)
         log2_d = tl.log2(d)
         lse2 = m + log2_d  # lse / ln 2
         entropy = (log2_d - s / d) * LN2
@@ -264,16 +283,28 @@ def _coop_actor_loss_kernel(
             tl.store(logp_ptr + row, logp)
             tl.store(entropy_ptr + row, entropy)
 
-        # 6. d(logits) of the chunk, from the registers
+        # 6. d(logits) of the chunk, from the registers (REREAD: tile by tile from L2, the last read first)
         if NEED_GRAD:
             a_coef, b_coef, g_label, takes_grad = _token_coefficients(
                 logp, entropy, label, valid, row, old_ptr, adv_ptr, mask_ptr, weight_ptr, ref_ptr, is_weights_ptr,
                 inv_temperature, ratio_low, ratio_high, dual_clip, kl_coef, kl_clamp, entropy_coef, DUAL_CLIP,
                 HAS_IS_WEIGHTS, HAS_KL, KL_ESTIMATOR, HAS_KL_CLAMP, KL_STRAIGHT_THROUGH, HAS_ENTROPY)
             label_col = tl.where(takes_grad, label - lo, -1).to(tl.int32)  # -1: no column of this chunk
-            dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
-            dz += tl.where(cols == label_col, g_label, 0.0)
-            tl.store(dlogits_ptr + row * V + lo + cols, dz.to(dlogits_ptr.dtype.element_ty), mask=in_row)
+            out_ty = dlogits_ptr.dtype.element_ty
+            if REREAD:
+                for i in range(0, CHUNK // TILE):
+                    k = CHUNK - TILE - i * TILE
+                    in_k = lo + k + tiles < V
+                    x_k = tl.load(logits_ptr + row_off + lo + k + tiles, mask=in_k, other=0.0,
+                                  eviction_policy="evict_first").to(tl.float32)
+                    dz = _bwd_tile(x_k, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+                    dz += tl.where(tiles == label_col - k, g_label, 0.0)
+                    tl.store(dlogits_ptr + row * V + lo + k + tiles, dz.to(out_ty), mask=in_k,
+                             eviction_policy="evict_first")
+            else:
+                dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+                dz += tl.where(cols == label_col, g_label, 0.0)
+                tl.store(dlogits_ptr + row * V + lo + cols, dz.to(out_ty), mask=in_row)
 
 
 # ---------------------------------------------------------------- launcher
@@ -313,12 +344,15 @@ def coop_actor_loss_fwd(
     num_warps: int | None = None,
     spin_limit: int = SPIN_LIMIT,
     timeouts: torch.Tensor | None = None,
+    tile: int | None = None,
 ):
     """`fastrlhf.kernels.ppo_loss.actor_loss_fwd` (the same arguments and outputs: logp fp32 [B * T],
     entropy fp32 [B * T], d(logits) [B, T, V] contiguous in logits.dtype or None) by cooperating programs
     (module docstring). Extra keywords: `chunk` (a power of two) and `num_warps` (default: `default_config`),
     `spin_limit` (polls before a program streams its row itself; 0: only the last program of a row to
-    arrive merges), `timeouts` (int32 [1] on the logits' device, added to: how many programs fell back).
+    arrive merges), `timeouts` (int32 [1] on the logits' device, added to: how many programs fell back),
+    `tile` (a power of two below `chunk`: the REREAD variant, which loads its chunk tile by tile in pass 1
+    and re-reads it from L2 in pass 2 instead of holding it in registers).
     inplace=True is refused (a fallback re-reads the row)."""
     B, T, V = logits.shape
     N = B * T
@@ -334,6 +368,9 @@ def coop_actor_loss_fwd(
     chunk = default_chunk if chunk is None else int(chunk)
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"coop_actor_loss_fwd: chunk must be a power of two, got {chunk}")
+    tile = chunk if tile is None else int(tile)
+    if tile < 1 or tile & (tile - 1) or tile > chunk:
+        raise ValueError(f"coop_actor_loss_fwd: tile must be a power of two <= chunk {chunk}, got {tile}")
     if timeouts is not None and (timeouts.shape != (1,) or timeouts.dtype != torch.int32
                                  or timeouts.device != device):
         raise ValueError(f"coop_actor_loss_fwd: timeouts must be int32 [1] on {device}, got {timeouts.dtype} "
@@ -364,7 +401,8 @@ def coop_actor_loss_fwd(
         DUAL_CLIP=dual_clip is not None, HAS_IS_WEIGHTS=is_weights is not None, HAS_KL=has_kl,
         KL_ESTIMATOR=ESTIMATOR_IDS[kl_estimator], HAS_KL_CLAMP=kl_clamp is not None,
         KL_STRAIGHT_THROUGH=bool(kl_straight_through), HAS_ENTROPY=entropy_coef != 0.0, NEED_GRAD=need_grad,
-        CHUNK=chunk, BLOCK_S=triton.next_power_of_2(S), num_warps=default_warps if num_warps is None else num_warps,
+        CHUNK=chunk, BLOCK_S=triton.next_power_of_2(S), TILE=tile,
+        num_warps=default_warps if num_warps is None else num_warps,
     )
     return logp, entropy, d_logits
 
@@ -374,7 +412,7 @@ def coop_actor_loss_fwd(
 
 TARGET_SHAPES = ((16, 1024, 151936), (16, 1024, 50257))  # fastrlhf.bench.cases LOGITS_TARGET, LOGITS_TARGET_50K
 DRY_SHAPES = ((1, 3, 300), (1, 3, 301))
-DRY_CONFIGS = ((64, 1), (128, 2))
+DRY_CONFIGS = ((64, 1), (128, 2, 64))  # the register variant and the REREAD one
 
 
 def _inputs(B: int, T: int, V: int, device: torch.device, seed: int = 0) -> dict:
@@ -384,6 +422,14 @@ def _inputs(B: int, T: int, V: int, device: torch.device, seed: int = 0) -> dict
     gen = torch.Generator(device=device).manual_seed(seed)
     return OPS["ppo_actor_loss"].inputs(Case("ppo_actor_loss", {"B": B, "T": T, "V": V}, torch.bfloat16,
                                              ("fwd+bwd",)), device, gen)
+
+
+def spec_kwargs(flags: dict) -> dict:
+    """`actor_loss_fwd`'s keywords (the options as one ActorSpec, need_grad) from this experiment's flat flags."""
+    from fastrlhf.ops.losses import ActorSpec
+
+    return {"spec": ActorSpec(**{k: v for k, v in flags.items() if k in ActorSpec._fields}),
+            "need_grad": flags["need_grad"]}
 
 
 def _kernel_args(inputs: dict) -> tuple[tuple, dict]:
@@ -450,21 +496,21 @@ def run_shape(B: int, T: int, V: int, configs, device: torch.device, spin_limit:
     out = {"shape": {"B": B, "T": T, "V": V}, "dtype": "bfloat16", "flags": flags, "spin_limit": spin_limit,
            "logit_bytes": N * V * elem, "rows": []}
     with torch.no_grad(), autotune_choices() as chosen:
-        want = actor_loss_fwd(*args, **flags)
+        want = actor_loss_fwd(*args, **spec_kwargs(flags))
     out["actor_loss_fwd_autotune"] = chosen
 
     # 1. correctness: coop vs the current fused kernel
     checks = []
-    for chunk, warps in configs:
+    for chunk, warps, tile in (tuple(c) + (None,) * (3 - len(c)) for c in configs):
         timeouts = torch.zeros(1, dtype=torch.int32, device=device)
         got = coop_actor_loss_fwd(*args, **flags, chunk=chunk, num_warps=warps, spin_limit=spin_limit,
-                                  timeouts=timeouts)
-        check = {"chunk": chunk, "num_warps": warps, "programs_per_row": triton.cdiv(V, chunk),
+                                  timeouts=timeouts, tile=tile)
+        check = {"chunk": chunk, "num_warps": warps, "tile": tile, "programs_per_row": triton.cdiv(V, chunk),
                  "max_abs_diff": {name: _max_abs_diff(g, w) for name, g, w in
                                   zip(("logp", "entropy", "d_logits"), got, want)},
                  "timeouts": int(timeouts.item())}
         checks.append(check)
-        print(f"  check {chunk:>6} x {warps:>2} warps: max|diff| " + ", ".join(
+        print(f"  check {chunk:>6} x {warps:>2} warps, tile {tile}: max|diff| " + ", ".join(
             f"{k} {v:.3g}" for k, v in check["max_abs_diff"].items()) + f"; timeouts {check['timeouts']}", flush=True)
         del got
     out["checks"] = checks
@@ -494,19 +540,21 @@ def run_shape(B: int, T: int, V: int, configs, device: torch.device, spin_limit:
     t_lp = row("ops.logprobs fwd+bwd", _time_ms(logprobs_fwd_bwd, device, [logits]), three)
     t_actor = row("ops.ppo_actor_loss fwd+bwd", _time_ms(actor_fwd_bwd, device, [logits]), three)
     with torch.no_grad():
-        t_kernel = row("actor_loss_fwd kernel", _time_ms(lambda: actor_loss_fwd(*args, **flags), device), three)
-        for chunk, warps in configs:
+        kernel_kw = spec_kwargs(flags)
+        t_kernel = row("actor_loss_fwd kernel", _time_ms(lambda: actor_loss_fwd(*args, **kernel_kw), device), three)
+        for chunk, warps, tile in (tuple(c) + (None,) * (3 - len(c)) for c in configs):
             timeouts = torch.zeros(1, dtype=torch.int32, device=device)
             calls = [0]
 
-            def coop(chunk=chunk, warps=warps, timeouts=timeouts, calls=calls):
+            def coop(chunk=chunk, warps=warps, tile=tile, timeouts=timeouts, calls=calls):
                 calls[0] += 1
                 coop_actor_loss_fwd(*args, **flags, chunk=chunk, num_warps=warps, spin_limit=spin_limit,
-                                    timeouts=timeouts)
+                                    timeouts=timeouts, tile=tile)
 
             timing = _time_ms(coop, device)
-            t_coop = row(f"coop {chunk} x {warps} warps", timing, two, timeouts=int(timeouts.item()), calls=calls[0])
-            out["rows"][-1].update(chunk=chunk, num_warps=warps, over_logprobs=t_coop / t_lp,
+            name = f"coop {chunk} x {warps} warps" + ("" if tile is None else f", reread tiles of {tile}")
+            t_coop = row(name, timing, two, timeouts=int(timeouts.item()), calls=calls[0])
+            out["rows"][-1].update(chunk=chunk, num_warps=warps, tile=tile, over_logprobs=t_coop / t_lp,
                                    over_actor_kernel=t_coop / t_kernel,
                                    # the issue-13 ratio if ops.ppo_actor_loss launched this kernel instead
                                    target_ratio_estimate=(t_actor - t_kernel + t_coop) / t_lp)
@@ -523,7 +571,8 @@ def _print_table(record: dict) -> None:
         for r in case["rows"]:
             if "chunk" not in r:
                 continue
-            print(f"{shape:<22} {r['chunk']:>6} x {r['num_warps']:<2} w  {r['median_ms']:9.3f} "
+            tile = "" if r.get("tile") is None else f" t{r['tile']}"
+            print(f"{shape:<22} {r['chunk']:>6} x {r['num_warps']:<2} w{tile:<6} {r['median_ms']:9.3f} "
                   f"{r['over_logprobs']:11.3f} {r['over_actor_kernel']:9.3f} {r['target_ratio_estimate']:12.3f} "
                   f"{r['timeouts']:>7}/{r['calls']:<7}")
         print(f"{shape:<22} {'ppo_actor_loss':<16} {'':>9} {case['ppo_actor_loss_over_logprobs']:11.3f}   "
@@ -547,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             parser.error("needs CUDA (or --dry-run)")
-        device, shapes, configs = torch.device("cuda"), TARGET_SHAPES, CONFIGS
+        device, shapes, configs = torch.device("cuda"), TARGET_SHAPES, REREAD_CONFIGS + CONFIGS
         spin_limit = SPIN_LIMIT if args.spin_limit is None else args.spin_limit
     from fastrlhf.bench.environment import environment
 

@@ -11,7 +11,8 @@ per op); fwd+bwd counts both passes. A provider that materialises intermediates 
 bytes than it is credited with, so GB/s compares providers at equal work.
 
 Case sets (`cases(name)`):
-    targets  the issue-13 target shapes (and the few-rows log-prob case): what `bench/gpu_run.sh` times
+    targets  the target shapes of issues 13 and 23 (the few-rows log-prob case, the [B, T] ops at
+             [1024 x 4096] and [4 x 256]): what `bench/gpu_run.sh --only ops` times
     full     the targets plus more vocab sizes, fp32 and a smaller grid (the default on CUDA)
     quick    small shapes: every op on a 2-core CPU in about a minute
     tiny     smaller still: every op, provider and pass in seconds (CI, `gpu_run.sh --dry-run`)
@@ -34,6 +35,7 @@ LOGITS_TARGET_50K = {"B": 16, "T": 1024, "V": 50257}  # GPT-2's vocab: rows not 
 LOGITS_FEW_ROWS = {"B": 1, "T": 128, "V": 151936}  # under one wave of the GPU: the vocab split over programs
 LINEAR_TARGET = {"N": 16384, "H": 4096, "V": 151936}
 GRID_TARGET = {"B": 1024, "T": 4096}
+GRID_SMALL = {"B": 4, "T": 256}  # a small micro-batch: where host time decides (issue 23)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Case:
 def _grid_cases(bt: dict[str, int]) -> list[Case]:
     f32 = torch.float32
     return [Case("token_kl", bt, f32, FWD_FULL), Case("kl_shaped_rewards", bt, f32, ("fwd",)),
-            Case("gae", bt, f32, ("fwd",)), Case("policy_loss", bt, f32, ALL3),
+            Case("gae", bt, f32, ("fwd",)), Case("policy_loss", bt, f32, FWD_FULL),
             Case("value_loss", bt, f32, FWD_FULL)]
 
 
@@ -77,7 +79,8 @@ def _target_cases() -> list[Case]:
             Case("ppo_actor_loss", LOGITS_TARGET, bf16, FWD_FULL),
             Case("linear_logprobs", LINEAR_TARGET, bf16, ALL3),
             Case("linear_ppo_actor_loss", LINEAR_TARGET, bf16, FWD_FULL),
-            Case("linear_distill_loss", LINEAR_TARGET, bf16, ("fwd+bwd",)), *_grid_cases(GRID_TARGET)]
+            Case("linear_distill_loss", LINEAR_TARGET, bf16, ("fwd+bwd",)), *_grid_cases(GRID_TARGET),
+            *_grid_cases(GRID_SMALL)]
 
 
 def _full_cases() -> list[Case]:
@@ -291,7 +294,8 @@ OPS: dict[str, Op] = {op.name: op for op in [
        no_compile="the reference is a Python loop over T; compile would unroll T steps"),
     Op("policy_loss", _grid_inputs("logp", "old_logp", "advantages", grad="logp", logp=("logp", "old_logp")),
        _grid_bytes(3, 0, grad=True),
-       "fwd: logp, old_logp, advantages fp32 [B,T], mask bool in (scalar out); bwd: the same in, d(logp) out"),
+       "fwd: logp, old_logp, advantages fp32 [B,T], mask bool in (scalar out); bwd: the same in, d(logp) out. "
+       "No bwd alone: d(logp) is formed in the forward, the backward scales it in place"),
     Op("value_loss", _grid_inputs("values", "old_values", "returns", grad="values"), _grid_bytes(3, 0, grad=True),
        "fwd: values, old_values, returns fp32 [B,T], mask bool in (scalar out); bwd: the same in, "
        "d(values) out (clip=0.2)"),

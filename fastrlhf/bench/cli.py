@@ -115,7 +115,9 @@ def run_bench(args: argparse.Namespace, command: str) -> tuple[dict, Run]:
         "schema": SCHEMA, **env, "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cases": case_set, "finished": False,
-        "timer": (f"CUDA events around each call, L2 flushed ({FLUSH_BYTES} bytes zeroed) before each, inputs "
+        "timer": (f"median_ms: CUDA events around each call, L2 flushed ({FLUSH_BYTES} bytes zeroed) and "
+                  f"torch.cuda._sleep longer than the host's issue time enqueued before each (GPU time, host hidden); "
+                  f"host_us: the host's issue time per call; wall_ms: back-to-back calls, one sync; inputs "
                   f"rotated over copies >= {settings.rotate_bytes} bytes; median of >= {settings.min_reps} calls"
                   if cuda else f"time.perf_counter around each call (CPU); median of >= {settings.min_reps} calls"),
         "peak_mem_source": ("torch.cuda.max_memory_allocated() above memory_allocated() before the call; extra = "

@@ -1,10 +1,18 @@
 """How it is measured: timing, peak memory, input pools and the read / copy probes.
 
-Timing on CUDA: CUDA events around each call, after warm-up, with the L2 flushed (a 256 MiB
-buffer zeroed) before every call and the inputs rotated through copies totalling >= 4x the
-L2; the median of at least `min_reps` calls (10 by default: a 0.2 s op gets 10 samples, not
-the 1-2 a fixed time budget gives it), more while `rep_ms` lasts. On CPU: `time.perf_counter`
-around each call, the same rule for the number of calls.
+Three figures per measurement, host and GPU apart:
+    median_ms  GPU time, host hidden: CUDA events around each call, after warm-up, with the L2 flushed
+               (a 256 MiB buffer zeroed) and then `torch.cuda._sleep` enqueued for longer than the host
+               takes to issue the call, before the start event: the GPU has the whole call queued when it
+               reaches it, so the events time the kernels alone (what the roofline compares)
+    host_us    the host's time to issue one call (Python, checks, launches), timed on the CPU around the
+               same calls while the GPU sleeps (never blocked by the GPU)
+    wall_ms    back-to-back calls, synchronised once at the end: per call, max(host, GPU) and the gaps
+               between them, what a training loop sees; the figure compared with the peers
+The inputs rotate through copies totalling >= 4x the L2; the median of at least `min_reps` calls (10 by
+default: a 0.2 s op gets 10 samples, not the 1-2 a fixed time budget gives it), more while `rep_ms`
+lasts. On CPU: `time.perf_counter` around each call, the same rule for the number of calls; the three
+figures are then one (all host).
 
 Peak memory on CUDA, per pass, with every input already allocated and every `.grad` None:
     peak_mem_bytes   = torch.cuda.max_memory_allocated() during one call - memory_allocated() before it
@@ -51,6 +59,8 @@ class Timing:
     p10_ms: float
     p90_ms: float
     reps: int
+    host_us: float | None = None  # the host's time to issue one call (module docstring)
+    wall_ms: float | None = None  # per call, back to back
 
     @classmethod
     def of(cls, times_ms: list[float]) -> Timing:
@@ -92,25 +102,57 @@ def time_fn(fn: Callable[[], object], settings: Settings, grads=()) -> Timing:
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return Timing.of(times)
+    timing = Timing.of(times)
+    timing.host_us, timing.wall_ms = timing.median_ms * 1e3, timing.median_ms
+    return timing
+
+
+def sleep_cycles(host_us: float, device: torch.device) -> int:
+    """GPU clock cycles for `torch.cuda._sleep` to outlast `host_us` of host work: twice it plus 50 us, at
+    the SM clock (capped at 100 ms)."""
+    mhz = (getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000) / 1e3
+    return int(min(2 * host_us + 50.0, 1e5) * mhz)
 
 
 def _time_cuda(fn, settings: Settings, grads) -> Timing:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=settings.device)
 
-    def timed_calls(n: int) -> list[float]:
+    def timed_calls(n: int, cycles: int) -> tuple[list[float], list[float]]:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        host = []
         for start, end in events:
             _reset(grads)
             flush.zero_()
+            if cycles:
+                torch.cuda._sleep(cycles)  # the GPU waits while the host issues the call: events time kernels only
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e6)
             end.record()
         torch.cuda.synchronize(settings.device)
-        return [start.elapsed_time(end) for start, end in events]
+        return [start.elapsed_time(end) for start, end in events], host
 
-    estimate_ms = timed_calls(1)[0]
-    return Timing.of(timed_calls(n_reps(estimate_ms, settings)))
+    _, host = timed_calls(3, 0)
+    cycles = sleep_cycles(max(host), settings.device)
+    estimate_ms = timed_calls(1, cycles)[0][0]
+    times, host = timed_calls(n_reps(estimate_ms, settings), cycles)
+    timing = Timing.of(times)
+    timing.host_us = statistics.median(host)
+    timing.wall_ms = wall_ms(fn, settings, grads, timing.reps)
+    return timing
+
+
+def wall_ms(fn, settings: Settings, grads, reps: int) -> float:
+    """Per call, `reps` calls back to back (at most 100), synchronised once at the end."""
+    reps = min(reps, 100)
+    sync(settings.device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        _reset(grads)
+        fn()
+    sync(settings.device)
+    return (time.perf_counter() - start) * 1e3 / reps
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device, grads=()) -> tuple[int | None, int | None]:
@@ -214,6 +256,32 @@ def autotune_choices() -> Iterator[list[dict]]:
         yield chosen
     finally:
         Autotuner.run = original
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[list[str]]:
+    """Within the block every Triton launch returns at once (compiled, interpreted or autotuned) and adds the
+    kernel's name to the yielded list: what is left of an op's call is its host path, the same Python as on
+    a GPU (outputs are not written). For counting and timing host work on a CPU (FASTRLHF_BACKEND=triton,
+    TRITON_INTERPRET=1)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launched: list[str] = []
+
+    def skip(self, *args, **kwargs):
+        fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
+        launched.append(getattr(fn, "__name__", "?"))
+
+    saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction, Autotuner)]
+    for cls, _ in saved:
+        cls.run = skip
+    try:
+        yield launched
+    finally:
+        for cls, run in saved:
+            cls.run = run
 
 
 def warmup_calls(provider: str) -> int:

@@ -72,6 +72,7 @@ def measure(case: Case, provider: str, pass_: str, settings: Settings, probes: d
     row = {"op": case.op, "shape": case.shape, "dims": case.dims, "dtype": case.dtype_name, "pass": pass_,
            "provider": provider, "backend": backend_name(device) if provider.startswith("fastrlhf") else provider,
            "median_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms, "reps": timing.reps,
+           "host_us": timing.host_us, "wall_ms": timing.wall_ms,
            "bytes": counted[pass_], "gbps": counted[pass_] / GB / (timing.median_ms / 1e3),
            "roofline": ideal_ms / timing.median_ms, "peak_mem_bytes": peak, "grad_bytes": grad_bytes,
            "extra_peak_bytes": None if peak is None else peak - grad_bytes, "autotune": tuned}

@@ -1,4 +1,8 @@
-"""The speed and memory targets (issues 13 and 30), each a ratio of two figures measured in the same run.
+"""The speed and memory targets (issues 13, 23 and 30), each a ratio of two figures measured in the same run.
+
+Issue 23's: every [B, T] op's forward at [1024 x 4096] at >= 0.7 of the roofline in GPU time (host hidden,
+`median_ms`), and every op with a peer, at every shape of the `targets` set and every pass, no slower in
+wall time (`wall_ms`: back to back, host and GPU together) than the fastest peer measured.
 
 A target is judged (`met` true or false) only on CUDA at its own shape and dtype; elsewhere
 its value is still computed from the closest case measured, for information, with `met` None.
@@ -10,9 +14,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastrlhf.bench.cases import GRID_TARGET, LINEAR_TARGET, LOGITS_TARGET, LOGITS_TARGET_50K
+from fastrlhf.bench.cases import GRID_TARGET, LINEAR_TARGET, LOGITS_TARGET, LOGITS_TARGET_50K, cases
 from fastrlhf.bench.measure import GIB
-from fastrlhf.bench.providers import WEIGHT_ACCUM
+from fastrlhf.bench.providers import PEERS, TABLE, WEIGHT_ACCUM
+
+GRID_OPS = ("token_kl", "kl_shaped_rewards", "gae", "policy_loss", "value_loss")  # the [B, T] ops
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,26 @@ def _probe_fraction(probe):
     return rule
 
 
+def _roofline(row, rows, probes):
+    """Rule: the row's roofline fraction (ideal time from the probes / GPU time, host hidden)."""
+    if row.get("roofline") is None:
+        return None, "no roofline in this row"
+    return row["roofline"], f"{row['median_ms']:.4g} ms GPU time, {row.get('gbps', 0):.0f} GB/s"
+
+
+def _wall(row) -> float:
+    return row.get("wall_ms") or row["median_ms"]
+
+
+def _vs_fastest_peer(row, rows, probes):
+    """Rule: the row's wall time over the fastest peer's at the same case and pass."""
+    measured = [r for r in (same_case(rows, row, row["op"], row["pass"], p) for p in PEERS) if r is not None]
+    if not measured:
+        return None, "no peer measured at this case"
+    best = min(measured, key=_wall)
+    return _wall(row) / _wall(best), f"{_wall(row):.4g} ms / {best['provider']} {_wall(best):.4g} ms (wall)"
+
+
 def _extra_peak_gib(row, rows, probes):
     """Rule: peak memory beyond the inputs and the returned gradients, in GiB."""
     if row.get("extra_peak_bytes") is None:
@@ -98,6 +124,12 @@ def _targets() -> list[Target]:
                    _time_over("gae", "fwd", "torch", speedup=True), "gae", "fwd", GRID_TARGET, dtype="float32"),
             Target("gae speed-up over verl compute_gae_advantage_return", ">= 50",
                    _time_over("gae", "fwd", "verl", speedup=True), "gae", "fwd", GRID_TARGET, dtype="float32")]
+    out += [Target(f"{op} fwd GPU time / roofline, B=1024 T=4096", ">= 0.7", _roofline, op, "fwd", GRID_TARGET,
+                   dtype="float32") for op in GRID_OPS]
+    for case in cases("targets"):
+        if any(p in TABLE[case.op] for p in PEERS):
+            out += [Target(f"{case.op} {p} {case.shape} {case.dtype_name}: wall time / fastest peer", "<= 1.0",
+                           _vs_fastest_peer, case.op, p, case.dims, dtype=case.dtype_name) for p in case.passes]
     return out
 
 

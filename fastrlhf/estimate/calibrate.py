@@ -1,23 +1,25 @@
-"""Calibration points, the fit of the time coefficients, and predicted vs published / measured.
+"""Calibration sources, the fit of the efficiency factors, leave-one-source-out cross-validation.
 
-    python -m fastrlhf.estimate.calibrate                # every point: predicted vs published, within band?
-    python -m fastrlhf.estimate.calibrate --write        # refit the coefficients, write data/efficiency.json
-    python -m fastrlhf.estimate.calibrate --heldout      # OpenRLHF's benchmark (never fitted)
+    python -m fastrlhf.estimate.calibrate                # every source: predicted vs measured, in and out of sample
+    python -m fastrlhf.estimate.calibrate --write        # refit, cross-validate, write data/efficiency.json
+    python -m fastrlhf.estimate.calibrate --markdown     # the README / docs tables (--heldout: OpenRLHF's too)
     python -m fastrlhf.estimate.calibrate --probe-cpu    # measure this CPU into data/devices.json
 
-Points:
-- published: data/points_deepspeed_chat.json (DeepSpeed-Chat's step-3 log, blog figures);
-- measured: records of fastrlhf runs (`python -m fastrlhf.estimate.record`), bench/results/*.json (the CPU
-  runs) and data/recorded/*.json (the H100 runs, made with `record --from-steps` from
-  bench/results/2026-11-23-h100-ppo-*.json); the record's device picks the class.
-Held out: data/heldout_openrlhf.json (OpenRLHF's published benchmark), predicted, never fitted.
+Sources (each left out in turn; a source is everything one publication or one recording session measured):
+- gpu: DeepSpeed-Chat's step-3 log (data/points_deepspeed_chat.json), its blog's Figure 6 (training TFLOPs), this
+  trainer's H100 runs (data/recorded/h100_*.json), and the published vLLM serving measurements
+  (data/serving_points.json, one source per publication);
+- cpu: each of this trainer's recorded CPU runs (bench/results/cpu_*.json).
+Checks that fit nothing (their prediction is out of sample by construction): DeepSpeed-Chat's blog Figure 5
+(generation share), its Llama-2 blog's minimum GPU counts, the step-3 log's peak memory, the serving points taken
+at a request rate. Held out: data/heldout_openrlhf.json (OpenRLHF's benchmark), predicted, never fitted.
 
-The fit: for one device class, each measured time t is a sum of work features times coefficients
-(timing.py); the free coefficients minimise the squared relative errors sum((pred - t) / t)^2 by
-linear least squares (numpy), a coefficient that comes out negative is pinned to 0 and the rest
-refitted. Its range: the values that would make each point's phase exact with the other
-coefficients held (over the phases where that coefficient's term is at least 30% of the time), widened
-to the class's largest relative residual when fewer than two phases constrain it.
+The fit: the factors of timing.py (mm, bw, op, gap, net, adam) in log space minimise
+    sum over sources of the mean over its rows of (log(predicted / measured) / sigma_row)^2
+    + sum over factors of ((log f - log prior) / sigma_prior)^2,   sigma_prior: the plausible range is +-2 sigma,
+by torch.optim.LBFGS on the rows' physical work (a factor no row sees stays at its prior). Leave-one-source-out:
+refit without a source, predict it; the spread of those ratios per phase group is the range printed beside each
+time (timing.time_range), and each source must come out within its stated band.
 """
 
 from __future__ import annotations
@@ -25,52 +27,58 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import fastrlhf.estimate.timing as timing
+import fastrlhf.estimate.work as W
 from fastrlhf.estimate.arch import resolve_model
 from fastrlhf.estimate.compare import RunRecord, compare, spec_from_run
-from fastrlhf.estimate.hardware import DATA
-from fastrlhf.estimate.plan import Spec, estimate, phase_works
+from fastrlhf.estimate.hardware import DATA, device
+from fastrlhf.estimate.plan import Spec, estimate, phase_works, run_stage
+from fastrlhf.estimate.serve import Engine
+from fastrlhf.estimate.spec import check, resolved
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 RUNS = (RESULTS, DATA / "recorded")  # where recorded runs are kept
-PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
-
-# features fitted per class; the rest keep their prior (or physical) value
-FREE = {
-    "cpu": ("fwd", "train", "fwd/h", "train/h", "decode:hf", "calls:hf", "steps:hf", "calls:fwd", "calls:train",
-            "micro:fwd", "micro:train", "opt_tensors", "adv", "steps:adv", "fixed"),
-    "gpu": ("train", "train/h", "decode:ds-he", "decode:vllm", "calls:hf", "calls:hf-static", "calls:fwd",
-            "calls:train", "adapters:train", "adv", "fixed"),
-}
-# GPU features the fit does not determine, set from another coefficient (fit_all): {feature: (source, why)}.
-# The H100 runs' rollouts are host-bound (their weight and KV-cache bytes are about a tenth of the static
-# rollout's time), so they do not constrain HF's bandwidth fraction; and on one model size the host overhead
-# per generation step and per layer call cannot be told apart: all of it goes to the layer calls.
-GPU_PRIORS = {
-    "decode:hf": ("decode:ds-he", "the H100 runs are host-bound, their bytes term is small"),
-    "decode:vllm": ("decode:ds-he", "no vllm GPU run"),
-    "steps:hf": ("cpu steps:hf", "one GPU model size: the host overhead is per layer call (calls:hf)"),
-    "steps:hf-static": ("cpu steps:hf", "one GPU model size: the host overhead is per layer call (calls:hf-static)"),
-}
-CPU_PRIORS = {  # on CPU transformers compiles nothing, and the trainer's auto cache is dynamic there
-    "calls:hf-static": ("calls:hf", "no static-cache CPU run"),
-    "steps:hf-static": ("steps:hf", "no static-cache CPU run"),
-}
-# DeepSpeed-Chat's log cannot separate the forward's efficiency from the training's
-TIED = {"gpu": {"fwd": "train", "fwd/h": "train/h"}}
-# a recorded run's phase time: the median over its iterations after the first of the process's CPU seconds
-# (`record --cpu-time`; one-thread runs: what the phase costs on a core of its own - the machine that made
-# the CPU records is shared with other jobs, whose load stretched wall time by up to 2.3x); wall time when
-# a record has no CPU time (a GPU run: wall time is what counts there)
-RUN_STAT = "median"
+RUN_STAT = "median"  # a recorded phase: the median over the iterations after the first
+MINOR_SHARE = 0.005  # phases under 0.5% of the iteration (a rule reward: 0.1 ms) are shown, not judged
+TIME_BAND = 1.5  # a time predicted out of sample within a factor 1.5 of its measurement (stated per source)
+SIGMA = {"run": 0.05, "log": 0.05, "figure": 0.15, "serving": 0.1}  # a measurement's relative uncertainty
+GROUPS = ("rollout", "forward", "train", "serve", "host")
 
 
-def run_key(rec: RunRecord) -> str:
-    return "cpu" if rec.has_cpu_time() and rec.device == "cpu" else "time"
+@dataclass
+class Row:
+    """One measured quantity: the work that predicts it (scaled parts), its measurement in seconds."""
+
+    source: str
+    label: str
+    group: str
+    kind: str  # gpu or cpu
+    parts: list[tuple[timing.Work, float]]
+    measured: float
+    sigma: float
+    fitted: bool = True  # False: a check predicted from the fit, never fitted (serving at a request rate)
+    predict: object = None  # for a row that is not a sum of work: predict(factors) -> seconds
+
+    def predicted(self, f: dict | None = None):
+        if self.predict is not None:
+            return self.predict(f)
+        return sum(timing.seconds(w, f) * scale for w, scale in self.parts)
+
+
+def band_of(source: str) -> float:
+    """A source's band: a serving publication's own (data/serving_points.json), else TIME_BAND."""
+    bands = {f"serve:{s['id']}": s["band"] for s in serving_sources()}
+    return bands.get(source, TIME_BAND)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sources
 
 
 def published_points() -> list[dict]:
@@ -86,6 +94,10 @@ def heldout_points() -> list[dict]:
     return json.loads((DATA / "heldout_openrlhf.json").read_text())["points"]
 
 
+def serving_sources() -> list[dict]:
+    return json.loads((DATA / "serving_points.json").read_text())["sources"]
+
+
 def run_records(directory: Path | tuple[Path, ...] = RUNS) -> list[tuple[str, RunRecord, dict]]:
     """(name, record, raw json) of every recorded fastrlhf run under bench/results/ and data/recorded/."""
     out = []
@@ -97,11 +109,22 @@ def run_records(directory: Path | tuple[Path, ...] = RUNS) -> list[tuple[str, Ru
     return out
 
 
+def run_key(rec: RunRecord) -> str:
+    return "cpu" if rec.has_cpu_time() and rec.device == "cpu" else "time"
+
+
+def fits(spec: Spec) -> bool:
+    spec = resolved(spec)
+    check(spec)
+    return run_stage(spec, spec.stage).fits
+
+
 def spec_of(setup: dict, **changes) -> Spec:
-    """A point's Spec. `"batch": "max_fit"`: the largest power-of-two batch per GPU (generation and
-    training alike) the planner judges to fit, at most 1024 sequences over all GPUs - DeepSpeed-Chat's
-    benchmark rule (BenckmarkSetting.md: 'we always use the largest training batch size that does not
-    result in an out-of-memory error', a global batch of at most 1024)."""
+    """A point's Spec. `"batch": "max_fit"`: the largest power-of-two batch per GPU (generation and training alike,
+    DeepSpeed-Chat's defaults of --per_device_generation_batch_size and --per_device_training_batch_size are equal)
+    the planner judges to fit, at most 1024 sequences over all GPUs - DeepSpeed-Chat's benchmark rule
+    (BenckmarkSetting.md: 'we always use the largest training batch size that does not result in an out-of-memory
+    error', a global batch of at most 1024)."""
     setup = dict(setup, **changes)
     setup.setdefault("stage", "ppo")
     rule = setup.pop("batch", None)
@@ -113,7 +136,7 @@ def spec_of(setup: dict, **changes) -> Spec:
     best, b = None, 1
     while b * gpus <= 1024:
         spec = Spec(**setup, rollout_batch=b * gpus, micro_rollout_batch=b, micro_batch=b)
-        if not estimate(spec)["stages"][spec.stage]["fits"]:
+        if not fits(spec):
             break
         best, b = spec, 2 * b
     if best is None:
@@ -121,25 +144,14 @@ def spec_of(setup: dict, **changes) -> Spec:
     return best
 
 
-# ---------------------------------------------------------------------------------------------
-# Work per measured quantity (the rows of the fit)
-
-
-def rows_for(point_id: str, spec: Spec, measured: dict[str, float]) -> list[tuple[str, timing.Work, float]]:
-    """(label, work, measured seconds) for each measured quantity of a point."""
-    works = phase_works(spec)
-    out = []
-    for name, t in measured.items():
-        if name == "dschat_training":
-            w = timing.Work()
-            for ph in ("reward", "logprobs", "advantages", "update:actor"):
-                w.add(works[ph])
-        elif name == "dschat_others":
-            w = works["update:critic"]
-        else:
-            w = works[name]
-        out.append((f"{point_id}:{name}", w, t))
-    return out
+def _dschat_log_rows() -> list[Row]:
+    p = next(p for p in published_points() if p["id"] == "dschat-log-opt1.3b-v100x16")
+    works, pub = phase_works(spec_of(p["setup"])), p["published"]
+    training = [(works[k], 1.0) for k in ("reward", "logprobs", "advantages", "update:actor")]
+    source, sigma = "dschat-log", SIGMA["log"]
+    return [Row(source, "generate_s", "rollout", "gpu", [(works["rollout"], 1.0)], pub["generate_s"], sigma),
+            Row(source, "training_s", "train", "gpu", training, pub["training_s"], sigma),
+            Row(source, "others_s", "train", "gpu", [(works["update:critic"], 1.0)], pub["others_s"], sigma)]
 
 
 def deepspeed_chat_flops(arch, factor: float, tokens: float, seq: int) -> float:
@@ -149,53 +161,89 @@ def deepspeed_chat_flops(arch, factor: float, tokens: float, seq: int) -> float:
     return 24 * factor * tokens * n_layers * h * h * (1 + seq / (6 * h) + vocab / (16 * n_layers * h))
 
 
-def fig6_rows() -> list[tuple[str, timing.Work, float]]:
-    """Figure 6's training TFLOPs as rows: per GPU and sequence, the published training time is
-    (actor + critic FLOPs in DeepSpeed-Chat's accounting) / TFLOPs; the planner's work for the same
-    sequence is its own FLOPs over the peak. Setups: the release scripts (point `assumed`)."""
-    import fastrlhf.estimate.plan as plan
+FIG6_MICRO_BATCH = 4  # DeepSpeed-Chat's release scripts: --per_device_train_batch_size 4 (run_1.3b.sh at e468799f)
 
+
+def _fig6_rows() -> list[Row]:
+    """Figure 6's training TFLOPs as rows: per GPU and sequence, the published training time is (actor + critic
+    FLOPs in DeepSpeed-Chat's accounting) / TFLOPs; the planner's is the actor's and the critic's (OPT-350m) forward
+    + backward of a micro-batch, per sequence."""
     p = next(p for p in published_points() if p["id"] == "dschat-blog-fig6-train-tflops")
     rows = []
     for row in p["published"]["rows"]:
         if row["model"] not in p["setups"]:
             continue
-        setup = dict(p["setups"][row["model"]])
-        spec = spec_of(setup)
+        spec = resolved(spec_of(p["setups"][row["model"]]))
         actor, critic = resolve_model(row["model"]), resolve_model("opt-350m")
-        seq = spec.seq_len + spec.gen_len
-        dev = plan.device(spec.gpu)
-        lora = spec.lora_rank > 0
+        seq, lora, dev = spec.seq_len + spec.gen_len, spec.lora_rank > 0, device(spec.gpu)
         f_actor = (4 if spec.gradient_checkpointing else 3) - ((1 - 2 * spec.lora_rank / actor.hidden) if lora else 0)
         published = (deepspeed_chat_flops(actor, f_actor, seq, seq) + deepspeed_chat_flops(critic, 3, seq, seq)) \
             / (row["training_tflops"] * 1e12)
-        w = timing.Work()
-        actor_flops = plan.train_passes(spec, lora) * plan.forward_flops(actor, seq, seq / 2)
-        critic_flops = plan.train_passes(spec, False) * plan.forward_flops(critic, seq, seq / 2, False)
-        w.add(plan.compute(spec, "train", actor_flops, actor, dev))
-        w.add(plan.compute(spec, "train", critic_flops, critic, dev))
-        rows.append((f"{p['id']}:{row['model']}", w, published))
+        parts = []
+        for arch, trained_lora in ((actor, lora), (critic, False)):
+            adapters = len(arch.linear_shapes()) if trained_lora else 0
+            w = W.train_work(W.new_work(dev, arch), arch, FIG6_MICRO_BATCH, seq, micro=FIG6_MICRO_BATCH,
+                             db=W.db_of(spec.dtype), lm_head=arch is actor, lora=trained_lora, adapters=adapters,
+                             checkpointing=spec.gradient_checkpointing and arch is actor)
+            parts.append((w, 1 / FIG6_MICRO_BATCH))
+        rows.append(Row("dschat-fig6", row["model"], "train", "gpu", parts, published, SIGMA["figure"]))
     return rows
 
 
-def calibration_rows(kind: str, directory: Path | tuple[Path, ...] = RUNS) -> list[tuple[str, timing.Work, float]]:
-    """(label, work, measured seconds) of every quantity the class's coefficients are fitted to: the
-    published points and the recorded runs of that device class (a CUDA record joins the gpu class)."""
+def record_rows(kind: str, directory: Path | tuple[Path, ...] = RUNS) -> list[Row]:
+    """The judged phases (>= 0.5% of the iteration) of every recorded run of a device class: a CPU run is a source
+    of its own (CPU seconds), the GPU runs one source (this trainer's H100 session, wall seconds)."""
     rows = []
-    if kind == "gpu":
-        rows += fig6_rows()
-        for p in published_points():
-            if p["kind"] == "phases" and p["use"] == "calibrate":
-                pub = p["published"]
-                rows += rows_for(p["id"], spec_of(p["setup"]), {
-                    "rollout": pub["generate_s"], "dschat_training": pub["training_s"],
-                    "dschat_others": pub["others_s"]})
     for name, rec, _ in run_records(directory):
         spec = spec_from_run(rec)
         if ("cpu" if spec.gpu == "cpu" else "gpu") != kind:
             continue
         measured = {ph: t for ph, t in rec.phase_seconds(RUN_STAT, run_key(rec)).items() if t > 0}
-        rows += rows_for(name, spec, measured)
+        total = sum(measured.values())
+        works = phase_works(spec)
+        source = name if kind == "cpu" else "fastrlhf-gpu-runs"
+        for phase, t in measured.items():
+            if t < MINOR_SHARE * total:
+                continue
+            group = {"rollout": "rollout", "update": "train", "advantages": "host"}.get(phase, "forward")
+            rows.append(Row(source, f"{name}:{phase}", group, kind, [(works[phase], 1.0)], t, SIGMA["run"]))
+    return rows
+
+
+def _serving_engine(p: dict) -> Engine:
+    return Engine(resolve_model(p["model"]), device(p["gpu"]), p["tp"], p["weights"], p["prompt"], p["output"])
+
+
+def serving_rows() -> list[Row]:
+    """Each published serving point as a row: TPOT at a fixed concurrency (step + prefill share), an offline
+    throughput as the TPOT of the most requests that fit (measured: concurrency / tokens per s), and TPOT at a request
+    rate (a check: Little's law in the loop)."""
+    rows = []
+    for source in serving_sources():
+        sid = f"serve:{source['id']}"
+        for p in source["points"]:
+            e = _serving_engine(p)
+            if p["quantity"] == "tpot_at_rate_s":
+                rows.append(Row(sid, p["id"], "serve", "gpu", [], p["value"], SIGMA["serving"], fitted=False,
+                                predict=_rate_predictor(e, p["rate"])))
+                continue
+            c = p["concurrency"] if p["quantity"] == "tpot_s" else e.max_concurrency()
+            measured = p["value"] if p["quantity"] == "tpot_s" else c / p["value"]
+            parts = [(e.step_work(c), 1.0), (e.prefill_work(), c / e.output)]
+            rows.append(Row(sid, p["id"], "serve", "gpu", parts, measured, SIGMA["serving"]))
+    return rows
+
+
+def _rate_predictor(e: Engine, rate: float):
+    def predict(f):
+        return e.latency(e.at_rate(rate, f), f)[1]
+    return predict
+
+
+def calibration_rows(kind: str, directory: Path | tuple[Path, ...] = RUNS) -> list[Row]:
+    rows = record_rows(kind, directory)
+    if kind == "gpu":
+        rows = _dschat_log_rows() + _fig6_rows() + rows + serving_rows()
     return rows
 
 
@@ -203,166 +251,138 @@ def calibration_rows(kind: str, directory: Path | tuple[Path, ...] = RUNS) -> li
 # The fit
 
 
-def fit(kind: str, rows=None, base: dict | None = None) -> dict[str, dict]:
-    """Least-squares coefficients (relative errors) for the free features of a class, with ranges; the
-    other features keep their value in `base` (default: the committed table)."""
-    import numpy as np
+def fit(kind: str, rows: list[Row]) -> dict[str, float]:
+    """Factors minimising the sources' mean squared log-errors plus each factor's log-space prior (LBFGS)."""
+    import torch
 
+    prior = timing.priors(kind)
+    names = list(timing.FACTORS)
+    center = torch.tensor([math.log(prior[k].value) for k in names], dtype=torch.float64)
+    sigma = torch.tensor([prior[k].sigma for k in names], dtype=torch.float64)
+    x = center.clone().requires_grad_(True)
+    fitted = [r for r in rows if r.fitted]
+    per_source = {}
+    for r in fitted:
+        per_source[r.source] = per_source.get(r.source, 0) + 1
+    opt = torch.optim.LBFGS([x], lr=1.0, max_iter=400, tolerance_grad=1e-10, tolerance_change=1e-13,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        f = dict(zip(names, torch.exp(x)))
+        loss = (((x - center) / sigma) ** 2).sum()
+        for r in fitted:
+            err = torch.log(torch.as_tensor(r.predicted(f)) / r.measured) / r.sigma
+            loss = loss + err ** 2 / per_source[r.source]
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    return {k: float(v) for k, v in zip(names, torch.exp(x.detach()))}
+
+
+def ratios(rows: list[Row], f: dict) -> dict[str, float]:
+    return {f"{r.source}|{r.label}": float(r.predicted(f)) / r.measured for r in rows}
+
+
+def leave_one_source_out(kind: str, rows: list[Row] | None = None) -> dict:
+    """Each source predicted by a fit without it: {"factors": {source: fit}, "ratio": {source|label: ratio}}."""
     rows = calibration_rows(kind) if rows is None else rows
-    table = json.loads(json.dumps(base or timing.coefficients(kind)))
-    tied = TIED.get(kind, {})
-    free = [f for f in FREE[kind] if any(w.get(f, 0) or any(w.get(t, 0) for t, s in tied.items() if s == f)
-                                         for _, w, _ in rows)]
-
-    def amount(w, f):
-        return w.get(f, 0.0) + sum(w.get(t, 0.0) for t, s in tied.items() if s == f)
-
-    active = list(free)
-    while True:
-        a = np.array([[amount(w, f) / t for f in active] for _, w, t in rows])
-        fixed = np.array([sum(v * table[k]["value"] for k, v in w.items() if k not in active and k not in tied)
-                          / t for _, w, t in rows])
-        b = 1.0 - fixed
-        coef, *_ = np.linalg.lstsq(a, b, rcond=None)
-        if (coef >= 0).all():
-            break
-        worst = active[int(np.argmin(coef))]
-        active.remove(worst)
-        table[worst]["value"] = 0.0
-    for f, c in zip(active, coef):
-        table[f]["value"] = float(c)
-    for t, s in tied.items():
-        table[t]["value"] = table[s]["value"]
-
-    def predict(w):
-        return sum(v * table[k]["value"] for k, v in w.items())
-
-    residual = max(abs(predict(w) - t) / t for _, w, t in rows) if rows else 0.0
-    for f in free:
-        c = table[f]["value"]
-        implied, names = [], []
-        for label, w, t in rows:
-            term = amount(w, f) * c
-            if c and term >= 0.3 * predict(w):
-                others = predict(w) - term
-                implied.append(max(0.0, (t - others) / amount(w, f)))
-                names.append(label.split(":")[0])
-        if len(implied) >= 2:
-            lo, hi = min(implied + [c]), max(implied + [c])
-        else:
-            lo, hi = c / (1 + residual), c * (1 + residual)
-        table[f]["range"] = [lo, hi]
-        table[f]["from"] = sorted(set(names)) or sorted({label.split(":")[0] for label, w, _ in rows
-                                                         if amount(w, f)})
-        if f in active and not c:
-            table[f]["from"] = ["fitted to 0"]
-    for t, s in tied.items():
-        table[t] = dict(table[s], note=f"tied to {s}")
-    return table
+    out = {"factors": {}, "ratio": {}}
+    for source in sorted({r.source for r in rows}):
+        f = fit(kind, [r for r in rows if r.source != source])
+        out["factors"][source] = f
+        out["ratio"].update(ratios([r for r in rows if r.source == source], f))
+    return out
 
 
-def _apply_priors(table: dict, priors: dict, sources: dict) -> None:
-    for feature, (source, why) in priors.items():
-        src = sources[source.split()[-1]] if source.startswith("cpu ") else table[source]
-        from_ = ", ".join(src["from"])
-        table[feature] = {"value": src["value"], "range": list(src["range"]),
-                          "from": [f"prior = {source} ({from_}); {why}"]}
+def cv_spread(rows: list[Row], loso: dict) -> dict[str, list[float]]:
+    """Per phase group (and `all`): the lowest and highest out-of-sample ratio; a group with under 3 rows borrows
+    `all`."""
+    out = {}
+    every = [loso[f"{r.source}|{r.label}"] for r in rows]
+    for group in GROUPS:
+        values = [loso[f"{r.source}|{r.label}"] for r in rows if r.group == group]
+        if len(values) >= 3:
+            out[group] = [min(values), max(values)]
+    out["all"] = [min(every), max(every)]
+    return out
+
+
+def calibrate_class(kind: str) -> dict:
+    """The fit, the leave-one-source-out ratios and spreads of one device class (what --write stores)."""
+    rows = calibration_rows(kind)
+    f = fit(kind, rows)
+    loso = leave_one_source_out(kind, rows)
+    prior = timing.priors(kind)
+    factor_table = {}
+    for k in timing.FACTORS:
+        values = [fs[k] for fs in loso["factors"].values()]
+        factor_table[k] = {"value": f[k], "prior": prior[k].value, "plausible": [prior[k].low, prior[k].high],
+                           "meaning": prior[k].meaning, "loso": [min(values), max(values)],
+                           "within_plausible": prior[k].low <= f[k] <= prior[k].high}
+    return {"factors": factor_table, "cv": cv_spread(rows, loso["ratio"]),
+            "in_sample": ratios(rows, f), "loso": loso["ratio"]}
 
 
 def fit_all() -> dict[str, dict]:
-    """Both classes. Coefficients no point constrains take the stated priors (GPU_PRIORS, CPU_PRIORS). A GPU
-    prior's source is itself fitted, and the prior enters the fit as a fixed term: refitted until the
-    values stop changing (a fixed point, whatever the committed table held)."""
-    cpu = fit("cpu")
-    _apply_priors(cpu, CPU_PRIORS, cpu)
-    rows = calibration_rows("gpu")
-    gpu = fit("gpu", rows)
-    for _ in range(100):
-        _apply_priors(gpu, GPU_PRIORS, cpu)
-        again = fit("gpu", rows, base=gpu)
-        _apply_priors(again, GPU_PRIORS, cpu)
-        done = all(abs(again[f]["value"] - gpu[f]["value"]) <= 1e-12 * max(1.0, abs(gpu[f]["value"]))
-                   for f in gpu)
-        gpu = again
-        if done:
-            break
-    return {"cpu": cpu, "gpu": gpu}
-
-
-def leave_one_out(kind: str = "cpu") -> dict[str, dict[str, float]]:
-    """Each recorded run predicted by a fit to the other runs (and published points): predicted /
-    measured per phase. How the calibration generalises to a run it has not seen."""
-    rows = calibration_rows(kind)
-    names = sorted({label.split(":")[0] for label, _, _ in rows if not label.startswith("dschat")})
-    out = {}
-    for name in names:
-        table = fit(kind, [r for r in rows if r[0].split(":")[0] != name])
-        out[name] = {label.split(":")[1]: timing.seconds(w, kind, coef=table) / t
-                     for label, w, t in rows if label.split(":")[0] == name}
-    return out
+    return {kind: calibrate_class(kind) for kind in ("gpu", "cpu")}
 
 
 def write(tables: dict[str, dict]) -> None:
     path = DATA / "efficiency.json"
-    data = json.loads(path.read_text())
-    for kind, table in tables.items():
-        data["classes"][kind] = table
+    data = {"about": "Efficiency factors per device class (fastrlhf/estimate/timing.py), written by `python -m "
+                     "fastrlhf.estimate.calibrate --write`: the fitted value, its prior and plausible range, its value "
+                     "across the leave-one-source-out fits (`loso`); `cv`: per phase group the lowest and highest "
+                     "predicted / measured of a source predicted by a fit without it (the printed ranges); "
+                     "`in_sample` and `loso`: every calibration row's ratio.",
+            "classes": {k: t["factors"] for k, t in tables.items()},
+            "cv": {k: t["cv"] for k, t in tables.items()},
+            "in_sample": {k: t["in_sample"] for k, t in tables.items()},
+            "loso": {k: t["loso"] for k, t in tables.items()}}
     path.write_text(json.dumps(data, indent=1) + "\n")
-    timing.coefficients.cache_clear()
+    timing.calibration.cache_clear()
+    timing.cpu_priors.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
-# Predicted vs published / measured
+# Reports: every source in and out of sample, the checks, the held-out benchmark
+
+
+def source_report(kind: str) -> list[dict]:
+    """Per source: its rows' measured value, in-sample and cross-validated ratios, its band, whether it holds."""
+    cal = timing.calibration()
+    in_sample, loso = cal.get("in_sample", {}).get(kind, {}), cal.get("loso", {}).get(kind, {})
+    out = {}
+    for r in calibration_rows(kind):
+        key = f"{r.source}|{r.label}"
+        entry = out.setdefault(r.source, {"source": r.source, "band": band_of(r.source), "rows": []})
+        entry["rows"].append({"label": r.label, "group": r.group, "measured_s": r.measured, "fitted": r.fitted,
+                              "in_sample": in_sample.get(key), "cross_validated": loso.get(key)})
+    for entry in out.values():
+        b = entry["band"]
+        entry["within_band"] = all(r["cross_validated"] is not None and 1 / b <= r["cross_validated"] <= b
+                                   if b >= 1 else abs(r["cross_validated"] - 1) <= b for r in entry["rows"])
+    return list(out.values())
 
 
 def check_published() -> list[dict]:
-    """Every published point: predicted vs published, and whether it is within its band."""
+    """The DeepSpeed-Chat checks that fit nothing: Figure 5's generation share, the step-3 log's peak memory, the
+    Llama-2 blog's minimum GPUs; and README Table 1 (validation, no band)."""
     out = []
     for p in published_points():
         kind = p["kind"]
-        if kind == "phases":
-            spec = spec_of(p["setup"])
-            ph = estimate(spec)["stages"]["ppo"]["phases"]
-            pred = {"generate_s": ph["rollout"]["seconds"],
-                    "training_s": sum(ph[k]["seconds"] for k in ("reward", "logprobs", "advantages"))
-                    + ph["update"]["seconds_by_model"]["actor"],
-                    "others_s": ph["update"]["seconds_by_model"]["critic"]}
-            pred["e2e_s"] = sum(pred.values())
-            pred["generate_share"] = pred["generate_s"] / pred["e2e_s"]
-            band = p["band"]
-            ok = all(abs(pred[k] / p["published"][k] - 1) <= band["phases"] for k in
-                     ("generate_s", "training_s", "others_s", "e2e_s"))
-            ok = ok and abs(pred["generate_share"] - p["published"]["generate_share"]) <= band["generate_share"]
-            out.append({"id": p["id"], "published": p["published"], "predicted": pred, "within_band": ok,
-                        "band": band})
-        elif kind == "peak_memory":
+        if kind == "peak_memory":
             r = estimate(spec_of(p["setup"]))["stages"]["ppo"]
-            pred = r["memory_per_gpu_bytes"]["peak"]
-            pub = p["published"]["peak_bytes"]
+            pred, pub = r["memory_per_gpu_bytes"]["peak"], p["published"]["peak_bytes"]
             out.append({"id": p["id"], "published": pub, "predicted": pred, "ratio": pred / pub,
                         "within_band": abs(pred / pub - 1) <= p["band"]["peak"], "band": p["band"]})
         elif kind == "generate_share":
-            ph = estimate(spec_of(p["setup"]))["stages"]["ppo"]
-            pred = ph["phases"]["rollout"]["share"]
-            out.append({"id": p["id"], "published": p["published"]["generate_share"], "predicted": pred,
-                        "within_band": abs(pred - p["published"]["generate_share"]) <= p["band"]["generate_share"],
-                        "band": p["band"]})
-        elif kind == "epoch_time":
-            rows = []
-            for row in p["published"]["rows"]:
-                try:
-                    spec = spec_of(dict(p["common"], **row["setup"]))
-                except ValueError:
-                    rows.append({"case": row["case"], "published": row["published_text"], "predicted_s": None,
-                                 "note": "judged not to fit at one sequence per GPU"})
-                    continue
-                r = estimate(spec)["stages"]["ppo"]
-                iterations = p["queries"] / spec.rollout_batch
-                rows.append({"case": row["case"], "published": row["published_text"], "published_s": row["seconds"],
-                             "predicted_s": r["seconds"] * iterations, "batch_per_gpu": spec.micro_batch,
-                             "ratio": r["seconds"] * iterations / row["seconds"],
-                             "generate_share": r["phases"]["rollout"]["share"]})
-            out.append({"id": p["id"], "rows": rows, "within_band": None, "band": None})
+            pred = estimate(spec_of(p["setup"]))["stages"]["ppo"]["phases"]["rollout"]["share"]
+            pub = p["published"]["generate_share"]
+            out.append({"id": p["id"], "published": pub, "predicted": pred,
+                        "within_band": abs(pred - pub) <= p["band"]["generate_share"], "band": p["band"]})
         elif kind == "min_gpus":
             rows = []
             for row in p["published"]["rows"]:
@@ -371,34 +391,41 @@ def check_published() -> list[dict]:
                 rows.append({"case": row["case"], "published": row["min_gpus"], "predicted": n, "within_band": ok})
             out.append({"id": p["id"], "rows": rows, "within_band": all(r["within_band"] for r in rows),
                         "band": p["band"]})
-        elif kind == "train_tflops":
-            rows = []
-            for label, w, t in fig6_rows():
-                pred = timing.seconds(w, "gpu")
-                rows.append({"model": label.split(":")[1], "published_s_per_seq": t, "predicted_s_per_seq": pred,
-                             "ratio": pred / t, "within_band": abs(pred / t - 1) <= p["band"]["training_time"]})
-            out.append({"id": p["id"], "rows": rows, "within_band": all(r["within_band"] for r in rows),
-                        "band": p["band"]})
+        elif kind == "epoch_time":
+            out.append({"id": p["id"], "rows": _table1_rows(p), "within_band": None, "band": None})
     return out
+
+
+def _table1_rows(p: dict) -> list[dict]:
+    rows = []
+    for row in p["published"]["rows"]:
+        try:
+            spec = spec_of(dict(p["common"], **row["setup"]))
+        except ValueError:
+            rows.append({"case": row["case"], "published": row["published_text"], "predicted_s": None,
+                         "note": "judged not to fit at one sequence per GPU"})
+            continue
+        r = estimate(spec)["stages"]["ppo"]
+        iterations = p["queries"] / spec.rollout_batch
+        rows.append({"case": row["case"], "published": row["published_text"], "published_s": row["seconds"],
+                     "predicted_s": r["seconds"] * iterations, "batch_per_gpu": spec.micro_batch,
+                     "ratio": r["seconds"] * iterations / row["seconds"],
+                     "generate_share": r["phases"]["rollout"]["share"]})
+    return rows
 
 
 def min_gpus(spec: Spec, limit: int = 64) -> int | None:
     """The fewest GPUs (powers of two) on which the planner judges the run to fit."""
     n = 1
     while n <= limit:
-        s = dataclasses.replace(spec, gpus=n, rollout_batch=n * (spec.micro_rollout_batch or 1))
-        if estimate(s)["stages"][s.stage]["fits"]:
+        if fits(dataclasses.replace(spec, gpus=n, rollout_batch=n * (spec.micro_rollout_batch or 1))):
             return n
         n *= 2
     return None
 
 
-RUN_BAND = 0.30  # issue 15: predicted phase times within 30% of measured
-MINOR_SHARE = 0.005  # phases under 0.5% of the iteration (a rule reward: 0.1 ms) are shown, not judged
-
-
 def check_runs() -> list[dict]:
-    """Every recorded fastrlhf run: predicted vs measured phase times (band 30%, on RUN_STAT of run_key)."""
+    """Every recorded fastrlhf run: predicted vs measured phase times with the committed factors."""
     out = []
     for name, rec, raw in run_records():
         c = compare(rec, stat=RUN_STAT, key=run_key(rec))
@@ -406,8 +433,7 @@ def check_runs() -> list[dict]:
         rows = {ph: dict(r, judged=(r["measured_seconds"] or 0.0) >= MINOR_SHARE * total)
                 for ph, r in c["phases"].items() if r["measured_seconds"]}
         out.append({"id": name, "command": raw.get("command"), "measured": run_key(rec), "phases": rows,
-                    "iteration": c["iteration"],
-                    "within_band": all(abs(r["ratio"] - 1) <= RUN_BAND for r in rows.values() if r["judged"])})
+                    "iteration": c["iteration"]})
     return out
 
 
@@ -415,13 +441,13 @@ def check_heldout() -> list[dict]:
     out = []
     for p in heldout_points():
         for row in p["published"]["rows"]:
-            spec = spec_of(p["setup"], **row["setup"])
-            r = estimate(spec)["stages"]["ppo"]
-            seconds = r["seconds"] * row.get("iterations", 1)
-            lo, hi = (x * row.get("iterations", 1) for x in r["seconds_range"])
-            out.append({"id": f"{p['id']}:{row['case']}", "published_s": row["seconds"], "predicted_s": seconds,
-                        "range_s": [lo, hi], "ratio": seconds / row["seconds"], "fits": r["fits"],
-                        "dominant_phase": r["dominant_phase"]})
+            r = estimate(spec_of(p["setup"], **row["setup"]))["stages"]["ppo"]
+            n = row.get("iterations", 1)
+            out.append({"id": f"{p['id']}:{row['case']}", "published_s": row["seconds"],
+                        "predicted_s": r["seconds"] * n, "range_s": [x * n for x in r["seconds_range"]],
+                        "ratio": r["seconds"] * n / row["seconds"], "fits": r["fits"], "tight": r["tight"],
+                        "dominant_phase": r["dominant_phase"],
+                        "shares": {k: p_["share"] for k, p_ in r["phases"].items()}})
     return out
 
 
@@ -432,116 +458,119 @@ def probe_cpu_into_devices() -> dict:
     import os
 
     from fastrlhf.estimate.hardware import probe_cpu
+    from fastrlhf.estimate.record import _cpu_model
 
     one = probe_cpu(threads=1)
     every = probe_cpu(threads=os.cpu_count() or 1)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    from fastrlhf.estimate.record import _cpu_model
-
-    spec = {"name": f"{_cpu_model()}, {os.cpu_count()} cores", "memory_bytes": total,
+    spec = {"name": f"{_cpu_model()}, {os.cpu_count()} cores",
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "bandwidth": one["bandwidth"], "bandwidth_all_threads": every["bandwidth"],
-            "peak_flops": every["peak_flops"], "threads": every["threads"],
-            "peak_flops_1_thread": one["peak_flops"], "load_avg": os.getloadavg(),
+            "peak_flops": every["peak_flops"], "threads": every["threads"], "peak_flops_1_thread": one["peak_flops"],
+            "op_latency_1_thread": one["op_latency"], "load_avg": os.getloadavg(),
             "command": "python -m fastrlhf.estimate.calibrate --probe-cpu",
-            "note": "fp32 1024^3 matmuls and 64 MiB copies (hardware.probe_cpu); on a machine shared with other "
-                    "jobs the 2-thread figure can fall below the 1-thread one (the threads wait on each other), "
-                    "which is why the recorded runs use one thread"}
-    path = DATA / "devices.json"
-    path.write_text(json.dumps({"cpu": spec}, indent=1) + "\n")
+            "note": "fp32 1024^3 matmuls, 64 MiB copies and 64-element adds (hardware.probe_cpu); on a machine shared "
+                    "with other jobs the 2-thread figure can fall below the 1-thread one (the threads wait on each "
+                    "other), which is why the recorded runs use one thread"}
+    (DATA / "devices.json").write_text(json.dumps({"cpu": spec}, indent=1) + "\n")
     return spec
 
 
-def _f(x: float, digits: int = 3) -> str:
+def _f(x, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
-def markdown(report: dict) -> str:
-    """The README tables: published points, recorded runs, held-out runs."""
-    out = ["| point | published | predicted | band | within |", "| --- | --- | --- | --- | --- |"]
-    for p in report["published"]:
-        if p["id"] == "dschat-log-opt1.3b-v100x16":
-            pub, pred = p["published"], p["predicted"]
-            for k, name in (("generate_s", "generate s"), ("training_s", "training s"), ("others_s", "others s"),
-                            ("e2e_s", "step s"), ("generate_share", "generate share")):
-                band = f"±{p['band']['generate_share']}" if k == "generate_share" else f"±{p['band']['phases']:.0%}"
-                ok = (abs(pred[k] - pub[k]) <= p["band"]["generate_share"] if k == "generate_share"
-                      else abs(pred[k] / pub[k] - 1) <= p["band"]["phases"])
-                out.append(f"| DS-Chat log, OPT-1.3B + 350M, 16 x V100: {name} | {_f(pub[k])} | {_f(pred[k])} | "
-                           f"{band} | {'yes' if ok else 'NO'} |")
-        elif p["id"].endswith("-memory"):
-            out.append(f"| DS-Chat log: peak allocated GB | {p['published'] / 1e9:.2f} | {p['predicted'] / 1e9:.2f} | "
-                       f"±{p['band']['peak']:.0%} | {'yes' if p['within_band'] else 'NO'} |")
+def markdown_sources(kind: str) -> str:
+    """Every calibration source: measured, in-sample and cross-validated predicted / measured, band, holds."""
+    out = ["| source | quantity | measured | in-sample pred/meas | cross-validated pred/meas | band | within |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in source_report(kind):
+        band = f"x{s['band']:g}" if s["band"] >= 1 else f"±{s['band']:.0%}"
+        for r in s["rows"]:
+            ins = _f(r["in_sample"]) + ("" if r["fitted"] else " (check)")
+            out.append(f"| {s['source']} | {r['label']} | {_f(r['measured_s'])} s | {ins} | {_f(r['cross_validated'])} "
+                       f"| {band} | {'yes' if s['within_band'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def markdown_factors() -> str:
+    out = ["| class | factor | meaning | prior | plausible | fitted | across LOSO fits |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for kind, table in timing.calibration()["classes"].items():
+        for k, e in table.items():
+            if kind == "cpu" and k in ("gap", "net", "adam"):
+                continue
+            lo, hi = e["plausible"]
+            out.append(f"| {kind} | {k} | {e['meaning']} | {_f(e['prior'])} | {_f(lo)}-{_f(hi)} | {_f(e['value'])} | "
+                       f"{_f(e['loso'][0])}-{_f(e['loso'][1])} |")
+    return "\n".join(out)
+
+
+def markdown(heldout: bool) -> str:
+    parts = ["**Factors**", "", markdown_factors(), "", "**GPU sources**", "", markdown_sources("gpu"), "",
+             "**CPU runs**", "", markdown_sources("cpu"), "", "**Checks (fit nothing)**", "",
+             "| check | published | predicted | band | within |", "| --- | --- | --- | --- | --- |"]
+    for p in check_published():
+        if p["id"].endswith("-memory"):
+            parts.append(f"| DS-Chat log: peak allocated GB | {p['published'] / 1e9:.2f} | {p['predicted'] / 1e9:.2f} "
+                         f"| ±{p['band']['peak']:.0%} | {'yes' if p['within_band'] else 'NO'} |")
         elif p["id"].startswith("dschat-blog-fig5"):
-            out.append(f"| DS-Chat blog fig. 5, OPT-1.3B, 8 x A100-40G: generate share (digitised) | "
-                       f"{_f(p['published'])} | {_f(p['predicted'])} | ±{p['band']['generate_share']} | "
-                       f"{'yes' if p['within_band'] else 'NO'} |")
-        elif p["id"].startswith("dschat-blog-fig6"):
-            for r in p["rows"]:
-                out.append(f"| DS-Chat blog fig. 6, {r['model']} training s/sequence/GPU | "
-                           f"{_f(r['published_s_per_seq'])} | {_f(r['predicted_s_per_seq'])} | "
-                           f"±{p['band']['training_time']:.0%} | "
-                           f"{'yes' if r['within_band'] else 'NO'} |")
+            parts.append(f"| DS-Chat blog fig. 5, OPT-1.3B, 8 x A100-40G: generate share | {_f(p['published'])} | "
+                         f"{_f(p['predicted'])} | ±{p['band']['generate_share']} | "
+                         f"{'yes' if p['within_band'] else 'NO'} |")
         elif p["id"].startswith("dschat-blog-8-31"):
             for r in p["rows"]:
-                out.append(f"| DS-Chat Llama-2 blog fig. 4, Llama-2-7B min V100-32G, {r['case']} | {r['published']} | "
-                           f"{r['predicted']} | x2 | {'yes' if r['within_band'] else 'NO'} |")
-    out += ["", "| DS-Chat README table 1 (validation, not fitted) | published | predicted | pred/pub | batch/GPU |",
-            "| --- | --- | --- | --- | --- |"]
-    for p in report["published"]:
+                parts.append(f"| DS-Chat Llama-2 blog fig. 4, Llama-2-7B min V100-32G, {r['case']} | {r['published']} "
+                             f"| {r['predicted']} | x2 | {'yes' if r['within_band'] else 'NO'} |")
+    parts += ["", "| DS-Chat README table 1 (validation, not fitted) | published | predicted | pred/pub | batch/GPU |",
+              "| --- | --- | --- | --- | --- |"]
+    for p in check_published():
         if p["id"] == "dschat-readme-table1-step3-e2e":
             for r in p["rows"]:
                 if r.get("predicted_s") is None:
-                    out.append(f"| {r['case']} | {r['published']} | judged not to fit | - | - |")
+                    parts.append(f"| {r['case']} | {r['published']} | judged not to fit | - | - |")
                 else:
-                    out.append(f"| {r['case']} | {r['published']} | {r['predicted_s'] / 3600:.2f} h | "
-                               f"{r['ratio']:.2f} | {r['batch_per_gpu']} |")
-    out += ["", "| recorded run (cpu_: one thread, CPU s; h100_: wall s) | phase | measured s | wall s (median) | "
-                "predicted s | range | pred / measured |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for run in report["runs"]:
-        for ph, r in run["phases"].items():
-            ratio = f"{r['ratio']:.2f}" + ("" if r["judged"] else " (under 0.5% of the step: not judged)")
-            out.append(f"| {run['id']} | {ph} | {_f(r['measured_seconds'])} | {_f(r['median_seconds'])} | "
-                       f"{_f(r['predicted_seconds'])} | {_f(r['range'][0])}-{_f(r['range'][1])} | {ratio} |")
-    if "heldout" in report:
-        out += ["", "| OpenRLHF benchmark (held out) | published s | predicted s | range | pred/pub |",
-                "| --- | --- | --- | --- | --- |"]
-        for r in report["heldout"]:
-            out.append(f"| {r['id'].replace('openrlhf-readme-', '')} | {r['published_s']:.0f} | "
-                       f"{r['predicted_s']:.0f} | {r['range_s'][0]:.0f}-{r['range_s'][1]:.0f} | {r['ratio']:.2f} |")
-    return "\n".join(out)
+                    parts.append(f"| {r['case']} | {r['published']} | {r['predicted_s'] / 3600:.2f} h | "
+                                 f"{r['ratio']:.2f} | {r['batch_per_gpu']} |")
+    if heldout:
+        parts += ["", "| OpenRLHF benchmark (held out) | published s | predicted s | range | pred/pub | fits |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in check_heldout():
+            parts.append(f"| {r['id'].replace('openrlhf-readme-', '')} | {r['published_s']:.0f} | "
+                         f"{r['predicted_s']:.0f} | {r['range_s'][0]:.0f}-{r['range_s'][1]:.0f} | {r['ratio']:.2f} | "
+                         f"{'yes' + (' (tight)' if r['tight'] else '') if r['fits'] else 'NO'} |")
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastrlhf.estimate.calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="refit the coefficients and write data/efficiency.json")
+    p.add_argument("--write", action="store_true", help="refit, cross-validate, write data/efficiency.json")
     p.add_argument("--heldout", action="store_true", help="also predict OpenRLHF's published benchmark")
     p.add_argument("--probe-cpu", action="store_true", help="measure this CPU into data/devices.json")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--markdown", action="store_true", help="print the README tables")
+    p.add_argument("--markdown", action="store_true", help="print the README / docs tables")
     args = p.parse_args(argv)
     if args.probe_cpu:
         print(json.dumps(probe_cpu_into_devices(), indent=1))
     if args.write:
         write(fit_all())
-    report = {"published": check_published(), "runs": check_runs(), "leave_one_out_cpu": leave_one_out("cpu")}
+    if args.markdown:
+        print(markdown(args.heldout))
+        return 0
+    report = {"sources": {k: source_report(k) for k in ("gpu", "cpu")}, "checks": check_published()}
     if args.heldout:
         report["heldout"] = check_heldout()
     if args.json:
         print(json.dumps(report, indent=1, default=float))
         return 0
-    if args.markdown:
-        print(markdown(report))
-        return 0
-    for kind, table in (("gpu", timing.coefficients("gpu")), ("cpu", timing.coefficients("cpu"))):
-        print(f"{kind} coefficients:")
-        for f, e in table.items():
-            if e["value"] or e["from"] != ["prior"]:
-                print(f"  {f:<12} {e['value']:.4g}  range {e['range'][0]:.4g}-{e['range'][1]:.4g}  "
-                      f"from {', '.join(e['from'])}")
+    for kind in ("gpu", "cpu"):
+        print(f"{kind} factors: " + ", ".join(f"{k} {v:.4g}" for k, v in timing.factors(kind).items()))
+        for s in report["sources"][kind]:
+            values = [r["cross_validated"] for r in s["rows"] if r["cross_validated"] is not None]
+            spread = f"{min(values):.2f}-{max(values):.2f}" if values else "-"
+            print(f"  {s['source']:<36} cross-validated {spread}  band {s['band']}  "
+                  f"{'within' if s['within_band'] else 'OUTSIDE'}")
     print(json.dumps(report, indent=1, default=float))
     return 0
 
-
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -19,8 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# the trainer's phase names, in order (fastrlhf.metrics.PPO_PHASES; a test keeps them equal)
-RUN_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")
+from fastrlhf.estimate.phases import PPO_PHASES
 
 
 @dataclass
@@ -43,19 +42,19 @@ class RunRecord:
         process's CPU time (`cpu/<phase>`, added by `record --cpu-time`)."""
         rows = self.rows[1:] if len(self.rows) >= 3 else self.rows
         reduce = {"median": statistics.median, "min": min}[stat]
-        return {ph: reduce([r[f"{key}/{ph}"] for r in rows]) for ph in RUN_PHASES
+        return {ph: reduce([r[f"{key}/{ph}"] for r in rows]) for ph in PPO_PHASES
                 if rows and all(f"{key}/{ph}" in r for r in rows)}
 
     def has_cpu_time(self) -> bool:
-        return bool(self.rows) and all(f"cpu/{ph}" in r for r in self.rows for ph in RUN_PHASES)
+        return bool(self.rows) and all(f"cpu/{ph}" in r for r in self.rows for ph in PPO_PHASES)
 
     def phase_seconds_spread(self) -> dict[str, tuple[float, float]]:
         rows = self.rows[1:] if len(self.rows) >= 3 else self.rows
         return {ph: (min(r[f"time/{ph}"] for r in rows), max(r[f"time/{ph}"] for r in rows))
-                for ph in RUN_PHASES if rows and all(f"time/{ph}" in r for r in rows)}
+                for ph in PPO_PHASES if rows and all(f"time/{ph}" in r for r in rows)}
 
     def phase_peak_bytes(self) -> dict[str, int]:
-        return {ph: int(max(r[f"memory/{ph}"] for r in self.rows)) for ph in RUN_PHASES
+        return {ph: int(max(r[f"memory/{ph}"] for r in self.rows)) for ph in PPO_PHASES
                 if self.rows and all(f"memory/{ph}" in r for r in self.rows)}
 
     def mean_response_length(self) -> float:
@@ -226,7 +225,7 @@ def compare(record: RunRecord, spec=None, stat: str = "median", key: str = "time
     cpu = record.phase_seconds("median", "cpu") if record.has_cpu_time() else {}
     measured_m = record.phase_peak_bytes()
     rows = {}
-    for phase in RUN_PHASES:
+    for phase in PPO_PHASES:
         p = result["phases"][phase]
         m = measured_t.get(phase)
         rows[phase] = {"predicted_seconds": p["seconds"], "range": p["seconds_range"], "measured_seconds": m,
@@ -245,18 +244,14 @@ def compare(record: RunRecord, spec=None, stat: str = "median", key: str = "time
 
 
 def compare_main(args, explicit: set[str], given) -> int:
-    """`fastrlhf estimate --compare-run OUT [flags]`: `given` is the Spec of the command line, whose
-    `explicit` flags override what is read from the run."""
+    """`fastrlhf estimate --compare-run OUT [--KEY VALUE ...]`: `given` is the Spec of the command line, whose
+    `explicit` keys override what is read from the run."""
     import dataclasses
     import shlex
 
     record = read_run(args.compare_run, argv=shlex.split(args.run_args) if args.run_args else None)
-    spec = spec_from_run(record, args.gpu)
-    fields = {f.name for f in dataclasses.fields(spec)}
-    names = {k.replace("-", "_") for k in explicit} & fields
-    if "no_flash" in explicit:
-        names.add("flash_attention")
-    spec = dataclasses.replace(spec, **{n: getattr(given, n) for n in names})
+    spec = spec_from_run(record, given.gpu)
+    spec = dataclasses.replace(spec, **{n: getattr(given, n) for n in explicit})
     out = compare(record, spec)
     if args.json:
         print(json.dumps(out, indent=2))

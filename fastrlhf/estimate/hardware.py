@@ -3,9 +3,9 @@
 GPU figures are the vendors' data sheets (dense, no sparsity): NVIDIA V100 (SXM2/SXM3 32 GB:
 900 GB/s, 125 TFLOP/s tensor), A100 SXM4 40/80 GB (1555 / 2039 GB/s, 312 TFLOP/s bf16), A800 SXM4
 80 GB (the A100 80 GB's memory and compute, NVLink cut to 400 GB/s), H100 SXM5 (3.35 TB/s, 989
-TFLOP/s), H200 SXM (4.8 TB/s, 989 TFLOP/s), RTX A6000 (768 GB/s, 154.8 TFLOP/s fp16 with fp32
-accumulate). `pcie` is the host link each GPU offloads over (PCIe 3.0 x16 ~16 GB/s for V100 hosts,
-PCIe 4.0 x16 ~32 GB/s for A100/A800/A6000, PCIe 5.0 x16 ~64 GB/s for H100/H200), per direction.
+TFLOP/s; 1979 TFLOP/s dense fp8), H200 SXM (4.8 TB/s, 989 / 1979 TFLOP/s), RTX A6000 (768 GB/s,
+154.8 TFLOP/s fp16 with fp32 accumulate). `pcie` is the host link each GPU offloads over (PCIe 3.0 x16 ~16 GB/s
+for V100 hosts, PCIe 4.0 x16 ~32 GB/s for A100/A800/A6000, PCIe 5.0 x16 ~64 GB/s for H100/H200), per direction.
 `link` is the GPU-to-GPU bandwidth inside a node per GPU and direction (NVLink: V100 SXM3 in a DGX-2
 300 GB/s bidirectional, A100 600, A800 400, H100/H200 900; the A6000 has PCIe only), `network`
 between nodes per GPU and direction (DGX-2: 8 x 100 Gb/s InfiniBand for 16 GPUs; DGX A100 / HGX A800:
@@ -42,6 +42,7 @@ class Device:
     context_bytes: int = 1 * GIB  # CUDA context + allocator slack, not in max_memory_allocated
     threads: int = 0  # CPU: threads the probe used
     peak_flops_1_thread: float = 0.0  # CPU: the probe on one thread
+    fp8_flops: float = 0.0  # dense fp8 tensor-core FLOP/s (0: no fp8 tensor cores; fp8 weights run weight-only)
 
 
 GPUS = {
@@ -51,8 +52,10 @@ GPUS = {
     "a100-40g": Device("A100-SXM4-40GB", 40 * GIB, 1.555e12, 312e12, pcie=32e9, link=300e9, network=25e9),
     "a100-80g": Device("A100-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9, link=300e9, network=25e9),
     "a800-80g": Device("A800-SXM4-80GB", 80 * GIB, 2.039e12, 312e12, pcie=32e9, link=200e9, network=25e9),
-    "h100": Device("H100-SXM5-80GB", 80 * GIB, 3.35e12, 989e12, pcie=64e9, link=450e9, network=50e9),
-    "h200": Device("H200-SXM-141GB", 141 * 10**9, 4.8e12, 989e12, pcie=64e9, link=450e9, network=50e9),
+    "h100": Device("H100-SXM5-80GB", 80 * GIB, 3.35e12, 989e12, pcie=64e9, link=450e9, network=50e9,
+                   fp8_flops=1979e12),
+    "h200": Device("H200-SXM-141GB", 141 * 10**9, 4.8e12, 989e12, pcie=64e9, link=450e9, network=50e9,
+                   fp8_flops=1979e12),
 }
 
 
@@ -104,4 +107,24 @@ def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
         dst.copy_(src)
         n += 1
     bandwidth = 2 * src.numel() * 4 * n / (clock() - start)  # read + write
-    return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads()}
+    return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads(),
+            "op_latency": probe_op_latency(seconds, clock)}
+
+
+def probe_op_latency(seconds: float = 1.0, clock=None) -> float:
+    """Seconds per eager op of the smallest size (torch.add of two 64-element tensors): the dispatch cost every
+    op of a model pays on this host, the physical scale of the CPU class's `op` factor."""
+    import time
+
+    import torch
+
+    clock = clock or time.process_time
+    a, b = torch.randn(64), torch.randn(64)
+    for _ in range(100):
+        torch.add(a, b)
+    n, start = 0, clock()
+    while clock() - start < seconds:
+        for _ in range(100):
+            torch.add(a, b)
+        n += 100
+    return (clock() - start) / n

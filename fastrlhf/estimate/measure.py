@@ -91,3 +91,34 @@ def measure(lora_rank: int = 0, device: str | None = None) -> dict:
                       gpu="cpu" if device == "cpu" else "h100")
     predicted = result["stages"]["sft"]["memory_per_gpu_bytes"]
     return {"device": device, "dtype": dtype, "lora_rank": lora_rank, "predicted": predicted, "measured": measured}
+
+
+def count_layer_ops(lora_rank: int = 0, layers: tuple[int, int] = (2, 4)) -> dict[str, float]:
+    """Aten ops one decoder layer dispatches on CPU in fp32 (counted with TorchDispatchMode): its no-grad forward,
+    and its forward and backward with gradients; per layer = the difference between two depths of the tiny Llama
+    (peft LoRA on every linear when lora_rank > 0), divided by the layers between them. These are the CPU class's
+    counts in timing.LAYER_OPS."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def counts(depth: int) -> tuple[int, int, int]:
+        model = build_tiny_model(lora_rank, dict(TINY_LLAMA, num_hidden_layers=depth))
+        ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 16))
+        with torch.no_grad(), Count() as fwd:
+            model(input_ids=ids)
+        with Count() as train_fwd:
+            loss = model(input_ids=ids).logits.float().sum()
+        with Count() as bwd:
+            loss.backward()
+        return fwd.n, train_fwd.n, bwd.n
+
+    small, big = counts(layers[0]), counts(layers[1])
+    per = [(b - s) / (layers[1] - layers[0]) for s, b in zip(small, big)]
+    return {"forward": per[0], "train_forward": per[1], "backward": per[2]}

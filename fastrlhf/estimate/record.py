@@ -85,7 +85,7 @@ def from_steps(data: dict, *, source: str, device_name: str, rollout_cache: str 
     `rollout_cache`: the KV cache the run's rollout used, when its command does not say (a run made
     before `fastrlhf ppo --rollout_cache` existed used HF's dynamic cache)."""
     from fastrlhf.config import PPOConfig, parse_args, to_dict
-    from fastrlhf.estimate.compare import RUN_PHASES, RunRecord, _model_config, _prompt_len, _reward_config
+    from fastrlhf.estimate.compare import PPO_PHASES, RunRecord, _model_config, _prompt_len, _reward_config
 
     command = shlex.split(data["command"])
     if command[:2] != ["fastrlhf", "ppo"]:
@@ -99,7 +99,7 @@ def from_steps(data: dict, *, source: str, device_name: str, rollout_cache: str 
 
     def row(step: dict) -> dict:
         out = {"step": step["step"], "response_length": step["response_length"], "tokens_per_s": step["tokens_per_s"]}
-        for ph in RUN_PHASES:
+        for ph in PPO_PHASES:
             out[f"time/{ph}"] = step[f"{ph}_s"]
             out[f"memory/{ph}"] = step[f"{ph}_peak_bytes"]
         return out

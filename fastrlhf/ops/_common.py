@@ -22,15 +22,22 @@ def use_triton(x: torch.Tensor) -> bool:
     FASTRLHF_BACKEND=triton (on CPU that needs TRITON_INTERPRET=1); FASTRLHF_BACKEND=torch
     forces the torch path."""
     backend = os.environ.get("FASTRLHF_BACKEND", "auto").lower()
-    if backend not in BACKENDS:
-        raise ValueError(f"FASTRLHF_BACKEND must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return x.is_cuda
+    if backend == "torch":
+        return False
+    if backend not in BACKENDS:
+        raise ValueError(f"FASTRLHF_BACKEND must be one of {BACKENDS}, got {backend!r}")
     interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
     if backend == "triton" and not x.is_cuda and not interpreted:
         raise ValueError(f"FASTRLHF_BACKEND=triton needs CUDA tensors, or TRITON_INTERPRET=1 (set before triton is "
                          f"imported) for {x.device} tensors; got a {x.device} tensor")
     return backend == "triton"
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`: itself when it already is (no dispatcher call)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -46,6 +53,11 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() > 2:
         return x.reshape(-1, x.shape[-1])
     return x
+
+
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself when contiguous (no dispatcher call), else a contiguous copy."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def safe_inverse(n: torch.Tensor) -> torch.Tensor:
@@ -87,7 +99,7 @@ def check_mask(mask, like_tensor: torch.Tensor, like: str) -> None:
     check_tensor("mask", mask)
     if mask.is_complex():
         raise TypeError(f"mask must be bool, integer or float, got {mask.dtype}")
-    if tuple(mask.shape) != tuple(like_tensor.shape):
+    if mask.shape != like_tensor.shape:
         raise ValueError(f"mask must have the shape of {like} {tuple(like_tensor.shape)}, got {tuple(mask.shape)}")
     check_device("mask", mask, like, like_tensor)
 
@@ -98,7 +110,7 @@ def check_same(first: str, x: torch.Tensor, **others) -> None:
         if y is None:
             continue
         check_float(name, y)
-        if tuple(y.shape) != tuple(x.shape):
+        if y.shape != x.shape:
             raise ValueError(f"{name} must have the shape of {first} {tuple(x.shape)}, got {tuple(y.shape)}")
         check_device(name, y, first, x)
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from fastrlhf.constants import ADVANTAGE_EPS, GROUP_SCALES, SINGLETON_MODES, VAR_EPS_MODES, WHITEN_EPS, WHITEN_MODES
 from fastrlhf.ops._common import check_choice, check_device, check_float, check_number, check_tensor, out_dtype
+from fastrlhf.ops._dispatch import register
 
 
 class Groups(NamedTuple):
@@ -150,7 +151,6 @@ def _whiten_sequences(adv: Tensor, eps: float, unbiased: bool) -> Tensor:
 # ---------------------------------------------------------------- fastrlhf::outcome_advantages
 
 
-@torch.library.custom_op("fastrlhf::outcome_advantages", mutates_args=())
 def _outcome_advantages_op(scores: Tensor, mask: Tensor, group_ids: Tensor, estimator: str, eps: float, scale: str,
                            unbiased: bool, singleton: str, whiten: str, var_eps: float,
                            var_eps_mode: str) -> Tensor:
@@ -170,9 +170,12 @@ def _outcome_advantages_op(scores: Tensor, mask: Tensor, group_ids: Tensor, esti
     return torch.where(selected, adv.unsqueeze(-1), torch.zeros((), dtype=dtype, device=r.device))
 
 
-@_outcome_advantages_op.register_fake
-def _(scores, mask, group_ids, estimator, eps, scale, unbiased, singleton, whiten, var_eps, var_eps_mode):
+def _fake_outcome_advantages(scores, mask, group_ids, estimator, eps, scale, unbiased, singleton, whiten, var_eps,
+                             var_eps_mode):
     return scores.new_empty(mask.shape, dtype=out_dtype(scores))
+
+
+_outcome_advantages = register("outcome_advantages", _outcome_advantages_op, _fake_outcome_advantages)
 
 
 def outcome_advantages(scores, mask, *, group_ids=None, group_size=None, estimator="grpo", eps=ADVANTAGE_EPS,
@@ -223,8 +226,8 @@ def outcome_advantages(scores, mask, *, group_ids=None, group_size=None, estimat
     whiten = DEFAULT_WHITEN[estimator] if whiten is None else whiten
     check_choice("whiten", whiten, WHITEN_MODES)
     group_ids = _group_ids(scores, group_ids, group_size, estimator)
-    return _outcome_advantages_op(scores.detach(), mask, group_ids, estimator, eps, scale, bool(unbiased), singleton,
-                                  whiten, var_eps, var_eps_mode)
+    return _outcome_advantages(scores.detach(), mask, group_ids, estimator, eps, scale, bool(unbiased), singleton,
+                               whiten, var_eps, var_eps_mode)
 
 
 def _group_ids(scores: Tensor, group_ids, group_size, estimator: str) -> Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from fastrlhf.constants import DPO_LOSS_TYPES, IGNORE_INDEX
 from fastrlhf.ops._common import check_choice, check_device, check_float, check_mask, check_number, out_dtype
+from fastrlhf.ops._dispatch import register
 from fastrlhf.ops.linear import linear_logprobs
 
 DPO_STATS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
@@ -53,7 +54,6 @@ def _losses_and_grads(c: Tensor, r: Tensor, beta: float, loss_type: str, e: floa
 # ---------------------------------------------------------------- fastrlhf::dpo_loss
 
 
-@torch.library.custom_op("fastrlhf::dpo_loss", mutates_args=())
 def _dpo_loss_op(chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Tensor, ref_rejected_logp: Tensor,
                  chosen_lengths: Tensor | None, rejected_lengths: Tensor | None, beta: float, loss_type: str,
                  label_smoothing: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -70,9 +70,8 @@ def _dpo_loss_op(chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Te
     return losses.sum() * inv_b, stats * inv_b, d_c * inv_b, d_r * inv_b
 
 
-@_dpo_loss_op.register_fake
-def _(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_lengths, rejected_lengths, beta,
-      loss_type, label_smoothing):
+def _fake_dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_lengths, rejected_lengths,
+                   beta, loss_type, label_smoothing):
     dtype = out_dtype(chosen_logp)
     B = chosen_logp.shape[0]
     return (chosen_logp.new_empty((), dtype=dtype), chosen_logp.new_empty(len(DPO_STATS), dtype=dtype),
@@ -93,7 +92,7 @@ def _backward(ctx, grad_loss, grad_stats, grad_dc, grad_dr):
     return (*grads, None, None, None, None, None)
 
 
-_dpo_loss_op.register_autograd(_backward, setup_context=_setup_context)
+_dpo_loss = register("dpo_loss", _dpo_loss_op, _fake_dpo_loss, setup_context=_setup_context, backward=_backward)
 
 
 def dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, beta=0.1, loss_type="sigmoid",
@@ -147,8 +146,10 @@ def dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, 
                 raise ValueError(f"{name} must have the shape of chosen_logp {tuple(chosen_logp.shape)}, "
                                  f"got {tuple(x.shape)}")
             check_device(name, x, "chosen_logp", chosen_logp)
-    loss, stats, _, _ = _dpo_loss_op(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_lengths,
-                                     rejected_lengths, beta, loss_type, label_smoothing)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (chosen_logp, rejected_logp, ref_chosen_logp,
+                                                                     ref_rejected_logp))
+    loss, stats, _, _ = _dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, chosen_lengths,
+                                  rejected_lengths, beta, loss_type, label_smoothing, grad=grad)
     return loss, dict(zip(DPO_STATS, stats.unbind()))
 
 

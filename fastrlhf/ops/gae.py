@@ -1,8 +1,9 @@
 """Generalised advantage estimation and masked whitening: `gae`, `whiten`
 (kernels: fastrlhf/kernels/gae.py; formulas: reference.gae / reference.whiten).
 
-Custom ops: fastrlhf::gae -> (advantages, returns), fastrlhf::whiten. No gradient: advantages
-and returns are data (the public functions detach their inputs).
+Custom ops (what torch.compile sees; eager calls run the same bodies, ops._dispatch): fastrlhf::gae ->
+(advantages, returns), fastrlhf::whiten. No gradient: advantages and returns are data (the public
+functions detach their inputs).
 """
 
 from __future__ import annotations
@@ -20,18 +21,36 @@ from fastrlhf.ops._common import (
     check_number,
     check_rows,
     check_same,
+    contiguous,
     out_dtype,
     use_triton,
 )
+from fastrlhf.ops._dispatch import register
 
 
 def _math(x: Tensor) -> Tensor:
     return x.to(out_dtype(x))
 
 
+def _whiten_host(x: Tensor, m: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
+    """reference.whiten on CPU, its count, mean and variance read on the host (fewer ops than on the device)."""
+    n = float(m.sum())
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = float((x * m).sum()) / n
+    centered = x - mean
+    var = float((centered * centered).mul_(m).sum()) / (n - 1 if unbiased and n > 1 else n)
+    out = centered.mul_((var + WHITEN_EPS) ** -0.5)
+    if not shift_mean:
+        out = out.add_(mean)
+    return out.mul_(m)
+
+
 def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool) -> Tensor:
     """reference.whiten without its host sync (an empty selection gives 0 without a branch)."""
     m = selected.to(x.dtype)
+    if x.device.type == "cpu":
+        return _whiten_host(x, m, unbiased, shift_mean)
     n = m.sum()
     mean = (x * m).sum() / n.clamp(min=1)
     centered = x - mean
@@ -46,23 +65,23 @@ def _whiten_torch(x: Tensor, selected: Tensor, unbiased: bool, shift_mean: bool)
 # ---------------------------------------------------------------- fastrlhf::whiten
 
 
-@torch.library.custom_op("fastrlhf::whiten", mutates_args=())
-def _whiten_op(x: Tensor, mask: Tensor, unbiased: bool, shift_mean: bool, use_triton: bool) -> Tensor:
-    selected = mask != 0
+def _whiten_fwd(x: Tensor, mask: Tensor, unbiased: bool, shift_mean: bool, use_triton: bool) -> Tensor:
     if x.numel() == 0:
         return torch.zeros(x.shape, dtype=out_dtype(x), device=x.device)
     if not use_triton:
-        return _whiten_torch(_math(x), selected, unbiased, shift_mean)
+        return _whiten_torch(_math(x), mask != 0, unbiased, shift_mean)
     from fastrlhf.kernels import gae as kernels
 
-    out = kernels.whiten_fwd(as_rows(x).contiguous(), as_rows(selected).contiguous(), unbiased=unbiased,
+    out = kernels.whiten_fwd(contiguous(as_rows(x)), contiguous(as_rows(mask)), unbiased=unbiased,
                              shift_mean=shift_mean)
     return out.view(x.shape).to(out_dtype(x))
 
 
-@_whiten_op.register_fake
-def _(x, mask, unbiased, shift_mean, use_triton):
+def _fake_whiten(x, mask, unbiased, shift_mean, use_triton):
     return x.new_empty(x.shape, dtype=out_dtype(x))
+
+
+_whiten = register("whiten", _whiten_fwd, _fake_whiten)
 
 
 def whiten(x, mask, *, unbiased=True, shift_mean=True):
@@ -81,33 +100,33 @@ def whiten(x, mask, *, unbiased=True, shift_mean=True):
     check_float("x", x)
     check_rows("x", x)
     check_mask(mask, x, "x")
-    return _whiten_op(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
+    return _whiten(x.detach(), mask, bool(unbiased), bool(shift_mean), use_triton(x))
 
 
 # ---------------------------------------------------------------- fastrlhf::gae
 
 
-@torch.library.custom_op("fastrlhf::gae", mutates_args=())
-def _gae_op(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, mask_mode: str, whiten: bool,
-            use_triton: bool) -> tuple[Tensor, Tensor]:
-    selected = mask != 0
+def _gae_fwd(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, mask_mode: str, whiten: bool,
+             use_triton: bool) -> tuple[Tensor, Tensor]:
     if rewards.numel() == 0:
         empty = torch.zeros(rewards.shape, dtype=out_dtype(rewards), device=rewards.device)
         return empty, empty.clone()
     if not use_triton:
-        return ref.gae(_math(rewards), _math(values), selected, gamma=gamma, lam=lam, mask_mode=mask_mode,
+        return ref.gae(_math(rewards), _math(values), mask != 0, gamma=gamma, lam=lam, mask_mode=mask_mode,
                        whiten=whiten)
     from fastrlhf.kernels import gae as kernels
 
-    adv, ret = kernels.gae_fwd(rewards.contiguous(), values.contiguous(), selected.contiguous(), gamma=gamma, lam=lam,
+    adv, ret = kernels.gae_fwd(contiguous(rewards), contiguous(values), contiguous(mask), gamma=gamma, lam=lam,
                                mask_mode=mask_mode, whiten=whiten)
     return adv.to(out_dtype(rewards)), ret.to(out_dtype(rewards))
 
 
-@_gae_op.register_fake
-def _(rewards, values, mask, gamma, lam, mask_mode, whiten, use_triton):
+def _fake_gae(rewards, values, mask, gamma, lam, mask_mode, whiten, use_triton):
     dtype = out_dtype(rewards)
     return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(rewards.shape, dtype=dtype)
+
+
+_gae = register("gae", _gae_fwd, _fake_gae)
 
 
 def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=True):
@@ -134,4 +153,4 @@ def gae(rewards, values, mask, *, gamma=1.0, lam=1.0, mask_mode="skip", whiten=T
     gamma = check_number("gamma", gamma, nonnegative=True)
     lam = check_number("lam", lam, nonnegative=True)
     check_choice("mask_mode", mask_mode, MASK_MODES)
-    return _gae_op(rewards.detach(), values.detach(), mask, gamma, lam, mask_mode, bool(whiten), use_triton(rewards))
+    return _gae(rewards.detach(), values.detach(), mask, gamma, lam, mask_mode, bool(whiten), use_triton(rewards))

@@ -42,7 +42,7 @@ import functools
 import torch
 from torch import Tensor
 
-from fastrlhf.constants import CHUNK_BUDGET_BYTES, CHUNK_BUDGET_BYTES_CUDA, IGNORE_INDEX, KL_ESTIMATORS
+from fastrlhf.constants import CHUNK_BUDGET_BYTES, CHUNK_BUDGET_BYTES_CUDA, IGNORE_INDEX
 from fastrlhf.ops._common import (
     as_rows,
     check_device,
@@ -53,15 +53,16 @@ from fastrlhf.ops._common import (
     out_dtype,
     use_triton,
 )
+from fastrlhf.ops._dispatch import register
 from fastrlhf.ops.logprobs import logprobs_bwd, logprobs_fwd
 from fastrlhf.ops.losses import (
     ACTOR_STATS,
     TOKEN_TERMS,
+    ActorSpec,
     ActorTerms,
     actor_loss_and_stats,
+    actor_prologue,
     actor_token_terms,
-    check_actor_args,
-    check_agg,
     token_weights,
 )
 
@@ -169,7 +170,6 @@ def _or_empty(t, like: Tensor) -> Tensor:
 # ---------------------------------------------------------------- fastrlhf::linear_logprobs
 
 
-@torch.library.custom_op("fastrlhf::linear_logprobs", mutates_args=())
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
                         ignore_index: int, return_entropy: bool, chunk_size: int, accum_dtype: torch.dtype | None,
                         keep_logits: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -193,16 +193,14 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, lab
     return logp, entropy, lse, kept
 
 
-@_linear_logprobs_op.register_fake
-def _(hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size, accum_dtype, keep_logits,
-      use_triton):
+def _fake_linear_logprobs(hidden, weight, bias, labels, temperature, ignore_index, return_entropy, chunk_size,
+                          accum_dtype, keep_logits, use_triton):
     N, dtype = hidden.shape[0], out_dtype(hidden)
     new = lambda n: hidden.new_empty(n, dtype=dtype)  # noqa: E731
     logits = hidden.new_empty((N, weight.shape[0]) if keep_logits else (0,))
     return new(N), new(N if return_entropy else 0), new(N), logits
 
 
-@torch.library.custom_op("fastrlhf::linear_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, lse: Tensor,
                                  entropy: Tensor, logits: Tensor, grad_logp: Tensor | None,
                                  grad_entropy: Tensor | None, temperature: float, ignore_index: int, chunk_size: int,
@@ -231,13 +229,17 @@ def _linear_logprobs_backward_op(hidden: Tensor, weight: Tensor, bias: Tensor | 
             _or_empty(None if d_bias is None else d_bias.to(bias.dtype), weight))
 
 
-@_linear_logprobs_backward_op.register_fake
-def _(hidden, weight, bias, labels, lse, entropy, logits, grad_logp, grad_entropy, temperature, ignore_index,
-      chunk_size, accum_dtype, need_hidden, need_weight, need_bias, use_triton):
+def _fake_linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, logits, grad_logp, grad_entropy,
+                                   temperature, ignore_index, chunk_size, accum_dtype, need_hidden, need_weight,
+                                   need_bias, use_triton):
     need_bias = need_bias and bias is not None
     return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
             weight.new_empty(weight.shape if need_weight else (0,)),
             weight.new_empty(bias.shape if need_bias else (0,)))
+
+
+_linear_logprobs_backward = register("linear_logprobs_backward", _linear_logprobs_backward_op,
+                                     _fake_linear_logprobs_backward)
 
 
 def _setup_linear_logprobs(ctx, inputs, output):
@@ -258,18 +260,18 @@ def _backward_linear_logprobs(ctx, grad_logp, grad_entropy, _grad_lse, _grad_log
         grad_entropy = None
     if not any(needs) or (grad_logp is None and grad_entropy is None):
         return (None,) * 11
-    grads = _linear_logprobs_backward_op(hidden, weight, bias, labels, lse, entropy, logits, grad_logp, grad_entropy,
+    grads = _linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, logits, grad_logp, grad_entropy,
                                          temperature, ignore_index, chunk_size, accum_dtype, *needs, triton)
     return (*(g if need else None for g, need in zip(grads, needs)), *(None,) * 8)
 
 
-_linear_logprobs_op.register_autograd(_backward_linear_logprobs, setup_context=_setup_linear_logprobs)
+_linear_logprobs = register("linear_logprobs", _linear_logprobs_op, _fake_linear_logprobs,
+                            setup_context=_setup_linear_logprobs, backward=_backward_linear_logprobs)
 
 
 # ---------------------------------------------------------------- fastrlhf::linear_ppo_actor_loss
 
 
-@torch.library.custom_op("fastrlhf::linear_ppo_actor_loss", mutates_args=())
 def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, old_logp: Tensor,
                           advantages: Tensor, mask: Tensor, token_weight: Tensor, ref_logp: Tensor | None,
                           is_weights: Tensor | None, temperature: float, kl_coef: float, kl_estimator: str,
@@ -284,8 +286,9 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
     acc = weight_accum_dtype(weight, accum_dtype)
     need_bias = need_bias and bias is not None
     need_grad = need_hidden or need_weight or need_bias
-    terms = ActorTerms(old_logp, advantages, mask, token_weight, ref_logp, is_weights, kl_coef, kl_estimator,
-                       kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip)
+    spec = ActorSpec(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
+                     clip_high, dual_clip)  # rebuilt from the custom-op boundary's scalars
+    terms = ActorTerms(old_logp, advantages, mask, token_weight, ref_logp, is_weights, spec)
     # by default d(weight) accumulates in fp32: V x H x 4 bytes (2.5 GB at V = 151936, H = 4096)
     # held through the forward, then cast to the weight's dtype
     d_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -306,10 +309,8 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
             # d(logits) is written over `logits` and returned as that same tensor: left unbound, so that
             # `del logits` below frees the chunk before the next one is made
             logp[s], entropy[s] = kernels.actor_loss_fwd(
-                logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), temperature=temperature,
-                clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-                kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
-                entropy_coef=entropy_coef, need_grad=need_grad, inplace=True)[:2]
+                logits.unsqueeze(0), labels[s], *(cut(t, s) for t in per_token), spec=spec, need_grad=need_grad,
+                inplace=True)[:2]
             if need_grad:  # the logits now hold d(logits)
                 _add_chunk_gradients(logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
             del logits
@@ -327,16 +328,16 @@ def _linear_actor_loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, l
                 _add_chunk_gradients(d_logits, h, weight, s, d_hidden, d_weight, d_bias)  # matmuls 2 and 3
                 del d_logits  # the chunk's logits, written over
             del logits
-    loss, stats = actor_loss_and_stats(rows, mask.sum(), kl_coef, entropy_coef)
+    loss, stats = actor_loss_and_stats(rows, mask.sum(), spec)
     return (loss, stats, _or_empty(d_hidden, hidden),
             _or_empty(None if d_weight is None else d_weight.to(weight.dtype), weight),
             _or_empty(None if d_bias is None else d_bias.to(bias.dtype), weight))
 
 
-@_linear_actor_loss_op.register_fake
-def _(hidden, weight, bias, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature,
-      kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip, chunk_size,
-      accum_dtype, need_hidden, need_weight, need_bias, use_triton):
+def _fake_linear_ppo_actor_loss(hidden, weight, bias, labels, old_logp, advantages, mask, token_weight, ref_logp,
+                                is_weights, temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through,
+                                entropy_coef, clip_low, clip_high, dual_clip, chunk_size, accum_dtype, need_hidden,
+                                need_weight, need_bias, use_triton):
     dtype = out_dtype(hidden)
     need_bias = need_bias and bias is not None
     return (hidden.new_empty((), dtype=dtype), hidden.new_empty(len(ACTOR_STATS), dtype=dtype),
@@ -366,7 +367,8 @@ def _backward_linear_actor(ctx, grad_loss, *_):
     return (d_hidden, d_weight, d_bias) + (None,) * (ctx.n_inputs - 3)
 
 
-_linear_actor_loss_op.register_autograd(_backward_linear_actor, setup_context=_setup_linear_actor)
+_linear_actor_loss = register("linear_ppo_actor_loss", _linear_actor_loss_op, _fake_linear_ppo_actor_loss,
+                              setup_context=_setup_linear_actor, backward=_backward_linear_actor)
 
 
 # ---------------------------------------------------------------- public functions
@@ -441,8 +443,9 @@ def linear_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     keep_logits = chunk_size >= h.shape[0] and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (hidden, weight, bias))
     ignore_index = check_integer("ignore_index", ignore_index)
-    logp, entropy, *_ = _linear_logprobs_op(h, weight, bias, y, temperature, ignore_index, bool(return_entropy),
-                                            int(chunk_size), accum_dtype, keep_logits, use_triton(hidden))
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    logp, entropy, *_ = _linear_logprobs(h, weight, bias, y, temperature, ignore_index, bool(return_entropy),
+                                         int(chunk_size), accum_dtype, keep_logits, use_triton(hidden), grad=grad)
     if return_entropy:
         return logp.view(labels.shape), entropy.view(labels.shape)
     return logp.view(labels.shape)
@@ -474,11 +477,13 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
     unless `accum_dtype` says otherwise (`weight.dtype`: accumulated straight into the gradient,
     one rounding per chunk, no extra buffer).
     """
-    temperature = _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
-    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
-        tuple(hidden.shape[:-1]), hidden.device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef,
-        kl_estimator, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip, agg_, "hidden.shape[:-1]")
+    _check_linear_inputs(hidden, weight, labels, bias, temperature, chunk_size, accum_dtype)
+    agg_, spec = actor_prologue(
+        tuple(hidden.shape[:-1]), hidden.device, "hidden.shape[:-1]", old_logp, advantages, mask, ref_logp,
+        is_weights, kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+        kl_straight_through=kl_straight_through, entropy_coef=entropy_coef, temperature=temperature,
+        clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     h, y = _flat_rows(hidden, labels)
     dtype = out_dtype(hidden)
     rows = as_rows(mask.detach())
@@ -487,10 +492,9 @@ def linear_ppo_actor_loss(hidden, weight, labels, old_logp, advantages, mask, *,
         chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], hidden.element_size(), hidden.is_cuda)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and x is not None and x.requires_grad for x in (hidden, weight, bias))
-    loss, stats, *_ = _linear_actor_loss_op(
+    loss, stats, *_ = _linear_actor_loss(
         h, weight, bias, y, flat(old_logp), flat(advantages), flat(rows), token_weights(rows, agg_, dtype).reshape(-1),
-        flat(ref_logp), flat(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
-        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, int(chunk_size), accum_dtype, *needs,
-        use_triton(hidden))
+        flat(ref_logp), flat(is_weights), *spec, int(chunk_size), accum_dtype, *needs, use_triton(hidden),
+        grad=any(needs))
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))

@@ -33,6 +33,7 @@ from fastrlhf.ops._common import (
     out_dtype,
     use_triton,
 )
+from fastrlhf.ops._dispatch import register
 
 # float32 (float64) work per block of rows on the torch path, per intra-op thread (a thread's share of a
 # block then stays in its core's L2). Measured on a 2-core Xeon (4 MiB L2 per core), fwd + bwd with
@@ -243,7 +244,6 @@ def _labels_3d(labels: Tensor, logits: Tensor, x: Tensor) -> Tensor:
 # ---------------------------------------------------------------- fastrlhf::logprobs
 
 
-@torch.library.custom_op("fastrlhf::logprobs", mutates_args=())
 def _logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_index: int, return_entropy: bool,
                  inplace_backward: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(logp labels.shape, entropy logits.shape[:-1] (shape [0] unless return_entropy), lse
@@ -256,14 +256,12 @@ def _logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_inde
     return logp.view(labels.shape), entropy, lse.view(shape)
 
 
-@_logprobs_op.register_fake
-def _(logits, labels, temperature, ignore_index, return_entropy, inplace_backward, use_triton):
+def _fake_logprobs(logits, labels, temperature, ignore_index, return_entropy, inplace_backward, use_triton):
     shape, dtype = logits.shape[:-1], out_dtype(logits)
     return (logits.new_empty(labels.shape, dtype=dtype),
             logits.new_empty(shape if return_entropy else (0,), dtype=dtype), logits.new_empty(shape, dtype=dtype))
 
 
-@torch.library.custom_op("fastrlhf::logprobs_backward", mutates_args=())
 def logprobs_backward_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor | None,
                           grad_entropy: Tensor | None, temperature: float, ignore_index: int,
                           use_triton: bool) -> Tensor:
@@ -274,12 +272,14 @@ def logprobs_backward_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: T
     return d.view(logits.shape)
 
 
-@logprobs_backward_op.register_fake
-def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, use_triton):
+def _fake_logprobs_backward(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index,
+                            use_triton):
     return logits.new_empty(logits.shape)
 
 
-@torch.library.custom_op("fastrlhf::logprobs_backward_inplace", mutates_args=("logits",))
+_logprobs_backward = register("logprobs_backward", logprobs_backward_op, _fake_logprobs_backward)
+
+
 def _logprobs_backward_inplace_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor,
                                   grad_logp: Tensor | None, grad_entropy: Tensor | None, temperature: float,
                                   ignore_index: int, use_triton: bool) -> None:
@@ -290,9 +290,13 @@ def _logprobs_backward_inplace_op(logits: Tensor, labels: Tensor, lse: Tensor, e
                  temperature=temperature, ignore_index=ignore_index, inplace=True, use_triton=use_triton)
 
 
-@_logprobs_backward_inplace_op.register_fake
-def _(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, use_triton):
+def _fake_logprobs_backward_inplace(logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index,
+                                    use_triton):
     return None
+
+
+_logprobs_backward_inplace = register("logprobs_backward_inplace", _logprobs_backward_inplace_op,
+                                      _fake_logprobs_backward_inplace, mutates_args=("logits",))
 
 
 def _setup_context(ctx, inputs, output):
@@ -313,12 +317,12 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
         return (None,) * 7
     args = (logits, labels, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index, triton)
     if inplace_backward and writable_in_place(logits):  # else out of place: same numbers, no saving
-        _logprobs_backward_inplace_op(*args)
+        _logprobs_backward_inplace(*args)
         return logits.detach(), None, None, None, None, None, None
-    return logprobs_backward_op(*args), None, None, None, None, None, None
+    return _logprobs_backward(*args), None, None, None, None, None, None
 
 
-_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+_logprobs = register("logprobs", _logprobs_op, _fake_logprobs, setup_context=_setup_context, backward=_backward)
 
 
 def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_index=IGNORE_INDEX,
@@ -367,8 +371,9 @@ def logprobs(logits, labels, *, temperature=1.0, return_entropy=False, ignore_in
         out = logprobs(logits, labels.squeeze(-1), temperature=temperature, return_entropy=return_entropy,
                        ignore_index=ignore_index, inplace_backward=inplace_backward)
         return (out[0].unsqueeze(-1), out[1]) if return_entropy else out.unsqueeze(-1)
-    logp, entropy_, _ = _logprobs_op(logits, labels, temperature, ignore_index, bool(return_entropy),
-                                     bool(inplace_backward), use_triton(logits))
+    logp, entropy_, _ = _logprobs(logits, labels, temperature, ignore_index, bool(return_entropy),
+                                  bool(inplace_backward), use_triton(logits),
+                                  grad=torch.is_grad_enabled() and logits.requires_grad)
     return (logp, entropy_) if return_entropy else logp
 
 
@@ -380,7 +385,6 @@ def _no_labels(logits: Tensor) -> Tensor:
     return torch.full(logits.shape[:-1], IGNORE_INDEX, dtype=torch.long, device=logits.device)
 
 
-@torch.library.custom_op("fastrlhf::entropy", mutates_args=())
 def _entropy_op(logits: Tensor, temperature: float, use_triton: bool) -> tuple[Tensor, Tensor]:
     """(entropy, lse), each logits.shape[:-1]: one read of the logits."""
     x = as_3d(logits)
@@ -390,8 +394,7 @@ def _entropy_op(logits: Tensor, temperature: float, use_triton: bool) -> tuple[T
     return entropy.view(shape), lse.view(shape)
 
 
-@_entropy_op.register_fake
-def _(logits, temperature, use_triton):
+def _fake_entropy(logits, temperature, use_triton):
     shape, dtype = logits.shape[:-1], out_dtype(logits)
     return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=dtype)
 
@@ -409,12 +412,12 @@ def _backward_entropy(ctx, grad_entropy, _grad_lse):
     temperature, triton = ctx.args
     if not ctx.needs_input_grad[0]:
         return None, None, None
-    d = logprobs_backward_op(logits, _no_labels(logits), lse, entropy, None, grad_entropy, temperature, IGNORE_INDEX,
+    d = _logprobs_backward(logits, _no_labels(logits), lse, entropy, None, grad_entropy, temperature, IGNORE_INDEX,
                              triton)
     return d, None, None
 
 
-_entropy_op.register_autograd(_backward_entropy, setup_context=_setup_entropy)
+_entropy = register("entropy", _entropy_op, _fake_entropy, setup_context=_setup_entropy, backward=_backward_entropy)
 
 
 def entropy(logits, *, temperature=1.0):
@@ -435,4 +438,4 @@ def entropy(logits, *, temperature=1.0):
     temperature = check_number("temperature", temperature, positive=True)
     if logits.numel() == 0:
         return torch.zeros(logits.shape[:-1], dtype=out_dtype(logits), device=logits.device) + logits.sum() * 0
-    return _entropy_op(logits, temperature, use_triton(logits))[0]
+    return _entropy(logits, temperature, use_triton(logits), grad=torch.is_grad_enabled() and logits.requires_grad)[0]

@@ -25,6 +25,7 @@ on the device when that scalar is 1).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import NamedTuple
 
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, KL_ESTIMATORS, LOG_RATIO_CLAMP
 from fastrlhf.ops._common import (
+    as_dtype,
     as_rows,
     check_choice,
     check_float,
@@ -45,11 +47,12 @@ from fastrlhf.ops._common import (
     safe_inverse,
     use_triton,
 )
+from fastrlhf.ops._dispatch import eager, register
 from fastrlhf.ops.kl import kl_grad, kl_value
 from fastrlhf.ops.logprobs import as_3d, logprobs_bwd, logprobs_fwd
 
-POLICY_SUMS = ("loss", "n_clipped", "n_clipped_lower", "neg_log_ratio", "n_mask", "neg_log_ratio_unclamped")
-VALUE_SUMS = ("loss", "n_clipped", "n_mask")
+POLICY_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_unclamped")
+VALUE_STATS = ("clipfrac",)
 # per-token rows the actor loss keeps (0 where mask == 0): its three weighted terms, then what its stats average
 TOKEN_TERMS = ("pg_loss", "kl_loss", "entropy_loss", "clipped", "clipped_lower", "neg_log_ratio", "entropy", "kl")
 ACTOR_STATS = ("clipfrac", "clipfrac_lower", "approx_kl", "pg_loss", "entropy", "kl")
@@ -139,24 +142,22 @@ def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask != 0, products, 0.0)
 
 
-def _flags(flags, like: Tensor) -> Tensor:
-    """A bool indicator as `like`'s dtype (None: no token is flagged)."""
-    return torch.zeros_like(like) if flags is None else flags.to(like.dtype)
+def _masked_flags(flags, m: Tensor) -> Tensor:
+    """m where a bool indicator is set, in m's dtype (None: no token is flagged)."""
+    return torch.zeros_like(m) if flags is None else m * flags
 
 
 # ---------------------------------------------------------------- fastrlhf::agg_loss
 
 
-@torch.library.custom_op("fastrlhf::agg_loss", mutates_args=())
 def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
     """sum_b row_scale[b] sum_t mask l (0-dim), exactly 0 from tokens with mask == 0; [B, T] inputs."""
     dtype = out_dtype(loss_mat)
-    m = mask.to(dtype)
-    return _off_mask_zero(loss_mat.to(dtype) * (row_scale.to(dtype).unsqueeze(1) * m), m).sum()
+    m = as_dtype(mask, dtype)
+    return _off_mask_zero(as_dtype(loss_mat, dtype) * (as_dtype(row_scale, dtype).unsqueeze(1) * m), m).sum()
 
 
-@_agg_loss_op.register_fake
-def _(loss_mat, mask, row_scale):
+def _fake_agg_loss(loss_mat, mask, row_scale):
     return loss_mat.new_empty((), dtype=out_dtype(loss_mat))
 
 
@@ -174,7 +175,8 @@ def _backward_agg_loss(ctx, grad):
     return (grad * scale.to(grad.dtype).unsqueeze(1) * m).to(ctx.in_dtype), None, None
 
 
-_agg_loss_op.register_autograd(_backward_agg_loss, setup_context=_setup_agg_loss)
+_agg_loss = register("agg_loss", _agg_loss_op, _fake_agg_loss, setup_context=_setup_agg_loss,
+                     backward=_backward_agg_loss)
 
 
 def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global_num_seqs=None, dp_size=1,
@@ -198,8 +200,11 @@ def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global
     check_rows("loss_mat", loss_mat)
     check_mask(mask, loss_mat, "loss_mat")
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    m = as_rows(mask)
-    return _agg_loss_op(as_rows(loss_mat), m, row_scale(m, agg_, out_dtype(loss_mat)))
+    x, m = as_rows(loss_mat), as_rows(mask)
+    scale = row_scale(m, agg_, out_dtype(loss_mat))
+    if eager(x):  # torch ops only, products and a sum: torch's autograd gives w = scale * m exactly
+        return _agg_loss_op(x, m, scale)
+    return _agg_loss(x, m, scale, grad=torch.is_grad_enabled() and loss_mat.requires_grad)
 
 
 # ---------------------------------------------------------------- per-token formulas (torch)
@@ -248,6 +253,28 @@ def value_terms(values, old_values, returns, clip, need_grad=True):
     return 0.5 * torch.maximum(l1, l2), (err1 * ~clipped if need_grad else None), clipped
 
 
+class ActorSpec(NamedTuple):
+    """The actor loss's options, checked (`actor_prologue`), as one object from the public ops
+    (`ppo_actor_loss`, `linear_ppo_actor_loss`) to the launcher (kernels.ppo_loss.actor_loss_fwd); flattened
+    into scalars only at the custom-op boundary (`*spec`, in this order) and rebuilt there. A new option
+    (a policy-loss mode) is one more field at the end, with its default."""
+
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # the canonical name (KL_ESTIMATORS' values)
+    kl_clamp: float | None = None
+    kl_straight_through: bool = False
+    entropy_coef: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+
+    @property
+    def has_kl(self) -> bool:
+        """Whether the KL term enters the gradient (the value is reported whenever ref_logp is given)."""
+        return self.kl_coef != 0.0
+
+
 class ActorTerms(NamedTuple):
     """What the per-token actor loss needs besides logp and entropy; per-token tensors flat [n], one dtype."""
 
@@ -257,14 +284,7 @@ class ActorTerms(NamedTuple):
     weight: Tensor  # w = row_scale[row] * mask
     ref_logp: Tensor | None
     is_weights: Tensor | None
-    kl_coef: float
-    kl_estimator: str
-    kl_clamp: float | None
-    kl_straight_through: bool
-    entropy_coef: float
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
+    spec: ActorSpec
 
     def at(self, s: slice) -> ActorTerms:
         """The same terms for the tokens s."""
@@ -276,103 +296,182 @@ class ActorTerms(NamedTuple):
 def actor_token_terms(logp, entropy, a: ActorTerms, need_grad: bool):
     """The actor loss L = sum_i w_i (is_i pg_i + kl_coef kl_i - entropy_coef H_i) per token:
     (TOKEN_TERMS [8, n], 0 where mask == 0; dL/dlogp [n] or None; dL/dH [n] or None)."""
-    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, a.clip_low, a.clip_high,
-                                                       a.dual_clip, need_grad)
+    spec = a.spec
+    pg, d_pg, clipped, lower, log_ratio = policy_terms(logp, a.old_logp, a.advantages, spec.clip_low, spec.clip_high,
+                                                       spec.dual_clip, need_grad)
     pg_weight = a.weight if a.is_weights is None else a.weight * a.is_weights
-    kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
+    kl = torch.zeros_like(pg) if a.ref_logp is None else kl_value(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
     rows = torch.stack([pg * pg_weight, kl * a.weight, entropy * a.weight, clipped * a.mask,
-                        _flags(lower, pg) * a.mask, -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
+                        _masked_flags(lower, a.mask), -log_ratio * a.mask, entropy * a.mask, kl * a.mask])
     terms = _off_mask_zero(rows, a.mask)
     if not need_grad:
         return terms, None, None
     d_logp = pg_weight * d_pg
-    if a.ref_logp is not None and a.kl_coef != 0.0:
-        if a.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
+    if a.ref_logp is not None and spec.has_kl:
+        if spec.kl_straight_through:  # the value is the estimator's, the gradient that of r^2 / 2
             d_kl = logp - a.ref_logp
         else:
-            d_kl = kl_grad(logp, a.ref_logp, a.kl_estimator, a.kl_clamp)
-        d_logp = d_logp + (a.kl_coef * a.weight) * d_kl
-    g_ent = -a.entropy_coef * a.weight if a.entropy_coef != 0.0 else None
+            d_kl = kl_grad(logp, a.ref_logp, spec.kl_estimator, spec.kl_clamp)
+        d_logp = d_logp + (spec.kl_coef * a.weight) * d_kl
+    g_ent = -spec.entropy_coef * a.weight if spec.entropy_coef != 0.0 else None
     return terms, _off_mask_zero(d_logp, a.mask), g_ent
 
 
-def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, kl_coef: float, entropy_coef: float):
+def actor_loss_and_stats(terms: Tensor, n_mask: Tensor, spec: ActorSpec):
     """(loss, ACTOR_STATS [6]) from the TOKEN_TERMS rows of all tokens; n_mask = sum(mask)."""
     sums = terms.sum(-1)
     pg_loss, kl_loss, entropy_loss, n_clipped, n_lower, neg_log_ratio, entropy, kl = sums.unbind()
     loss = pg_loss
-    if kl_coef != 0.0:
-        loss = loss + kl_coef * kl_loss
-    if entropy_coef != 0.0:
-        loss = loss - entropy_coef * entropy_loss
+    if spec.kl_coef != 0.0:
+        loss = loss + spec.kl_coef * kl_loss
+    if spec.entropy_coef != 0.0:
+        loss = loss - spec.entropy_coef * entropy_loss
     inv_n = safe_inverse(n_mask)
     stats = torch.stack([n_clipped * inv_n, n_lower * inv_n, neg_log_ratio * inv_n, pg_loss, entropy * inv_n,
                          kl * inv_n])
     return loss, stats
 
 
-# ---------------------------------------------------------------- fastrlhf::policy_loss
+# ---------------------------------------------------------------- policy and value: the shared parts
 
 
-def _policy_sums_torch(logp, old_logp, advantages, mask, scale, is_weights, clip_low, clip_high, dual_clip,
-                       need_grad):
-    dtype = out_dtype(logp)
-    lp, olp, adv, m = (t.to(dtype) for t in (logp, old_logp, advantages, mask))
-    w = scale.to(dtype).unsqueeze(1) * m
-    if is_weights is not None:
-        w = w * is_weights.to(dtype)
-    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
-    terms = torch.stack([loss * w, clipped * m, _flags(lower, m) * m, -log_ratio * m, m, (olp - lp) * m])
-    sums = _off_mask_zero(terms, m).sum((1, 2))
-    return sums, (_off_mask_zero(d_logp * w, m) if need_grad else None)
+@functools.cache
+def agg_launch(agg: Agg, T: int):
+    """The aggregation as the policy / value launchers take it (kernels.ppo_loss.AggLaunch), per mode,
+    counts and T: which factors of the row scale are known at launch and which the finish kernel finds."""
+    from fastrlhf.kernels.ppo_loss import AggLaunch
+
+    seq = agg.mode.startswith("seq-mean")
+    given = agg.global_num_seqs if seq else agg.global_num_tokens
+    norm = agg.loss_scale_factor if agg.mode == "seq-mean-token-sum-norm" else None
+    known = agg.mode == "token-sum" or given is not None
+    grad_scale = float(agg.dp_size)
+    if known and agg.mode != "token-sum":
+        grad_scale /= given
+    if known and agg.mode == "seq-mean-token-sum-norm":
+        grad_scale /= max(T, 1) if norm is None else norm
+    return AggLaunch(AGG_MODES.index(agg.mode), given is not None, float(given or 0.0), float(agg.dp_size), norm,
+                     agg.mode == "seq-mean-token-mean", grad_scale if known else 1.0, not known)
 
 
-@torch.library.custom_op("fastrlhf::policy_loss", mutates_args=())
-def _policy_loss_op(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, row_scale: Tensor,
-                    is_weights: Tensor | None, clip_low: float, clip_high: float, dual_clip: float | None,
-                    need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs, row_scale [B] -> (POLICY_SUMS [6], d(loss)/d(logp) [B, T], [0] without need_grad)."""
-    dtype = out_dtype(logp)
-    if use_triton:
-        from fastrlhf.kernels import ppo_loss as kernels
-
-        sums, d_logp = kernels.policy_loss_fwd(
-            logp.contiguous(), old_logp.contiguous(), advantages.contiguous(), mask.contiguous(),
-            row_scale.float().contiguous(), None if is_weights is None else is_weights.contiguous(),
-            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, need_grad=need_grad)
-    else:
-        sums, d_logp = _policy_sums_torch(logp, old_logp, advantages, mask, row_scale, is_weights, clip_low,
-                                          clip_high, dual_clip, need_grad)
-    return sums.to(dtype), (d_logp.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
-
-
-@_policy_loss_op.register_fake
-def _(logp, old_logp, advantages, mask, row_scale, is_weights, clip_low, clip_high, dual_clip, need_grad,
-      use_triton):
-    dtype = out_dtype(logp)
-    return logp.new_empty(len(POLICY_SUMS), dtype=dtype), logp.new_empty(logp.shape if need_grad else (0,),
-                                                                          dtype=dtype)
+def _agg_torch(terms: Tensor, agg: Agg, T: int):
+    """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float) from the per-token terms
+    [K, B, T] (0 off the mask; row 0 the loss, row 1 the mask, then what the stats average), as the finish
+    kernel. Token modes sum each term in one reduction; the seq-mean modes sum the loss and the mask per
+    row first. Reads the totals on the host (this path is the CPU's; forced onto CUDA it syncs here)."""
+    totals = terms.sum((1, 2))
+    n, *stat_sums = totals[1:].tolist()
+    count, total, scale = n, totals[0], None
+    if agg.mode.startswith("seq-mean"):
+        row_sums = terms[:2].sum(2)
+        nonempty = row_sums[1] > 0
+        count = float(nonempty.sum())
+        if agg.mode == "seq-mean-token-mean":
+            scale = nonempty / torch.where(nonempty, row_sums[1], 1.0)
+        total = (row_sums[0] * (nonempty if scale is None else scale)).sum()
+    given = agg.global_num_seqs if agg.mode.startswith("seq-mean") else agg.global_num_tokens
+    count = count if given is None else given
+    c = float(agg.dp_size) if agg.mode == "token-sum" else (agg.dp_size / count if count > 0 else 0.0)
+    if agg.mode == "seq-mean-token-sum-norm":
+        c /= max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor
+    inv_n = 1.0 / n if n > 0 else 0.0
+    stats = torch.tensor([v * inv_n for v in stat_sums], dtype=terms.dtype, device=terms.device)
+    return total * c, stats, (c if scale is None else (scale * c).unsqueeze(1))
 
 
 def _setup_input_gradient(ctx, inputs, output):
-    """policy_loss / value_loss: the op formed d(loss)/d(input 0) in its forward."""
-    _, d_input = output
-    ctx.mark_non_differentiable(d_input)
+    """policy_loss / value_loss: the forward formed d(loss)/d(input 0); the backward scales it."""
+    _, stats, d_input, factor = output
+    ctx.mark_non_differentiable(stats, d_input, factor)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(d_input)
-    ctx.in_dtype = inputs[0].dtype
-    ctx.n_inputs = len(inputs)
-    ctx.need_grad = inputs[-2]
+    ctx.d, ctx.factor = (d_input, factor) if inputs[-2] else (None, None)  # need_grad
+    ctx.inputs, ctx.in_dtype, ctx.used = inputs, inputs[0].dtype, False
 
 
-def _backward_input_gradient(ctx, grad_sums, _grad_d):
-    (d_input,) = ctx.saved_tensors
-    if grad_sums is None or not ctx.need_grad or not ctx.needs_input_grad[0]:
-        return (None,) * ctx.n_inputs
-    return ((d_input * grad_sums[0]).to(ctx.in_dtype),) + (None,) * (ctx.n_inputs - 1)
+def _backward_input_gradient(ctx, grad_loss, *_):
+    """d(input) = g d [* factor]. On the Triton path in eager mode one kernel, in place over the forward's
+    d when the dtypes match (nothing read or written when the product is 1; a second backward through the
+    same graph recomputes d first), else into a new tensor of the input's dtype. Traced (torch.compile) or
+    on the torch path: the plain product."""
+    none = (None,) * (len(ctx.inputs) - 1)
+    if grad_loss is None or ctx.d is None or not ctx.needs_input_grad[0]:
+        return (None, *none)
+    d, factor = ctx.d, ctx.factor
+    if not ctx.inputs[-1] or not getattr(ctx, "eager", False):  # the torch path (scaled in the forward), or traced
+        g = grad_loss if not factor.numel() else grad_loss * factor
+        return ((d * g).to(ctx.in_dtype), *none)
+    from fastrlhf.kernels.ppo_loss import scale_unless_one_
+
+    factor = factor if factor.numel() else None
+    if d.dtype != ctx.in_dtype:
+        return (scale_unless_one_(d, grad_loss, factor, out=torch.empty(d.shape, dtype=ctx.in_dtype,
+                                                                          device=d.device)), *none)
+    if ctx.used:  # scaled in place by an earlier backward: the forward's d again
+        _, _, d, factor = ctx.forward(*ctx.inputs)
+    ctx.used = True
+    return (scale_unless_one_(d, grad_loss, factor), *none)
 
 
-_policy_loss_op.register_autograd(_backward_input_gradient, setup_context=_setup_input_gradient)
+def _empty_if_none(t, like: Tensor, dtype=None) -> Tensor:
+    return like.new_empty(0, dtype=dtype) if t is None else t
+
+
+def _fake_sums(x, n_stats, need_grad, pending):
+    """The fake outputs of policy_loss / value_loss: loss, stats, d(input), the pending factor."""
+    dtype = out_dtype(x)
+    return (x.new_empty((), dtype=dtype), x.new_empty(n_stats, dtype=dtype),
+            x.new_empty(x.shape if need_grad else (0,), dtype=dtype),
+            x.new_empty(1 if need_grad and pending else 0, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- fastrlhf::policy_loss
+
+
+def _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, need_grad):
+    dtype = out_dtype(logp)
+    lp, olp, adv, m = (as_dtype(t, dtype) for t in (logp, old_logp, advantages, mask))
+    w = m if is_weights is None else m * as_dtype(is_weights, dtype)
+    loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, clip_low, clip_high, dual_clip, need_grad)
+    terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
+    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, lp.shape[1])
+    return loss, stats, (_off_mask_zero(d_logp * w, m) * scale if need_grad else None)
+
+
+def _policy_fwd(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, is_weights: Tensor | None,
+                clip_low: float, clip_high: float, dual_clip: float | None, agg: str,
+                global_num_tokens: float | None, global_num_seqs: float | None, dp_size: int,
+                loss_scale_factor: float | None, need_grad: bool,
+                use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[B, T] inputs -> (loss, POLICY_STATS [4], d(loss)/d(logp) [B, T] ([0] without need_grad), the
+    gradient's pending factor [1] (Triton, local counts) or [0])."""
+    agg_ = Agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    factor = None
+    if use_triton:
+        from fastrlhf.kernels import ppo_loss as kernels
+
+        loss, stats, d_logp, factor = kernels.policy_loss_fwd(
+            logp, old_logp, advantages, mask, is_weights, clip_low=clip_low, clip_high=clip_high,
+            dual_clip=dual_clip, spec=agg_launch(agg_, logp.shape[1]), need_grad=need_grad,
+            out_dtype=out_dtype(logp))
+    else:
+        loss, stats, d_logp = _policy_torch(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high,
+                                            dual_clip, agg_, need_grad)
+    return loss, stats, _empty_if_none(d_logp, stats), _empty_if_none(factor, stats, torch.float32)
+
+
+def _fake_policy(logp, old_logp, advantages, mask, is_weights, clip_low, clip_high, dual_clip, agg, global_num_tokens,
+                 global_num_seqs, dp_size, loss_scale_factor, need_grad, use_triton):
+    pending = use_triton and (global_num_seqs if agg.startswith("seq-mean") else global_num_tokens) is None
+    return _fake_sums(logp, len(POLICY_STATS), need_grad, pending and agg != "token-sum")
+
+
+def _setup_policy(ctx, inputs, output):
+    _setup_input_gradient(ctx, inputs, output)
+    ctx.forward = _policy_fwd
+
+
+_policy_loss = register("policy_loss", _policy_fwd, _fake_policy, setup_context=_setup_policy,
+                        backward=_backward_input_gradient)
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=None, dual_clip=None, is_weights=None,
@@ -404,49 +503,57 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=Non
     check_mask(mask, logp, "logp")
     clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    lp, m = as_rows(logp), as_rows(mask)
-    scale = row_scale(m, agg_, out_dtype(logp))
-    need_grad = torch.is_grad_enabled() and logp.requires_grad
-    sums, _ = _policy_loss_op(lp, as_rows(old_logp.detach()), as_rows(advantages.detach()), m, scale,
-                              None if is_weights is None else as_rows(is_weights.detach()), clip_low, clip_high,
-                              dual_clip, need_grad, use_triton(logp))
-    counts = sums.detach()
-    inv_n = safe_inverse(counts[4])
-    return sums[0], {"clipfrac": counts[1] * inv_n, "clipfrac_lower": counts[2] * inv_n,
-                     "approx_kl": counts[3] * inv_n, "approx_kl_unclamped": counts[5] * inv_n}
+    grad = torch.is_grad_enabled() and logp.requires_grad
+    loss, stats, *_ = _policy_loss(as_rows(logp), as_rows(old_logp.detach()), as_rows(advantages.detach()),
+                                   as_rows(mask), None if is_weights is None else as_rows(is_weights.detach()),
+                                   clip_low, clip_high, dual_clip, *agg_, grad, use_triton(logp), grad=grad)
+    return loss, dict(zip(POLICY_STATS, stats.unbind()))
 
 
 # ---------------------------------------------------------------- fastrlhf::value_loss
 
 
-@torch.library.custom_op("fastrlhf::value_loss", mutates_args=())
-def _value_loss_op(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_scale: Tensor,
-                   clip: float | None, need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor]:
-    """[B, T] inputs, row_scale [B] -> (VALUE_SUMS [3], d(loss)/d(values) [B, T], [0] without need_grad)."""
+def _value_torch(values, old_values, returns, mask, clip, agg, need_grad):
     dtype = out_dtype(values)
+    v, ov, ret, m = (as_dtype(t, dtype) for t in (values, old_values, returns, mask))
+    loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
+    terms = torch.stack([loss * m, m, _masked_flags(clipped, m)])
+    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, v.shape[1])
+    return loss, stats, (_off_mask_zero(d * m, m) * scale if need_grad else None)
+
+
+def _value_fwd(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None, agg: str,
+               global_num_tokens: float | None, global_num_seqs: float | None, dp_size: int,
+               loss_scale_factor: float | None, need_grad: bool,
+               use_triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[B, T] inputs -> (loss, VALUE_STATS [1], d(loss)/d(values) [B, T] ([0] without need_grad), the
+    gradient's pending factor [1] or [0]), as `_policy_fwd`."""
+    agg_ = Agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
+    factor = None
     if use_triton:
         from fastrlhf.kernels import ppo_loss as kernels
 
-        sums, d_values = kernels.value_loss_fwd(
-            values.contiguous(), old_values.contiguous(), returns.contiguous(), mask.contiguous(),
-            row_scale.float().contiguous(), clip=clip, need_grad=need_grad)
+        loss, stats, d_values, factor = kernels.value_loss_fwd(
+            values, old_values, returns, mask, clip=clip, spec=agg_launch(agg_, values.shape[1]),
+            need_grad=need_grad, out_dtype=out_dtype(values))
     else:
-        v, ov, ret, m = (t.to(dtype) for t in (values, old_values, returns, mask))
-        w = row_scale.to(dtype).unsqueeze(1) * m
-        loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
-        sums = _off_mask_zero(torch.stack([loss * w, _flags(clipped, m) * m, m]), m).sum((1, 2))
-        d_values = _off_mask_zero(d * w, m) if need_grad else None
-    return sums.to(dtype), (d_values.to(dtype) if need_grad else sums.new_empty(0, dtype=dtype))
+        loss, stats, d_values = _value_torch(values, old_values, returns, mask, clip, agg_, need_grad)
+    return loss, stats, _empty_if_none(d_values, stats), _empty_if_none(factor, stats, torch.float32)
 
 
-@_value_loss_op.register_fake
-def _(values, old_values, returns, mask, row_scale, clip, need_grad, use_triton):
-    dtype = out_dtype(values)
-    return values.new_empty(len(VALUE_SUMS), dtype=dtype), values.new_empty(values.shape if need_grad else (0,),
-                                                                             dtype=dtype)
+def _fake_value(values, old_values, returns, mask, clip, agg, global_num_tokens, global_num_seqs, dp_size,
+                loss_scale_factor, need_grad, use_triton):
+    pending = use_triton and (global_num_seqs if agg.startswith("seq-mean") else global_num_tokens) is None
+    return _fake_sums(values, len(VALUE_STATS), need_grad, pending and agg != "token-sum")
 
 
-_value_loss_op.register_autograd(_backward_input_gradient, setup_context=_setup_input_gradient)
+def _setup_value(ctx, inputs, output):
+    _setup_input_gradient(ctx, inputs, output)
+    ctx.forward = _value_fwd
+
+
+_value_loss = register("value_loss", _value_fwd, _fake_value, setup_context=_setup_value,
+                       backward=_backward_input_gradient)
 
 
 def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean", global_num_tokens=None,
@@ -472,19 +579,15 @@ def value_loss(values, old_values, returns, mask, *, clip=0.2, agg="token-mean",
     if clip is not None:
         clip = check_number("clip", clip, nonnegative=True)
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    v, m = as_rows(values), as_rows(mask)
-    scale = row_scale(m, agg_, out_dtype(values))
-    need_grad = torch.is_grad_enabled() and values.requires_grad
-    sums, _ = _value_loss_op(v, as_rows(old_values.detach()), as_rows(returns.detach()), m, scale, clip, need_grad,
-                             use_triton(values))
-    counts = sums.detach()
-    return sums[0], {"clipfrac": counts[1] * safe_inverse(counts[2])}
+    grad = torch.is_grad_enabled() and values.requires_grad
+    loss, stats, *_ = _value_loss(as_rows(values), as_rows(old_values.detach()), as_rows(returns.detach()),
+                                  as_rows(mask), clip, *agg_, grad, use_triton(values), grad=grad)
+    return loss, {"clipfrac": stats[0]}
 
 
 # ---------------------------------------------------------------- fastrlhf::ppo_actor_loss
 
 
-@torch.library.custom_op("fastrlhf::scale_unless_one_", mutates_args=("x",))
 def _scale_unless_one_op(x: Tensor, g: Tensor, use_triton: bool) -> None:
     """x *= g (g one element), in place and without a host sync; the Triton kernel neither reads nor
     writes x when g == 1 (x * 1 == x exactly)."""
@@ -498,12 +601,13 @@ def _scale_unless_one_op(x: Tensor, g: Tensor, use_triton: bool) -> None:
     kernels.scale_unless_one_(x, g)
 
 
-@_scale_unless_one_op.register_fake
-def _(x, g, use_triton):
+def _fake_scale_unless_one_(x, g, use_triton):
     return None
 
 
-@torch.library.custom_op("fastrlhf::ppo_actor_loss", mutates_args=())
+_scale_unless_one = register("scale_unless_one_", _scale_unless_one_op, _fake_scale_unless_one_, mutates_args=("x",))
+
+
 def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                        token_weight: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None, temperature: float,
                        kl_coef: float, kl_estimator: str, kl_clamp: float | None, kl_straight_through: bool,
@@ -511,20 +615,19 @@ def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advanta
                        need_grad: bool, use_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """logits [B, T, V], per-token [B, T] -> (loss, ACTOR_STATS [6], d(loss)/d(logits) [B, T, V]
     contiguous, formed in the forward; [0] without need_grad)."""
+    spec = ActorSpec(temperature, kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
+                     clip_high, dual_clip)  # rebuilt from the custom-op boundary's scalars
     dtype = out_dtype(logits)
     flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
     terms = ActorTerms(flat(old_logp), flat(advantages), flat(mask), flat(token_weight), flat(ref_logp),
-                       flat(is_weights), kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low,
-                       clip_high, dual_clip)
+                       flat(is_weights), spec)
     if use_triton:  # one kernel: both passes over the logits, the per-token gradients formed in between
         from fastrlhf.kernels import ppo_loss as kernels
 
         f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
         logp, entropy, d_logits = kernels.actor_loss_fwd(
             logits, labels.reshape(-1).long().contiguous(), f32(terms.old_logp), f32(terms.advantages),
-            f32(terms.mask), f32(terms.weight), f32(terms.ref_logp), f32(terms.is_weights), temperature=temperature,
-            clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef, kl_estimator=kl_estimator,
-            kl_clamp=kl_clamp, kl_straight_through=kl_straight_through, entropy_coef=entropy_coef,
+            f32(terms.mask), f32(terms.weight), f32(terms.ref_logp), f32(terms.is_weights), spec=spec,
             need_grad=need_grad)
         rows, _, _ = actor_token_terms(logp.to(dtype), entropy.to(dtype), terms, need_grad=False)
     else:  # the torch path: the log-prob forward, the per-token gradients, the log-prob backward
@@ -535,14 +638,13 @@ def _ppo_actor_loss_op(logits: Tensor, labels: Tensor, old_logp: Tensor, advanta
         if need_grad:
             d_logits = logprobs_bwd(logits, labels.long(), lse, entropy, g_logp, g_ent, temperature=temperature,
                                     ignore_index=IGNORE_INDEX, inplace=False, use_triton=False)
-    loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), kl_coef, entropy_coef)
+    loss, stats = actor_loss_and_stats(rows, terms.mask.sum(), spec)
     return loss, stats, logits.new_empty(0) if d_logits is None else d_logits
 
 
-@_ppo_actor_loss_op.register_fake
-def _(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature, kl_coef,
-      kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high, dual_clip, need_grad,
-      use_triton):
+def _fake_ppo_actor_loss(logits, labels, old_logp, advantages, mask, token_weight, ref_logp, is_weights, temperature,
+                         kl_coef, kl_estimator, kl_clamp, kl_straight_through, entropy_coef, clip_low, clip_high,
+                         dual_clip, need_grad, use_triton):
     dtype = out_dtype(logits)
     return (logits.new_empty((), dtype=dtype), logits.new_empty(len(ACTOR_STATS), dtype=dtype),
             logits.new_empty(logits.shape if need_grad else (0,)))
@@ -565,17 +667,19 @@ def _backward_actor(ctx, grad_loss, *_):
     d_logits, ctx.d_logits = ctx.d_logits, None
     if grad_loss is None or not ctx.needs_input_grad[0]:
         return (None,) * ctx.n_inputs
-    _scale_unless_one_op(d_logits, grad_loss, ctx.use_triton)
+    _scale_unless_one(d_logits, grad_loss, ctx.use_triton)
     return (d_logits,) + (None,) * (ctx.n_inputs - 1)
 
 
-_ppo_actor_loss_op.register_autograd(_backward_actor, setup_context=_setup_actor)
+_ppo_actor_loss = register("ppo_actor_loss", _ppo_actor_loss_op, _fake_ppo_actor_loss, setup_context=_setup_actor,
+                           backward=_backward_actor)
 
 
-def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
-                     entropy_coef, clip_low, clip_high, dual_clip, agg: Agg, what):
-    """The checks of the actor losses' per-token arguments against `shape` (what: its name); returns
-    (kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip) as floats."""
+def actor_prologue(shape, device, what: str, old_logp, advantages, mask, ref_logp, is_weights, *, kl_coef,
+                   kl_estimator, kl_clamp, kl_straight_through, entropy_coef, temperature, clip_low, clip_high,
+                   dual_clip, agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor):
+    """The checks the two public actor ops share: the per-token arguments against `shape` (`what`: its
+    name) and `device`, and the options. Returns (Agg, ActorSpec)."""
     check_float("old_logp", old_logp)  # required; ref_logp and is_weights may be None
     check_float("advantages", advantages)
     for name, x in (("old_logp", old_logp), ("advantages", advantages), ("ref_logp", ref_logp),
@@ -588,6 +692,7 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_wei
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but the logits are on {device}; expected one device")
     check_mask(mask, old_logp, "old_logp")
+    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     kl_coef = check_number("kl_coef", kl_coef)
     if kl_coef != 0 and ref_logp is None:
         raise ValueError(f"kl_coef is {kl_coef} but ref_logp is None: the KL term needs the reference log-probs "
@@ -595,7 +700,10 @@ def check_actor_args(shape, device, old_logp, advantages, mask, ref_logp, is_wei
     entropy_coef = check_number("entropy_coef", entropy_coef)
     check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     kl_clamp = None if kl_clamp is None else check_number("kl_clamp", kl_clamp, positive=True)
-    return (kl_coef, kl_clamp, entropy_coef, *check_clips(clip_low, clip_high, dual_clip))
+    temperature = check_number("temperature", temperature, positive=True)
+    clip_low, clip_high, dual_clip = check_clips(clip_low, clip_high, dual_clip)
+    return agg_, ActorSpec(temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp, bool(kl_straight_through),
+                           entropy_coef, clip_low, clip_high, dual_clip)
 
 
 def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None, kl_coef=0.0, kl_estimator="k3",
@@ -636,19 +744,19 @@ def ppo_actor_loss(logits, labels, old_logp, advantages, mask, *, ref_logp=None,
     shape = tuple(logits.shape[:-1])
     if logits.dim() < 1 or tuple(labels.shape) != shape:
         raise ValueError(f"labels must have shape logits.shape[:-1] = {shape}, got {tuple(labels.shape)}")
-    agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
-    kl_coef, kl_clamp, entropy_coef, clip_low, clip_high, dual_clip = check_actor_args(
-        shape, logits.device, old_logp, advantages, mask, ref_logp, is_weights, kl_coef, kl_estimator, kl_clamp,
-        entropy_coef, clip_low, clip_high, dual_clip, agg_, "logits.shape[:-1]")
-    temperature = check_number("temperature", temperature, positive=True)
+    agg_, spec = actor_prologue(
+        shape, logits.device, "logits.shape[:-1]", old_logp, advantages, mask, ref_logp, is_weights, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
+        entropy_coef=entropy_coef, temperature=temperature, clip_low=clip_low, clip_high=clip_high,
+        dual_clip=dual_clip, agg=agg, global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+        dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     x = as_3d(logits)
     B, T = x.shape[:2]
     rows = lambda t: None if t is None else t.detach().reshape(B, T)  # noqa: E731
     m = rows(mask)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, stats, *_ = _ppo_actor_loss_op(
+    loss, stats, *_ = _ppo_actor_loss(
         x, labels.reshape(B, T), rows(old_logp), rows(advantages), m, token_weights(m, agg_, out_dtype(logits)),
-        rows(ref_logp), rows(is_weights), temperature, kl_coef, KL_ESTIMATORS[kl_estimator], kl_clamp,
-        bool(kl_straight_through), entropy_coef, clip_low, clip_high, dual_clip, need_grad, use_triton(logits))
+        rows(ref_logp), rows(is_weights), *spec, need_grad, use_triton(logits), grad=need_grad)
     names = ACTOR_STATS if ref_logp is not None else ACTOR_STATS[:-1]
     return loss, dict(zip(names, stats.unbind()))
