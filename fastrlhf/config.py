@@ -331,6 +331,11 @@ class DistillConfig(RunConfig):
     """`offline`: the divergence on the data's response tokens (teacher-forced); `on_policy`: the student
     samples a response to each prompt (the rollout path) and the divergence is taken on its own tokens
     (TRL's DistillationTrainer, GKD with lambda = 1)."""
+    rollout_engine: str = "hf"
+    """On-policy: the student's sampler, as `fastrlhf ppo --rollout_engine`: `hf` (transformers' generate),
+    `graph` (fastrlhf's decode engine: the student's LoRA merged into a private bf16 copy re-formed before each
+    step's samples, a CUDA graph on CUDA, its step run eagerly on CPU) or `auto` (graph on CUDA where the model
+    is supported, else hf). Unused offline."""
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32

@@ -8,7 +8,8 @@ between the JSD with mixture (1 - beta) student + beta teacher), from both model
 lm_heads, never holding [N, V] logits of either. Each step, top to bottom:
   1. batch      offline: B (prompt, response) pairs of the data (the SFT format), prompts left-padded;
                 on-policy: B prompts, each answered by the student (the rollout path, fastrlhf.rollout,
-                from softmax(logits / temperature)), as TRL's DistillationTrainer and GKD (lambda 1)
+                from softmax(logits / temperature); `--rollout_engine graph`: PPO's decode engine), as TRL's
+                DistillationTrainer and GKD (lambda 1)
   2. teacher    the teacher's final hidden states at the response positions (no gradient)
   3. loss       the student's hidden states; ops.linear_distill_loss over the response tokens, divided by
                 their global count (TRL's num_items_in_batch)
@@ -45,7 +46,7 @@ from fastrlhf.devices import autocast
 from fastrlhf.metrics import log, setup_logging
 from fastrlhf.models import ModelSource, empty_copy, hidden_states, lm_head, load_causal_lm, model_source, same_encoding
 from fastrlhf.ppo import AUTO_MAX_NEW_TOKENS
-from fastrlhf.rollout import generate
+from fastrlhf.rollout import ROLLOUT_ENGINES, engine_generate, generate, make_engine
 from fastrlhf.run import (
     Range,
     StageRun,
@@ -132,8 +133,11 @@ def distill_step_loss(pair: Distiller, batch: Batch, cfg: DistillConfig, device,
         student_softcap=s_cap, teacher_softcap=t_cap, global_num_tokens=n_tokens)
 
 
-def sample(pair: Distiller, tokenizer, rows: dict, cfg: DistillConfig, device) -> Batch:
-    """Step 1 on-policy: one response of the student to each prompt of `rows`."""
+def sample(pair: Distiller, tokenizer, rows: dict, cfg: DistillConfig, device, engine=None) -> Batch:
+    """Step 1 on-policy: one response of the student to each prompt of `rows`, from the decode engine when
+    there is one (it re-forms its weights from the student first), else from `generate`."""
+    if engine is not None:
+        return engine_generate(engine, pair.student, tokenizer, rows["prompt_ids"], rows["prompt"]).batch
     return generate(pair.student, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_response_len,
                     temperature=cfg.temperature, device=device).batch
 
@@ -210,6 +214,9 @@ def prepare(cfg: DistillConfig, *, student_upstream: ModelSource | None = None,
                  key_prefix, ranges={"beta": Range(0, 1, note="0 forward KL, 1 reverse KL, between the JSD")})
     if cfg.mode not in MODES:
         raise ValueError(f"distill: --{key_prefix}mode must be one of {', '.join(MODES)}, got {cfg.mode!r}")
+    if cfg.rollout_engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"distill: --{key_prefix}rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got "
+                         f"{cfg.rollout_engine!r}")
     distributed.check_shard(cfg.shard, "distill")
     distributed.check_global_batch("distill", batch_size=cfg.batch_size)
     out = Path(cfg.out)
@@ -278,6 +285,10 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses
     columns = {"prompt": plan.prompts, "prompt_ids": plan.prompt_ids}
     offline = plan.response_ids is not None
+    engine = None if offline else make_engine(
+        cfg.rollout_engine, pair.student, tokenizer, batch=cfg.batch_size // distributed.world_size(),
+        prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_response_len, temperature=cfg.temperature,
+        device=device)  # None: the hf path
     data = Dataset.from_dict(dict(columns, response_ids=plan.response_ids) if offline else columns)
     trainable = [p for p in pair.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
@@ -313,7 +324,7 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
         if offline:
             batch = pack(rows["prompt_ids"], rows["response_ids"], pad_id).to(device)
         else:
-            batch = model.run(sample, tokenizer, rows, cfg, device, gathered=pair.student)
+            batch = model.run(sample, tokenizer, rows, cfg, device, engine, gathered=pair.student)
         # 2-3. the teacher's and the student's hidden states, the divergence per response token over their
         #      global count
         n_tokens = distributed.all_sum(batch.response_mask.sum())
@@ -348,6 +359,7 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
     logged = run.rows()
     summary = {"steps": step, "seconds": run.seconds, "skipped_nonfinite": skipped, "mode": cfg.mode,
                "beta": cfg.beta, "temperature": cfg.temperature, "lora_rank": cfg.lora_rank,
+               "rollout_engine": None if offline else "hf" if engine is None else "graph",
                "loss_first": logged[0]["loss"] if logged else None,
                "loss_final": logged[-1]["loss"] if logged else None,
                **sizes, "student_fraction": sizes["student_params"] / sizes["teacher_params"], "device": str(device),

@@ -58,12 +58,27 @@ def test_distill_cli(tmp_path, mode):
     assert ("true_score" in rows[0]) == (mode == "on_policy")  # the student's own samples, scored
     summary = json.loads((tmp_path / "summary.json").read_text())["distill"]
     assert summary["mode"] == mode and summary["steps"] == 6
+    assert summary["rollout_engine"] == ("hf" if mode == "on_policy" else None)
     assert summary["student_params"] < summary["teacher_params"] / 2
     for k in ("true_score_teacher", "true_score_before", "true_score_after"):
         assert 0 <= summary[k] <= 1
     lm, _ = load_causal_lm(str(tmp_path / "distill" / "final"), device=torch.device("cpu"))
     assert sum(p.numel() for p in lm.parameters()) == summary["student_params"]
     assert json.loads((tmp_path / "distill" / "final" / "fastrlhf.json").read_text())["origin"] == "tiny-student"
+
+
+def test_on_policy_samples_with_the_decode_engine(tmp_path, caplog):
+    """--rollout_engine graph: the student's samples come from PPO's decode engine (its step run eagerly on CPU,
+    its weights re-formed from the student before each step's samples); the loss falls as with generate."""
+    caplog.set_level("INFO", logger="fastrlhf")
+    cfg = DistillConfig(teacher="tiny", model="tiny-student", out=str(tmp_path), steps=6, batch_size=8,
+                        num_examples=64, eval_prompts=8, log_every=1, mode="on_policy", rollout_engine="graph",
+                        device="cpu")
+    summary = distill.train(cfg)
+    assert "rollout: engine graph" in caplog.text
+    assert summary["rollout_engine"] == "graph" and summary["loss_final"] < summary["loss_first"]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["response_length"] > 0 for r in rows)
 
 
 def test_resume_gives_the_same_metrics(tmp_path):
@@ -115,6 +130,7 @@ def test_user_data_offline(tmp_path):
 
 @pytest.mark.parametrize("change,match", [
     (dict(mode="online"), "mode must be one of offline, on_policy"),
+    (dict(rollout_engine="vllm"), "rollout_engine must be one of hf, graph, auto"),
     (dict(beta=1.5), r"beta must be in \[0, 1\]"),
     (dict(temperature=0.0), "temperature must be > 0"),
     (dict(teacher=""), "no teacher given and .* does not exist; pass --teacher"),
