@@ -40,12 +40,12 @@ OUTPUTS = ("config.json", "sft", "rm", "ppo", "dpo", "student", "distill", "metr
            "tb")
 ALGOS = ("ppo", "dpo", "distill")
 STUDENT_DIR = "student"  # the student's SFT run folder inside OUT (--algo distill)
+STAGE_DIRS = {"student": "sft"}  # a stage whose folder in its run folder is not its name
 
 
 def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     """Check every stage's configuration, before any model loads. Returns the resolved
-    configuration (what OUT/config.json records) and the (name, train, plan, final folder) of each
-    stage to run."""
+    configuration (what OUT/config.json records) and the (name, train, plan) of each stage to run."""
     cfg = copy.deepcopy(cfg)
     if cfg.algo not in ALGOS:
         raise ValueError(f"pipeline: algo must be one of {', '.join(ALGOS)}, got {cfg.algo!r}")
@@ -62,8 +62,7 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
                         rm=not_run, ppo=not_run, student=not_run, distill=not_run)
         check_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS,
                       defaults=to_dict(PipelineConfig()))
-        return resolved, [("sft", sft.train, sft_plan, out / "sft" / "final"),
-                          ("dpo", dpo.train, dpo_plan, out / "dpo" / "final")]
+        return resolved, [("sft", sft.train, sft_plan), ("dpo", dpo.train, dpo_plan)]
     own_rm = str(out / "rm" / "final")
     train_rm = cfg.ppo.reward in ("", own_rm)
     rm_plan = rm.prepare(cfg.rm, upstream=sft_plan.produces, key_prefix="rm.") if train_rm else None
@@ -75,8 +74,7 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     skipped = f"skipped (ppo.reward {cfg.ppo.reward})"
     resolved = dict(to_dict(cfg), sft=to_dict(sft_plan.cfg), ppo=to_dict(ppo_plan.cfg),
                     rm=to_dict(rm_plan.cfg) if rm_plan else skipped, dpo=not_run, student=not_run, distill=not_run)
-    stages = [("sft", sft.train, sft_plan, out / "sft" / "final"), ("rm", rm.train, rm_plan, out / "rm" / "final"),
-              ("ppo", ppo.train, ppo_plan, out / "ppo" / "final")]
+    stages = [("sft", sft.train, sft_plan), ("rm", rm.train, rm_plan), ("ppo", ppo.train, ppo_plan)]
     if cfg.algo == "distill":  # the PPO policy is the teacher of a smaller student, SFT'd on the same data first
         if cfg.student.data == "auto":
             cfg.student.data = sft_plan.cfg.data
@@ -85,8 +83,7 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
         distill_plan = distill.prepare(cfg.distill, student_upstream=student_plan.produces, teacher_upstream=teacher,
                                        key_prefix="distill.")
         resolved.update(student=to_dict(student_plan.cfg), distill=to_dict(distill_plan.cfg))
-        stages += [("student", sft.train, student_plan, out / STUDENT_DIR / "sft" / "final"),
-                   ("distill", distill.train, distill_plan, out / "distill" / "final")]
+        stages += [("student", sft.train, student_plan), ("distill", distill.train, distill_plan)]
     check_run_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, what="pipeline", own=OUTPUTS,
                   defaults=to_dict(PipelineConfig()))
     return resolved, [s for s in stages if s[2] is not None]
@@ -99,8 +96,8 @@ def run(cfg: PipelineConfig) -> dict:
     out = Path(cfg.out)
     start_stage_dir(out, resolved, resume=cfg.resume, overwrite=cfg.overwrite, remove=OUTPUTS)
     start = time.perf_counter()
-    for name, train, plan, final in stages:
-        if cfg.resume and final.is_dir():
+    for name, train, plan in stages:
+        if cfg.resume and (Path(plan.cfg.out) / STAGE_DIRS.get(name, name) / "final").is_dir():
             log.info("pipeline: %s already finished, skipping", name)
             continue
         result = train(plan.cfg, plan)
