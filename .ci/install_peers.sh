@@ -16,8 +16,9 @@ VENV="${1:-.venv}"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 "${PIP[@]}" --no-deps verl==0.9.1 openrlhf==0.11.2
-# Liger (the bench's log-prob peer, its kernels CUDA-only): pure Python over torch and triton, installed on CPU
-# too so that its provider's import is checked in CI (tests/test_bench.py)
+# Liger (the bench's log-prob and distillation peer): pure Python over torch and triton, installed on CPU too so
+# that its provider's import is checked (tests/test_bench.py) and its fused linear JSD runs in the Triton
+# interpreter against linear_distill_loss (tests/integrations/test_distill_peers.py)
 "${PIP[@]}" --no-deps liger-kernel==0.8.5
 # verl 0.9.1 pins tensordict <= 0.10.0. pip then lists the peers' other (deliberately skipped)
 # dependencies as missing: expected, and filtered from the log; a failing install still fails.

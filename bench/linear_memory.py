@@ -1,14 +1,16 @@
-"""CPU peak memory of chunked `linear_logprobs` vs materialised logits (issue 3's memory figure).
+"""CPU peak memory of the chunked linear ops vs materialised logits (issue 3's memory figure; issue 30's
+for `linear_distill_loss`, whose materialised version holds both models' logits).
 
 Each path runs forward + backward in a fresh subprocess (so no allocator cache is shared).
 The figure is the peak resident set size above what the process held once its inputs
 existed: ru_maxrss after the run minus the RSS measured just before it; "extra" is that minus
 the bytes of the returned gradients (d(hidden), d(weight)), which any implementation must hold.
 
-    python bench/linear_memory.py                      # N=8192 H=256 V=32000 fp32, both ops
+    python bench/linear_memory.py                      # N=8192 H=256 V=32000 fp32, every op
     python bench/linear_memory.py --json out.json
 
-The acceptance bar (issue 3): chunked / materialised <= 0.12 for logprobs forward+backward.
+The acceptance bar (issues 3 and 30): chunked / materialised extra memory <= 0.12 for logprobs and
+for distill (the generalized JSD, beta 0.5, from a teacher of the same shape) forward+backward.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import subprocess
 import sys
 
 PATHS = ("materialised", "chunked")
-OPS = ("logprobs", "actor_loss")
+OPS = ("logprobs", "actor_loss", "distill")
 
 
 def _rss_bytes() -> int:
@@ -43,6 +45,7 @@ def _child(path: str, op: str, n: int, h: int, v: int, chunk_size) -> dict:
     g_logp, g_ent = torch.randn(n), torch.randn(n)
     old_logp, adv = -torch.rand(n) * 5, torch.randn(n)
     mask = torch.rand(n) > 0.2
+    t_hidden, t_weight = torch.randn(n, h), torch.randn(v, h) / h**0.5  # the teacher: no gradient
     # warm up the allocator and kernels on a tiny problem so one-off costs are not counted
     ops.linear_logprobs(hidden[:8].detach(), weight[:64].detach(), labels[:8] % 64)
 
@@ -54,6 +57,13 @@ def _child(path: str, op: str, n: int, h: int, v: int, chunk_size) -> dict:
         else:
             logp, ent = ops.logprobs(hidden @ weight.T, labels, return_entropy=True)
         (logp * g_logp + ent * g_ent).sum().backward()
+    elif op == "distill":
+        if path == "chunked":
+            loss, _ = ops.linear_distill_loss(hidden, weight, t_hidden, t_weight, mask, beta=0.5,
+                                              chunk_size=chunk_size)
+        else:
+            loss, _ = ops.distill_loss(hidden @ weight.T, t_hidden @ t_weight.T, mask, beta=0.5)
+        loss.backward()
     else:
         kw = dict(entropy_coef=0.01, ref_logp=old_logp + 0.1, kl_coef=0.05)
         if path == "chunked":

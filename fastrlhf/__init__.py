@@ -1,4 +1,4 @@
-"""fastrlhf: fast PPO for language models (and critic-free PPO, and DPO).
+"""fastrlhf: fast PPO for language models (and critic-free PPO, DPO, and distillation).
 
 The public ops (`fastrlhf.ops`) take the tensors and conventions of verl / OpenRLHF / TRL
 and run fused Triton kernels on CUDA tensors, a torch path on CPU. The advantage-estimator
@@ -7,10 +7,12 @@ registry is `fastrlhf.ops.ADVANTAGES`.
 
 from fastrlhf.ops import (
     agg_loss,
+    distill_loss,
     dpo_loss,
     entropy,
     gae,
     kl_shaped_rewards,
+    linear_distill_loss,
     linear_dpo_loss,
     linear_logprobs,
     linear_ppo_actor_loss,
@@ -23,6 +25,7 @@ from fastrlhf.ops import (
     register_advantage,
     rollout_correction,
     token_kl,
+    topk_distill_loss,
     value_loss,
     whiten,
 )
@@ -31,10 +34,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "agg_loss",
+    "distill_loss",
     "dpo_loss",
     "entropy",
     "gae",
     "kl_shaped_rewards",
+    "linear_distill_loss",
     "linear_dpo_loss",
     "linear_logprobs",
     "linear_ppo_actor_loss",
@@ -47,6 +52,7 @@ __all__ = [
     "register_advantage",
     "rollout_correction",
     "token_kl",
+    "topk_distill_loss",
     "value_loss",
     "whiten",
 ]

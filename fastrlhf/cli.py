@@ -1,4 +1,4 @@
-"""`fastrlhf sft|rm|dpo|ppo|pipeline|bench|estimate`.
+"""`fastrlhf sft|rm|dpo|ppo|distill|pipeline|bench|estimate`.
 
 Each subcommand lives in its own module, which exposes `main(argv: list[str]) -> int`;
 this file only dispatches, so `fastrlhf --help` stays fast (no model code imported).
@@ -14,8 +14,10 @@ COMMANDS = {
     "rm": ("fastrlhf.rm", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
     "dpo": ("fastrlhf.dpo", "direct preference optimisation on (prompt, chosen, rejected) pairs"),
     "ppo": ("fastrlhf.ppo", "PPO: actor-critic with GAE, or critic-free (GRPO, Dr. GRPO, RLOO, REINFORCE++)"),
-    "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO, or SFT -> DPO with --algo dpo (the embedded default "
-                 "with no arguments)"),
+    "distill": ("fastrlhf.distill", "distil a teacher into a smaller student (offline or on-policy; forward KL, "
+                "reverse KL or generalized JSD)"),
+    "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO, SFT -> DPO with --algo dpo, or PPO then distillation into "
+                 "a smaller student with --algo distill (the embedded default with no arguments)"),
     "bench": ("fastrlhf.bench", "roofline benchmark of every kernel against PyTorch and the peers"),
     "estimate": ("fastrlhf.estimate", "memory / FLOPs / time / cost of each RLHF stage and PPO phase"),
 }

@@ -35,7 +35,7 @@ class RunConfig:
 
     out: str = "runs/default"
     """Run directory: metrics.jsonl, summary.json, plots/ and one folder per stage (`sft/`, `rm/`,
-    `ppo/`, `dpo/`: config.json, checkpoints/, final/); the stages of a run share it."""
+    `ppo/`, `dpo/`, `distill/`: config.json, checkpoints/, final/); the stages of a run share it."""
     prompt_key: str = "prompt"
     """Column of the data holding the prompt text."""
     max_prompt_len: int = 0
@@ -338,8 +338,67 @@ class DPOConfig(RunConfig):
 
 
 @dataclass
+class DistillConfig(RunConfig):
+    """Knowledge distillation of a teacher into a (smaller) student with the teacher-student divergence
+    per token (fastrlhf.linear_distill_loss: forward KL, reverse KL or the generalized JSD, TRL's beta):
+    offline on (prompt, response) data, or on-policy on the student's own samples."""
+
+    model: str = ""
+    """Student to train: a local HF causal-LM directory or a built-in config name (`tiny-student`: half of
+    `tiny` or less; random weights); empty = OUT/student/sft/final (what the pipeline's student SFT writes)."""
+    teacher: str = ""
+    """Teacher (frozen): a local HF causal-LM directory with the student's tokenizer and vocabulary, or a
+    built-in config name; empty = OUT/ppo/final."""
+    data: str = "auto"
+    """Offline: (prompt, response) pairs, as `fastrlhf sft` reads them; on-policy: prompts (the prompt
+    column). A JSONL/JSON/parquet/CSV file or a `datasets.save_to_disk` folder, `builtin` (the built-in
+    task) or `auto` (`builtin` when the student is a built-in config or was trained on the built-in task)."""
+    response_key: str = "response"
+    """Column of the data holding the response text (offline)."""
+    mode: str = "offline"
+    """`offline`: the divergence on the data's response tokens (teacher-forced); `on_policy`: the student
+    samples a response to each prompt (the rollout path) and the divergence is taken on its own tokens
+    (TRL's DistillationTrainer, GKD with lambda = 1)."""
+    rollout_engine: str = "hf"
+    """On-policy: the student's sampler, as `fastrlhf ppo --rollout_engine`: `hf` (transformers' generate),
+    `graph` (fastrlhf's decode engine: the student's LoRA merged into a private bf16 copy re-formed before each
+    step's samples, a CUDA graph on CUDA, its step run eagerly on CPU) or `auto` (graph on CUDA where the model
+    is supported, else hf). Unused offline."""
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per optimizer step."""
+    lr: float = 0.0
+    """AdamW learning rate (10-step warm-up); 0 = auto: 3e-3 for a student grown from `tiny` or
+    `tiny-student`, else 1e-6 with full fine-tuning (TRL 1.16's DistillationConfig default), 1e-4 with LoRA."""
+    beta: float = 0.5
+    """Divergence: 0 forward KL(teacher || student), 1 reverse KL(student || teacher), between the
+    generalized JSD with mixture (1 - beta) student + beta teacher (TRL's and Liger's beta; 0.5 is GKD's
+    and Liger's default, TRL's DistillationTrainer defaults to 1)."""
+    temperature: float = 1.0
+    """Softmax temperature of both models in the divergence (and of the student's sampling on-policy)."""
+    lora_rank: int = 0
+    """LoRA rank of the student's adapters; 0 = full fine-tuning of the student."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    max_response_len: int = 0
+    """Offline: response tokens kept, EOS included; 0 = auto: 16 on the built-in task, else the longest
+    response in the data. On-policy: the longest sampled response; 0 = auto: 12 on the built-in task, else
+    what the prompt leaves of max_position_embeddings, at most 512."""
+    chat_template: bool = True
+    """Render prompts and responses with the tokenizer's chat template when it has one; false, or no
+    template: prompt tokens then response tokens + EOS."""
+    num_examples: int = 4000
+    """Built-in task only, offline: number of (prompt, response) pairs (the SFT data's mixture)."""
+    eval_prompts: int = 256
+    """Built-in task only: held-out prompts to measure the true score of the teacher and of the student
+    before and after."""
+
+
+@dataclass
 class PipelineConfig:
-    """SFT -> reward model -> PPO (or SFT -> DPO with `--algo dpo`) in a row, all under one run
+    """SFT -> reward model -> PPO (or SFT -> DPO with `--algo dpo`; or PPO, then a student's SFT and its
+    distillation from the PPO policy with `--algo distill`) in a row, all under one run
     directory. Every stage's configuration is checked before the first model loads. With a rule
     reward (`--ppo.reward module:function`) or a reward model of your own (`--ppo.reward DIR`) the
     reward-model stage is skipped."""
@@ -357,7 +416,9 @@ class PipelineConfig:
     """Delete what an earlier run left in OUT and start over (without it, a fresh run in a run
     directory is refused)."""
     algo: str = "ppo"
-    """`ppo`: SFT -> reward model -> PPO (any `--ppo.advantage`); `dpo`: SFT -> DPO on preference pairs."""
+    """`ppo`: SFT -> reward model -> PPO (any `--ppo.advantage`); `dpo`: SFT -> DPO on preference pairs;
+    `distill`: SFT -> reward model -> PPO (the teacher), then SFT of a smaller student (`--student.KEY`) and
+    its distillation from the PPO policy (`--distill.KEY`)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised fine-tuning stage (`--sft.KEY`)."""
     rm: RMConfig = field(default_factory=RMConfig)
@@ -366,6 +427,11 @@ class PipelineConfig:
     """PPO stage (`--ppo.KEY`)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """DPO stage of `--algo dpo` (`--dpo.KEY`)."""
+    student: SFTConfig = field(default_factory=lambda: SFTConfig(model="tiny-student", lr=3e-3))
+    """SFT of the student of `--algo distill` (`--student.KEY`), on the SFT stage's data; its run folder is
+    OUT/student (OUT/student/sft/final)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """Distillation stage of `--algo distill` (`--distill.KEY`): the PPO policy into the student."""
 
 
 # ---------------------------------------------------------------- parsing
@@ -399,17 +465,18 @@ class Key(typing.NamedTuple):
     doc: str
 
 
-def flat_fields(cls, prefix: str = "") -> dict[str, Key]:
-    """{"dotted.key": Key(type, default, docstring)} over a dataclass and its nested dataclasses."""
+def flat_fields(cls, prefix: str = "", defaults=None) -> dict[str, Key]:
+    """{"dotted.key": Key(type, default, docstring)} over a dataclass and its nested dataclasses (a nested
+    one's defaults are those its parent's default holds, e.g. the pipeline's student SFT)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    defaults = cls()
+    defaults = cls() if defaults is None else defaults
     inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
     out = {}
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name in inherited):  # the class's own keys first
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            out.update(flat_fields(tp, f"{prefix}{f.name}."))
+            out.update(flat_fields(tp, f"{prefix}{f.name}.", getattr(defaults, f.name)))
         else:
             out[f"{prefix}{f.name}"] = Key(tp, getattr(defaults, f.name), docs.get(f.name, ""))
     return out

@@ -6,6 +6,10 @@ LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound inside exp (policy ratio; k3 KL, bot
 K3_SERIES_BELOW = 0.5  # |r| below which float32 k3 = exp(-r) - 1 + r is summed as its Taylor series (no cancellation)
 PPO_PHASES = ("rollout", "reward", "logprobs", "advantages", "update")  # a PPO step's phases, in order
 WHITEN_EPS = 1e-8  # (x - mean) * rsqrt(var + WHITEN_EPS)
+# distillation: the log-probs that enter the mixture's log m = logaddexp(...) are floored here (below the log of any
+# fp64 probability > 0, >= -745): only tokens of probability 0 under both models change, and logaddexp(-inf, -inf)
+# never feeds an autograd backward a NaN
+LOG_MIX_FLOOR = -1.0e4
 
 # KL estimator names users write -> the formula they select (verl's and OpenRLHF's names)
 KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}

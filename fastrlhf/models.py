@@ -3,7 +3,8 @@ tokenizer, config, lineage, checked), loading, and the accessors the stages use 
 lm_head, final hidden states).
 
 A model is a local Hugging Face directory (config.json, weights, tokenizer files), or a
-built-in config with random weights (`tiny`: the embedded default; `qwen2-0.5b`,
+built-in config with random weights (`tiny`: the embedded default; `tiny-student`: its distillation
+student; `qwen2-0.5b`,
 `llama-0.5b`: 0.5B-class models for GPU timing runs) and the built-in task's char tokenizer.
 Model directories written by the stages carry `fastrlhf.json`: the model they descend from
 (`origin`: a built-in config name, or the resolved path of the user's directory) and the data
@@ -50,6 +51,16 @@ def _tiny_config(vocab_size: int):
                        tie_word_embeddings=False)
 
 
+def _tiny_student_config(vocab_size: int):
+    """A student for `tiny` (the distillation demo, `fastrlhf pipeline --algo distill`): 2 of its 4 layers
+    and half its MLP width: 0.29M parameters, 0.34x its 0.87M."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                       tie_word_embeddings=False)
+
+
 def _qwen2_05b_config(vocab_size: int):
     """Qwen2-0.5B's shapes with random weights, for GPU timing runs. The real vocabulary
     (151936, tied embeddings) is kept whatever `vocab_size` the tokenizer has: the lm_head and
@@ -70,7 +81,8 @@ def _llama_05b_config(vocab_size: int):
                        tie_word_embeddings=False)
 
 
-BUILTIN_MODELS = {"tiny": _tiny_config, "qwen2-0.5b": _qwen2_05b_config, "llama-0.5b": _llama_05b_config}
+BUILTIN_MODELS = {"tiny": _tiny_config, "tiny-student": _tiny_student_config, "qwen2-0.5b": _qwen2_05b_config,
+                  "llama-0.5b": _llama_05b_config}
 
 
 # ---------------------------------------------------------------- before loading

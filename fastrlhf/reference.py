@@ -38,6 +38,7 @@ from fastrlhf.constants import (
     IGNORE_INDEX,
     IS_ESS_EPS,
     KL_ESTIMATORS,
+    LOG_MIX_FLOOR,
     LOG_RATIO_CLAMP,
     MASK_MODES,
     SINGLETON_MODES,
@@ -47,9 +48,10 @@ from fastrlhf.constants import (
 )
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AGG_MODES", "DPO_LOSS_TYPES", "KL_ESTIMATORS", "MASK_MODES", "SINGLETON_MODES",
-           "absolute", "agg_loss", "clamped", "dpo_loss", "entropy", "gae", "group_index", "kl_shaped_rewards",
-           "linear_logprobs", "logprobs", "masked", "masked_mean", "outcome_advantages", "policy_loss",
-           "ppo_actor_loss", "token_kl", "value_loss", "whiten", "whiten_tokens"]
+           "absolute", "agg_loss", "clamped", "distill_divergence", "distill_logprobs", "distill_loss", "dpo_loss",
+           "entropy", "gae", "group_index", "kl_shaped_rewards", "linear_distill_loss", "linear_logprobs", "logprobs",
+           "masked", "masked_mean", "outcome_advantages", "policy_loss", "ppo_actor_loss", "token_kl",
+           "topk_distill_loss", "value_loss", "whiten", "whiten_tokens"]
 
 
 # ---------------------------------------------------------------- gradient rules at ties
@@ -525,6 +527,128 @@ def dpo_loss(chosen_logp, rejected_logp, ref_chosen_logp, ref_rejected_logp, *, 
     return loss, stats
 
 
+# ---------------------------------------------------------------- distillation
+
+
+def distill_logprobs(logits, *, temperature=1.0, logit_scale=1.0, softcap=None):
+    """log softmax(z) over the vocabulary, z = softcap tanh(logit_scale x / softcap) / temperature
+    (without softcap: logit_scale x / temperature): TRL's order, the scale, then the softcap, then
+    the temperature."""
+    z = logits * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return torch.log_softmax(z / temperature, dim=-1)
+
+
+def _expected_log_ratio(p, log_a, log_b):
+    """sum_j p_j (log_a_j - log_b_j) with 0 log 0 = 0: where p_j = 0 the term is 0 (its log-ratio,
+    possibly infinite, is replaced before the product, so no 0 * inf reaches the value or the gradient)."""
+    diff = torch.where(p > 0, log_a - log_b, torch.zeros_like(p))
+    return (p * diff).sum(-1)
+
+
+def _jsd(ls, lt, ps, pt, beta):
+    """beta KL(t || m) + (1 - beta) KL(s || m), log m = logaddexp(log s + log(1 - beta), log t + log beta)."""
+    b = torch.tensor(beta, dtype=ls.dtype)
+    lm = torch.logaddexp(ls.clamp(min=LOG_MIX_FLOOR) + torch.log1p(-b), lt.clamp(min=LOG_MIX_FLOOR) + torch.log(b))
+    return beta * _expected_log_ratio(pt, lt, lm) + (1 - beta) * _expected_log_ratio(ps, ls, lm)
+
+
+def distill_divergence(student_logits, teacher_logits, *, beta, temperature=1.0, student_logit_scale=1.0,
+                       teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None):
+    """Per-position divergence [...] of the student's next-token distribution s from the
+    teacher's t (each `distill_logprobs` of its logits), TRL's generalized JSD (beta = the
+    teacher's weight in the mixture; TRL 1.16 DistillationTrainer, GKD, Liger's JSD):
+
+      beta = 0:  KL(t || s) = sum_j t_j (log t_j - log s_j)          (forward KL)
+      beta = 1:  KL(s || t) = sum_j s_j (log s_j - log t_j)          (reverse KL)
+      else:      beta KL(t || m) + (1 - beta) KL(s || m),  m = (1 - beta) s + beta t
+
+    0 log 0 = 0: a token with probability 0 under the weighting distribution adds 0; one with
+    mass under it and probability 0 under the other model makes the KL infinite (as it is).
+    The teacher is a constant: no gradient reaches `teacher_logits`.
+    """
+    ls = distill_logprobs(student_logits, temperature=temperature, logit_scale=student_logit_scale,
+                          softcap=student_softcap)
+    lt = distill_logprobs(teacher_logits.detach(), temperature=temperature, logit_scale=teacher_logit_scale,
+                          softcap=teacher_softcap)
+    ps, pt = ls.exp(), lt.exp()
+    if beta == 0:
+        return _expected_log_ratio(pt, lt, ls)
+    if beta == 1:
+        return _expected_log_ratio(ps, ls, lt)
+    return _jsd(ls, lt, ps, pt, beta)
+
+
+def distill_loss(student_logits, teacher_logits, mask, *, beta, temperature=1.0, student_logit_scale=1.0,
+                 teacher_logit_scale=1.0, student_softcap=None, teacher_softcap=None, global_num_tokens=None):
+    """(loss, stats): the token mean of `distill_divergence` over the mask, TRL's reduction
+    (DistillationTrainer's num_items_in_batch is global_num_tokens):
+
+      loss = sum(D m) / (global_num_tokens or sum(m)),  0 for an empty mask
+
+    mask [...] bool or float (a float mask weighs tokens; TRL counts mask != 0); positions under
+    mask = 0 add exactly 0 whatever their logits hold. stats: "entropy", the mask-weighted mean
+    entropy of the student's distribution (detached; 0 for an empty mask)."""
+    kw = dict(temperature=temperature, student_logit_scale=student_logit_scale,
+              teacher_logit_scale=teacher_logit_scale, student_softcap=student_softcap,
+              teacher_softcap=teacher_softcap)
+    d = distill_divergence(student_logits, teacher_logits, beta=beta, **kw)
+    loss = agg_loss(d.reshape(-1), mask.reshape(-1), "token-mean", global_num_tokens=global_num_tokens)
+    with torch.no_grad():
+        ls = distill_logprobs(student_logits, temperature=temperature, logit_scale=student_logit_scale,
+                              softcap=student_softcap)
+        ent = -_expected_log_ratio(ls.exp(), ls, torch.zeros_like(ls))
+        stats = {"entropy": masked_mean(ent.reshape(-1), mask.reshape(-1))}
+    return loss, stats
+
+
+def linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask, *, beta,
+                        student_bias=None, teacher_bias=None, **kwargs):
+    """`distill_loss` of the materialised logits hidden @ weight.T + bias of each model."""
+    s = student_hidden @ student_weight.T
+    t = teacher_hidden @ teacher_weight.T
+    s = s if student_bias is None else s + student_bias
+    t = t if teacher_bias is None else t + teacher_bias
+    return distill_loss(s, t, mask, beta=beta, **kwargs)
+
+
+def topk_distill_loss(student_logits, teacher_ids, teacher_logprobs, mask, *, beta, temperature=1.0,
+                      candidate_mask=None, tail_bucket=True, global_num_tokens=None):
+    """(loss, stats): the divergence on the teacher's top-K support (TRL 1.16's async distillation, from a
+    teacher that reports K candidates per position: ids [..., K] and their log-probs [..., K]).
+
+    s_k = log softmax(student_logits / temperature)[id_k] and t_k = the teacher's log-prob, on the valid
+    candidates (candidate_mask, default ids >= 0); tail_bucket: each gets one more element, the mass left
+    out, log(1 - sum exp), with sum exp clamped below exp(-1e-7) (TRL's `_add_tail_bucket`); else both
+    are renormalised over the candidates. D is `distill_divergence`'s formula over those K (+ 1)
+    probabilities; the loss is its token mean over `mask`, as distill_loss. stats: "entropy", the
+    student's full-vocabulary entropy (mask-weighted mean, detached)."""
+    ls_full = distill_logprobs(student_logits, temperature=temperature)
+    valid = teacher_ids >= 0 if candidate_mask is None else candidate_mask.bool()
+    minus_inf = torch.full((), float("-inf"), dtype=ls_full.dtype)
+    ls = torch.where(valid, ls_full.gather(-1, torch.where(valid, teacher_ids, 0).long()), minus_inf)
+    lt = torch.where(valid, teacher_logprobs.detach().to(ls.dtype), minus_inf)
+    if tail_bucket:
+        def tail(lp):
+            rest = torch.log(-torch.expm1(torch.logsumexp(lp, -1, keepdim=True).clamp(max=-1e-7)))
+            return torch.cat([lp, rest], -1)
+
+        ls, lt = tail(ls), tail(lt)
+    else:
+        ls, lt = ls - torch.logsumexp(ls, -1, keepdim=True), lt - torch.logsumexp(lt, -1, keepdim=True)
+    ps, pt = ls.exp(), lt.exp()
+    if beta == 0:
+        d = _expected_log_ratio(pt, lt, ls)
+    elif beta == 1:
+        d = _expected_log_ratio(ps, ls, lt)
+    else:
+        d = _jsd(ls, lt, ps, pt, beta)
+    loss = agg_loss(d.reshape(-1), mask.reshape(-1), "token-mean", global_num_tokens=global_num_tokens)
+    with torch.no_grad():
+        ent = -_expected_log_ratio(ls_full.exp(), ls_full, torch.zeros_like(ls_full))
+        stats = {"entropy": masked_mean(ent.reshape(-1), mask.reshape(-1))}
+    return loss, stats
 # ---------------------------------------------------------------- the policy-loss family
 #
 # One function per formula, registered under the names users write (POLICY_LOSSES; a name can be

@@ -235,7 +235,28 @@ def _actor_loss_calls():
     call(37, torch.float32, ref=False, entropy_coef=0.01, clip_high=0.28)  # no KL term
 
 
-CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls)
+def _distill_calls():
+    """kernels/distill.py: each divergence (MODE 0 forward KL, 1 reverse KL, 2 JSD), with and without the
+    gradient, softcaps, half and full precision, a small V (one tile, 4 warps) and a vocab loop, views."""
+    for beta, dtype, V, kw in [(0.0, torch.bfloat16, 37, {}),
+                               (1.0, torch.float32, 5000, dict(temperature=0.7, student_softcap=3.0)),
+                               (0.5, torch.float16, 5000, dict(teacher_softcap=2.0, student_logit_scale=1.5)),
+                               (0.3, torch.bfloat16, 1271, {})]:
+        student = _leaf(2, 6, V, dtype=dtype)
+        teacher = torch.randn(2, 6, V, device=DEVICE).to(dtype)
+        loss, _ = ops.distill_loss(student[:, :-1], teacher[:, 1:], _mask(2, 5), beta=beta, **kw)
+        _grad([loss], student)
+        with torch.no_grad():  # NEED_GRAD=False
+            ops.distill_loss(student, teacher, _mask(2, 6), beta=beta, **kw)
+    # from hidden states: the gradient written in place over the student's chunk of logits
+    hidden, weight = _leaf(2, 7, 16, dtype=torch.bfloat16), _leaf(300, 16, dtype=torch.bfloat16)
+    loss, _ = ops.linear_distill_loss(hidden, weight, torch.randn(2, 7, 24, device=DEVICE).bfloat16(),
+                                      torch.randn(300, 24, device=DEVICE).bfloat16(), _mask(2, 7), beta=0.5,
+                                      chunk_size=5)
+    _grad([loss], (hidden, weight))
+
+
+CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls, _distill_calls)
 
 
 # ---------------------------------------------------------------- fixtures and tests

@@ -225,6 +225,42 @@ def _linear_dpo_loss(dtype):
     return fn, [torch.randn(2 * B, T, H, dtype=dtype).requires_grad_(), weight, bias]
 
 
+def _distill_loss(dtype):
+    teacher, mask = torch.randn(B, T + 1, V, dtype=dtype), _mask()
+
+    def fn(student):  # logits[:, :-1] views, JSD, a softcap on the teacher, a tensor divisor (TRL's)
+        loss, stats = ops.distill_loss(student[:, :-1], teacher[:, :-1], mask, beta=0.4, temperature=0.9,
+                                       teacher_softcap=3.0, global_num_tokens=torch.tensor(7.0))
+        return [loss, stats["entropy"]]
+
+    return fn, [torch.randn(B, T + 1, V, dtype=dtype, requires_grad=True)]
+
+
+def _linear_distill_loss(dtype):
+    teacher_hidden, teacher_weight = torch.randn(B, T, H + 3, dtype=dtype), torch.randn(V, H + 3, dtype=dtype)
+    mask = _mask()
+
+    def fn(hidden, weight, bias):  # reverse KL, a wider teacher, chunks of 4 rows
+        loss, stats = ops.linear_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, beta=1.0,
+                                              student_bias=bias, temperature=1.1, chunk_size=4)
+        return [loss, stats["entropy"]]
+
+    hidden, weight, bias = _linear_leaves(dtype)
+    return fn, [hidden, weight, bias]
+
+
+def _topk_distill_loss(dtype):
+    ids = torch.randint(0, V, (B, T, 4))
+    ids[0, 0, 3] = -1
+    teacher_logprobs, mask = -torch.rand(B, T, 4, dtype=dtype) * 3, _mask()
+
+    def fn(student):
+        loss, stats = ops.topk_distill_loss(student, ids, teacher_logprobs, mask, beta=0.5, temperature=0.9)
+        return [loss, stats["entropy"]]
+
+    return fn, [torch.randn(B, T, V, dtype=dtype, requires_grad=True)]
+
+
 CASES = {
     "logprobs": _logprobs,
     "logprobs-inplace_backward": lambda dtype: _logprobs(dtype, inplace=True),
@@ -251,6 +287,9 @@ CASES = {
     "dpo_loss": _dpo_loss,
     "linear_sequence_logprobs": _linear_sequence_logprobs,
     "linear_dpo_loss": _linear_dpo_loss,
+    "distill_loss": _distill_loss,
+    "linear_distill_loss": _linear_distill_loss,
+    "topk_distill_loss": _topk_distill_loss,
 }
 NOT_OPS = {"AGG_MODES", "KL_ESTIMATORS", "MASK_MODES", "ADVANTAGES", "register_advantage"}  # constants, the registry
 
@@ -329,7 +368,7 @@ def test_inductor_end_to_end():
 @pytest.mark.parametrize("name", ["logprobs", "logprobs-topk", "entropy", "agg_loss", "token_kl", "policy_loss",
                                   "policy_loss-gspo", "policy_loss-geo_mean", "value_loss", "linear_logprobs",
                                   "dpo_loss", "linear_sequence_logprobs",
-                                  "linear_dpo_loss"])
+                                  "linear_dpo_loss", "topk_distill_loss"])
 def test_gradcheck_float64(monkeypatch, name):
     """(Straight-through KL is left out on purpose: its gradient is by definition not its value's; so are the
     modes whose gradient is a detached weight's times the log-prob's: cispo, dppo, vespo.)"""
@@ -460,6 +499,20 @@ def _opcheck_samples(dtype, triton):
         "dpo_loss": (fl.dpo_loss, (*pairs, None, None, 0.1, "sigmoid", 0.1)),
         "dpo_loss-ipo_lengths": (fl.dpo_loss, (*pairs, lengths, lengths + 1, 0.1, "ipo", 0.0)),
         "dpo_loss-hinge": (fl.dpo_loss, (*pairs, None, None, 0.5, "hinge", 0.0)),
+        # the distillation ops return their gradients (the autograd.Function around them scales them)
+        "distill_loss": (fl.distill_loss, (x.detach(), torch.randn(B, T, V, dtype=dtype), flat(w), 0.5, 0.9, 1.0,
+                                           None, 1.0, 3.0, True, triton)),
+        "distill_loss-reverse_kl": (fl.distill_loss, (x.detach()[:, :-1], x.detach()[:, 1:], flat(w[:, 1:]), 1.0,
+                                                      1.0, 1.3, 2.0, 1.0, None, False, triton)),
+        "linear_distill_loss": (fl.linear_distill_loss,
+                                (hidden.detach(), weight.detach(), bias.detach(),
+                                 torch.randn(B * T, H + 2, dtype=dtype), torch.randn(V, H + 2, dtype=dtype), None,
+                                 flat(w), 0.0, 0.8, 1.0, None, 1.0, None, 4, None, None, True, True, True, triton)),
+        "linear_distill_loss-fp32_logits": (fl.linear_distill_loss,
+                                            (hidden.detach().half(), weight.detach().half(), None,
+                                             torch.randn(B * T, H, dtype=torch.half), weight.detach().half(), None,
+                                             flat(w), 0.5, 1.0, 1.0, 2.0, 1.0, None, 5, None, torch.float32, True,
+                                             False, False, triton)),
     }
 
 

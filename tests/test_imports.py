@@ -96,4 +96,5 @@ def test_ops_layers():
     for name in ops:
         own = {m for m in GRAPH[name] if m.startswith("fastrlhf.") and not m.startswith("fastrlhf.ops")}
         assert own <= {"fastrlhf.constants", "fastrlhf.reference", "fastrlhf.kernels", "fastrlhf.kernels.logprobs",
-                       "fastrlhf.kernels.kl", "fastrlhf.kernels.gae", "fastrlhf.kernels.ppo_loss"}, (name, own)
+                       "fastrlhf.kernels.kl", "fastrlhf.kernels.gae", "fastrlhf.kernels.ppo_loss",
+                       "fastrlhf.kernels.distill"}, (name, own)

@@ -68,6 +68,7 @@ def _small_cases(vocab, linear, grid) -> list[Case]:
     out += [Case("ppo_actor_loss", d, t, FWD_FULL) for d, t in vocab]
     out += [Case("linear_logprobs", d, t, ALL3) for d, t in linear]
     out += [Case("linear_ppo_actor_loss", d, t, FWD_FULL) for d, t in linear]
+    out += [Case("linear_distill_loss", d, t, ("fwd+bwd",)) for d, t in linear]
     return out + _grid_cases(grid)
 
 
@@ -77,7 +78,8 @@ def _target_cases() -> list[Case]:
             Case("logprobs", LOGITS_FEW_ROWS, bf16, ALL3),
             Case("ppo_actor_loss", LOGITS_TARGET, bf16, FWD_FULL),
             Case("linear_logprobs", LINEAR_TARGET, bf16, ALL3),
-            Case("linear_ppo_actor_loss", LINEAR_TARGET, bf16, FWD_FULL), *_grid_cases(GRID_TARGET),
+            Case("linear_ppo_actor_loss", LINEAR_TARGET, bf16, FWD_FULL),
+            Case("linear_distill_loss", LINEAR_TARGET, bf16, ("fwd+bwd",)), *_grid_cases(GRID_TARGET),
             *_grid_cases(GRID_SMALL)]
 
 
@@ -162,6 +164,15 @@ def _linear_actor_inputs(case: Case, device, gen) -> dict:
     return inputs | _actor_extras(1, N, device, gen)
 
 
+def _distill_inputs(case: Case, device, gen) -> dict:
+    """A student and a teacher of the same shape, [N, H] hidden and [V, H] lm_heads, and a mask of every
+    row: TRL's chunked kernel projects only the mask's rows, so equal work needs them all."""
+    student, teacher = _linear_inputs(case, device, gen), _linear_inputs(case, device, gen)
+    return {"student_hidden": student["hidden"], "student_weight": student["weight"],
+            "teacher_hidden": teacher["hidden"].detach(), "teacher_weight": teacher["weight"].detach(),
+            "mask": torch.ones(case.dims["N"], dtype=torch.bool, device=device)}
+
+
 def _grid_inputs(*names, grad=None, scores=False, logp=(), mask=True):
     """[B, T] fp32 inputs named `names` (log-prob-like if in `logp`), a bool `mask` and
     `scores` [B] if asked; `grad` gets requires_grad."""
@@ -210,6 +221,18 @@ def _linear_flops(case: Case) -> dict[str, int]:
     return {"fwd": 2 * N * H * V, "bwd": 4 * N * H * V}
 
 
+def _distill_bytes(case: Case) -> dict[str, int]:
+    N, H, V, e = case.dims["N"], case.dims["H"], case.dims["V"], _nbytes(case.dtype)
+    ins = 2 * (N * H * e + V * H * e) + N
+    return {"fwd": ins, "bwd": ins + N * H * e + V * H * e}
+
+
+def _distill_flops(case: Case) -> dict[str, int]:
+    """Four matmuls: both models' logits forward, d(hidden) and d(weight) of the student backward."""
+    N, H, V = case.dims["N"], case.dims["H"], case.dims["V"]
+    return {"fwd": 4 * N * H * V, "bwd": 4 * N * H * V}
+
+
 def _grid_bytes(n_in: int, n_out: int, grad: bool = False, per_row: int = 0, mask: bool = True):
     """n_in fp32 [B, T] inputs (+ a bool mask, + per_row fp32 [B]) in, n_out fp32 [B, T] out;
     bwd re-reads the inputs and writes one gradient."""
@@ -253,6 +276,11 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("linear_ppo_actor_loss", _linear_actor_inputs, functools.partial(_linear_bytes, actor=True),
        "fwd: hidden [N,H], weight [V,H], labels, old_logp, advantages, ref_logp, mask in; "
        "bwd: the same in, d(hidden), d(weight) out. kl_coef=0.05, entropy_coef=0.01", flops=_linear_flops),
+    Op("linear_distill_loss", _distill_inputs, _distill_bytes,
+       "fwd+bwd: student hidden [N,H], weight [V,H], teacher hidden [N,H], weight [V,H], mask bool in, "
+       "d(student hidden), d(student weight) out; beta=0.5 (generalized JSD). No fwd or bwd alone: the loss "
+       "allows one backward (the gradients are formed in the forward)", flops=_distill_flops,
+       no_compile="the materialised reference holds both models' [N, V] logits and their temporaries"),
     Op("token_kl", _grid_inputs("logp", "ref_logp", grad="logp", logp=("logp", "ref_logp"), mask=False),
        _grid_bytes(2, 1, grad=True, mask=False),
        "fwd: logp, ref_logp fp32 [B,T] in, kl out (k3); bwd: logp, ref_logp, d(kl) in, d(logp) out"),

@@ -10,6 +10,7 @@
                            the peers' own functions, when importable (skipped with the reason
                            otherwise; liger needs CUDA)
     matmuls                the bare matmuls of a linear pass (the bound the linear ops are held to)
+    trl (linear_distill_loss)  TRL's `_chunked_divergence_loss` (DistillationTrainer's chunked kernel)
 
 A provider callable takes the case's inputs as keyword arguments; `load_provider` returns
 it with a flag saying whether it runs under autograd (only `matmuls` does not).
@@ -34,6 +35,8 @@ MODE_PROVIDERS = {m: f"fastrlhf-{m}" for m in MODES_TIMED}
 PROVIDERS = ("fastrlhf", WEIGHT_ACCUM, *MODE_PROVIDERS.values(), "torch", "torch.compile", *PEERS, "matmuls")
 SLOW_PROVIDERS = ("torch.compile",)  # measured after every other provider of every case (compile time)
 ACTOR_KW = {"kl_coef": 0.05, "entropy_coef": 0.01}
+DISTILL_KW = {"beta": 0.5}
+DISTILL_REF_MAX_LOGITS = 2**28  # N x V above which the materialised distillation reference is not run
 
 
 class Skip(Exception):
@@ -107,6 +110,50 @@ _matmuls.autograd = False
 _matmuls.passes = ("fwd", "fwd+bwd")  # bwd alone would need d(logits) made outside the timing
 
 
+def _distill_matmuls(pass_):
+    """The four matmuls distillation from hidden states needs: both models' logits forward; d(h) = g W and
+    d(W) = g^T h of the student backward (g stands in for d(student logits), same shape)."""
+
+    @torch.no_grad()
+    def run(student_hidden, student_weight, teacher_hidden, teacher_weight, **_):
+        g = student_hidden @ student_weight.T
+        teacher_hidden @ teacher_weight.T
+        if pass_ != "fwd":
+            g @ student_weight
+            g.T @ student_hidden
+
+    return run
+
+
+_distill_matmuls.autograd = False
+
+
+def _distill_ours(accum=False):
+    """fastrlhf.ops.linear_distill_loss; with `accum`, d(weight) accumulated in the weight's dtype."""
+
+    def load(pass_):
+        def run(**inputs):
+            kw = {"accum_dtype": inputs["student_weight"].dtype} if accum else {}
+            return ops.linear_distill_loss(**inputs, **DISTILL_KW, **kw)
+
+        return run
+
+    return load
+
+
+def _distill_ref(pass_):
+    """The materialised version: both models' logits, then reference.distill_loss."""
+
+    def run(student_hidden, student_weight, teacher_hidden, teacher_weight, mask):
+        if student_hidden.shape[0] * student_weight.shape[0] > DISTILL_REF_MAX_LOGITS:
+            raise Skip(f"the materialised reference at N x V = {student_hidden.shape[0] * student_weight.shape[0]:.3g} "
+                       "holds both models' logits and several same-size temporaries")
+        return reference.linear_distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, mask,
+                                             **DISTILL_KW)
+
+    return run
+
+
 # ---------------------------------------------------------------- peers
 
 
@@ -158,6 +205,22 @@ def _liger_linear_logprobs(mod, pass_):
     def run(hidden, weight, labels):
         nll = mod.liger_fused_linear_cross_entropy(hidden, weight, labels, reduction="none")
         return -nll.view(labels.shape)
+
+    return run
+
+
+def _trl_distill(mod, pass_):
+    def run(student_hidden, student_weight, teacher_hidden, teacher_weight, mask):
+        return mod._chunked_divergence_loss(student_hidden, teacher_hidden, student_weight, teacher_weight, mask,
+                                            DISTILL_KW["beta"])
+
+    return run
+
+
+def _liger_distill(mod, pass_):
+    def run(student_hidden, student_weight, teacher_hidden, teacher_weight, mask):
+        return mod.LigerFusedLinearJSDFunction.apply(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                                     None, DISTILL_KW["beta"])
 
     return run
 
@@ -223,6 +286,10 @@ TABLE: dict[str, dict[str, Callable]] = {
     "linear_ppo_actor_loss": {"fastrlhf": _ours("linear_ppo_actor_loss", **ACTOR_KW),
                               WEIGHT_ACCUM: _ours_weight_accum("linear_ppo_actor_loss", **ACTOR_KW),
                               "torch": _linear_actor_ref(**ACTOR_KW), "matmuls": _matmuls},
+    "linear_distill_loss": {"fastrlhf": _distill_ours(), WEIGHT_ACCUM: _distill_ours(accum=True),
+                            "torch": _distill_ref, "trl": _peer("trl.trainer.distillation_trainer", _trl_distill),
+                            "liger": _peer("liger_kernel.ops.fused_linear_jsd", _liger_distill, cuda_only=True),
+                            "matmuls": _distill_matmuls},
     "token_kl": {"fastrlhf": _ours("token_kl", estimator="k3"), "torch": _ref("token_kl", estimator="k3"),
                  "verl": _peer(_VERL_ALGOS, _verl_kl), "openrlhf": _peer(_ORLHF_UTILS, _openrlhf_kl)},
     "kl_shaped_rewards": {"fastrlhf": _ours("kl_shaped_rewards", kl_coef=0.05),

@@ -1,4 +1,4 @@
-"""The speed and memory targets (issues 13, 23 and 24), each a ratio of two figures measured in the same run.
+"""The speed and memory targets (issues 13, 23, 24 and 30), each a ratio of two figures measured in the same run.
 
 Issue 24's: the gspo, cispo and clip_cov modes of ppo_actor_loss from logits at [16 x 1024 x 151936] bf16,
 forward + backward, at most 1.1x the vanilla mode's time.
@@ -123,6 +123,9 @@ def _targets() -> list[Target]:
                            op, "fwd+bwd", LINEAR_TARGET, provider),
                     Target(f"{op} fwd+bwd extra peak (GiB){suffix}", "<= 1.0", _extra_peak_gib,
                            op, "fwd+bwd", LINEAR_TARGET, provider)]
+    out += [Target(f"linear_distill_loss fwd+bwd / 4 bare matmuls{'' if p == 'fastrlhf' else f', {p}'}", "<= 1.15",
+                   _time_over("linear_distill_loss", "fwd+bwd", "matmuls"), "linear_distill_loss", "fwd+bwd",
+                   LINEAR_TARGET, p) for p in ("fastrlhf", WEIGHT_ACCUM)]  # issue 30 (beta 0.5, every row valid)
     out += [Target("gae speed-up over the Python loop over T", ">= 1000",
                    _time_over("gae", "fwd", "torch", speedup=True), "gae", "fwd", GRID_TARGET, dtype="float32"),
             Target("gae speed-up over verl compute_gae_advantage_return", ">= 50",

@@ -13,11 +13,12 @@ from fastrlhf.estimate.arch import format_params
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import state_table
 from fastrlhf.estimate.phases import COMPONENTS, host_engine
-from fastrlhf.estimate.plan import FRAGMENTATION, estimate
-from fastrlhf.estimate.spec import Spec, actor_arch, resolved
+from fastrlhf.estimate.plan import FRAGMENTATION, SERVE_STUDENT, estimate
+from fastrlhf.estimate.spec import Spec, actor_arch, resolved, student_arch
 
 DESCRIPTION = """Memory per GPU, FLOPs, time (with a cross-validated range) and cost of each RLHF stage and PPO phase,
-fit per pool; --stage serve: the cost of serving the tuned policy.
+fit per pool; --stage distill: a student (--student) trained to mimic --model; --stage serve: the cost of serving the
+tuned policy (with --student: the teacher's and the student's side by side).
 
 Time is physics (FLOPs / peak, bytes / bandwidth, kernels and host ops x their measured cost) with a few efficiency
 factors fitted to DeepSpeed-Chat's published runs, this trainer's recorded runs and published vLLM serving
@@ -63,6 +64,8 @@ def spec_json(spec: Spec) -> dict:
     if not isinstance(out["model"], str):
         out["model"] = str(actor_arch(spec).source or "config")
     out["lora_targets"] = list(spec.lora_targets)
+    if spec.student is not None and not isinstance(spec.student, str):
+        out["student"] = str(student_arch(spec).source or "config")
     return out
 
 
@@ -88,7 +91,12 @@ def _title(spec: Spec) -> str:
             else ", ".join(f"{k} {v}" for k, v in spec.pools.items()) + f" x {spec.gpu}")
     zero = spec.zero if isinstance(spec.zero, int) else ",".join(f"{k}={v}" for k, v in spec.zero.items())
     train = f"LoRA r={spec.lora_rank}" + (" (QLoRA)" if spec.qlora else "") if spec.lora_rank else "full"
-    return (f"{arch.source or spec.model}: {format_params(arch.params())} params, {gpus}, {spec.engine} "
+    model = f"{arch.source or spec.model}: {format_params(arch.params())} params"
+    if spec.stage == "distill":
+        student = student_arch(spec)
+        model = (f"teacher {model} -> student {student.source or spec.student}: {format_params(student.params())} "
+                 f"params ({'on-policy' if spec.on_policy else 'offline'})")
+    return (f"{model}, {gpus}, {spec.engine} "
             f"ZeRO-{zero}, {spec.dtype}, {train}, gen {host_engine(spec)}"
             + (f" tp{spec.gen_tp}" if spec.gen_tp > 1 else "") + " - memory per GPU in GB (1e9 B)")
 
@@ -150,6 +158,8 @@ def format_table(result: dict, spec: Spec) -> str:
     from rich.table import Table
 
     if "serve" in result["stages"]:
+        if SERVE_STUDENT in result["stages"]:
+            return format_serve_pair(result["stages"]["serve"], result["stages"][SERVE_STUDENT], spec)
         return format_serve(result["stages"]["serve"], spec)
     table = Table(title=_title(spec))
     for col in ("stage / phase", *COMPONENTS, "peak", "fits", "TFLOP", "seconds", "range", "share"):
@@ -172,8 +182,8 @@ def format_table(result: dict, spec: Spec) -> str:
     return "\n".join(lines)
 
 
-def format_serve(r: dict, spec: Spec) -> str:
-    arch = actor_arch(spec)
+def format_serve(r: dict, spec: Spec, arch=None) -> str:
+    arch = arch or actor_arch(spec)
     lines = [f"{arch.source or spec.model}: {format_params(arch.params())} params, {r['weights_precision']} weights, "
              f"{r['gpus_per_replica']} x {spec.gpu} per replica, {spec.seq_len} prompt + {spec.gen_len} output tokens"]
     mem = r["memory_per_gpu_bytes"]
@@ -197,6 +207,40 @@ def format_serve(r: dict, spec: Spec) -> str:
                                                if k != "host_bound_share"))
     lines.append(_factors_line("gpu"))
     return "\n".join(lines)
+
+
+def format_serve_pair(teacher: dict, student: dict, spec: Spec) -> str:
+    """--stage serve --student: each model's serving as format_serve prints it, then the two side by side."""
+    from rich.table import Table
+
+    archs = {"teacher": actor_arch(spec), "student": student_arch(spec)}
+    results = {"teacher": teacher, "student": student}
+    table = Table(title=f"serving the teacher and its student, {spec.gpu}, {spec.seq_len} prompt + {spec.gen_len} "
+                        "output tokens")
+    for col in ("", "teacher", "student", "student / teacher"):
+        table.add_column(col, justify="left" if not col else "right")
+    rows = [("parameters", lambda r, a: a.params(), format_params),
+            ("weights per GPU, GB", lambda r, a: r["memory_per_gpu_bytes"]["weights"], _gb),
+            ("KV per request, GB", lambda r, a: r["kv_bytes_per_sequence"], _gb),
+            ("requests that fit", lambda r, a: r["max_concurrency"], str),
+            ("TTFT, ms", lambda r, a: r["ttft_s"] * 1e3, lambda v: f"{v:.1f}"),
+            ("TPOT, ms", lambda r, a: r["tpot_s"] * 1e3, lambda v: f"{v:.2f}"),
+            ("requests decoding", lambda r, a: r["concurrency"], lambda v: f"{v:.1f}"),
+            ("output tokens/s per GPU", lambda r, a: r["tokens_per_s_per_replica"] / r["gpus_per_replica"],
+             lambda v: f"{v:.0f}"),
+            ("most requests/s per GPU", lambda r, a: r["max_requests_per_s_per_replica"] / r["gpus_per_replica"],
+             lambda v: f"{v:.2f}")]
+    if spec.request_rate:
+        rows.append((f"GPUs for {spec.request_rate} requests/s", lambda r, a: r["gpus"], str))
+    if spec.price:
+        rows.append(("$ per 1M output tokens", lambda r, a: r["usd_per_1m_output_tokens"], lambda v: f"{v:.3f}"))
+    for name, value, text in rows:
+        t, s = (value(results[k], archs[k]) for k in ("teacher", "student"))
+        fits = teacher["fits"] and student["fits"]
+        table.add_row(name, text(t), text(s), f"{s / t:.2f}" if fits and t else "-")
+    parts = [f"teacher: {format_serve(teacher, spec, archs['teacher'])}",
+             f"student: {format_serve(student, spec, archs['student'])}", _render(table)]
+    return "\n".join(parts)
 
 
 def plot(result: dict, path: str) -> None:

@@ -194,6 +194,9 @@ def shards_weights(engine: str, zero: int) -> bool:
     return zero == 3 or (engine == "fsdp2" and zero == 2)
 
 
+LORA_TRAINED = ("actor", "critic", "student")  # the models --lora-rank gives adapters (the rest train every weight)
+
+
 def _frozen_weight_bytes(m: ModelState, engine: str, db: int, lora: bool, qlora: bool, reward_fp32: bool) -> float:
     if m.shares_base:
         return 0.0
@@ -202,6 +205,8 @@ def _frozen_weight_bytes(m: ModelState, engine: str, db: int, lora: bool, qlora:
         frozen_db = state_bytes("fsdp2", "fp32" if db == 4 else "mixed", 0)["weights"].bytes  # the policy's copy
     if engine == "fsdp2" and m.name == "reward" and reward_fp32:
         frozen_db = 4
+    if engine == "fsdp2" and m.name == "teacher":  # fastrlhf distill loads the teacher as it loads the student: fp32
+        frozen_db = state_bytes("fsdp2", "fp32" if db == 4 else "mixed", 0)["weights"].bytes
     return weight_bytes(m.arch, frozen_db, qlora and lora)
 
 
@@ -211,7 +216,7 @@ def fill_states(m: ModelState, *, engine: str, dtype: str, lora_rank: int, lora_
     arch, n, z = m.arch, m.gpus, m.zero
     db = DTYPE_BYTES[dtype]
     precision = "fp32" if db == 4 else "mixed"
-    lora = lora_rank > 0 and m.name in ("actor", "critic", "ema")
+    lora = lora_rank > 0 and m.name in (*LORA_TRAINED, "ema")
     layer = largest_layer_params(arch)
     table = state_bytes(engine, precision, z, offload if m.trainable else "none")
     adapters = lora_params(arch, lora_rank, lora_targets) if lora else 0

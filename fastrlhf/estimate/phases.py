@@ -4,6 +4,7 @@ a typed `Phase` (memory per pool, work per pool, FLOPs).
 
     ppo, grpo   rollout, reward, logprobs, advantages, update   (the trainer's five phases, one after another)
     dpo         logprobs (policy and reference over the pairs), update
+    distill     rollout (--on-policy: the student samples), teacher (its forward), update (the student's)
     sft, rm     step
 
 Colocated placement runs every phase on all GPUs; disaggregated placement gives generation, actor, critic,
@@ -29,6 +30,7 @@ from fastrlhf.estimate.arch import Arch
 from fastrlhf.estimate.hardware import Device
 from fastrlhf.estimate.memory import (
     DTYPE_BYTES,
+    LORA_TRAINED,
     ModelState,
     activation_bytes,
     forward_working_bytes,
@@ -37,7 +39,7 @@ from fastrlhf.estimate.memory import (
     shards_weights,
     state_bytes,
 )
-from fastrlhf.estimate.spec import Spec, resolved
+from fastrlhf.estimate.spec import Spec, resolved, student_arch
 from fastrlhf.estimate.timing import Work
 
 COMPONENTS = ("weights", "gradients", "optimizer", "buffers", "activations", "logits", "kv_cache")
@@ -162,7 +164,7 @@ class Context:
 
     def adapters(self, m: ModelState) -> int:
         """LoRA adapters a trained model runs per layer (0 for full fine-tuning and frozen models)."""
-        if not self.spec.lora_rank or m.name not in ("actor", "critic"):
+        if not self.spec.lora_rank or m.name not in LORA_TRAINED:
             return 0
         return sum(1 for t in m.arch.linear_shapes() if t in self.spec.lora_targets)
 
@@ -175,7 +177,7 @@ class Context:
         return m.arch.params() * self.db
 
 
-PhaseFn = Callable[[Context], Phase]
+PhaseFn = Callable[[Context], Phase | None]  # None: the phase does not run in this configuration
 STAGE_PHASES: dict[str, dict[str, PhaseFn]] = {}
 
 
@@ -326,10 +328,10 @@ def _generate_rollout(ctx: Context, actor: ModelState, sequences: float, work: W
 
 
 @register_phase(("ppo", "grpo"), "rollout")
-def rollout(ctx: Context) -> Phase:
-    """Generation on the gen pool (colocated: every GPU): vllm, or hf / ds-he with the actor's weights; the
-    collectives that bring the weights to it."""
-    spec, dev, actor = ctx.spec, ctx.dev, ctx.by["actor"]
+def rollout(ctx: Context, sampler: str = "actor") -> Phase:
+    """Generation on the gen pool (colocated: every GPU): vllm, or hf / ds-he with the weights of `sampler` (the
+    actor; distillation's student); the collectives that bring the weights to it."""
+    spec, dev, actor = ctx.spec, ctx.dev, ctx.by[sampler]
     gen_pool = ctx.pool_of("gen")
     if gen_pool not in ctx.pools:
         raise ValueError("pools: disaggregated placement needs a gen=N pool for generation")
@@ -443,7 +445,7 @@ def train_model(ctx: Context, m: ModelState, sequences: float, seq: int, *, micr
                 lm_head: bool) -> Work:
     """A trained model's forward + backward over `sequences`, its optimizer `steps` and their collectives."""
     spec = ctx.spec
-    lora = spec.lora_rank > 0 and m.name in ("actor", "critic")
+    lora = spec.lora_rank > 0 and m.name in LORA_TRAINED
     work = W.train_work(ctx.work(m.arch), m.arch, sequences, seq, micro=micro, db=ctx.db, lm_head=lm_head,
                         lora=lora, adapters=ctx.adapters(m), checkpointing=spec.gradient_checkpointing,
                         head_tokens=ctx.head_tokens(sequences) if lm_head else None)
@@ -464,7 +466,7 @@ def training_memory(ctx: Context, m: ModelState, mem: Memory, tokens: float, *, 
     mem.at_least(gradients=m.gradients, buffers=m.buffers())
     mem.at_least(activations=activation_bytes(
         m.arch, tokens=tokens, seq=ctx.seq, dtype=spec.dtype, checkpointing=spec.gradient_checkpointing,
-        lora_rank=spec.lora_rank if m.name in ("actor", "critic") else 0, lora_targets=spec.lora_targets,
+        lora_rank=spec.lora_rank if m.name in LORA_TRAINED else 0, lora_targets=spec.lora_targets,
         qlora=spec.qlora, flash_attention=spec.flash_attention))
     if lm_head:
         mem.at_least(logits=logit_bytes(m.arch, tokens=tokens, dtype=spec.dtype, mode=spec.logits, backward=True))
@@ -490,6 +492,66 @@ def update(ctx: Context) -> Phase:
         flops += spec.ppo_epochs * W.train_passes(lora, spec.gradient_checkpointing) * W.forward_flops(
             m.arch, ctx.total_seqs * ctx.seq, ctx.seq / 2, m.lm_head)
     return Phase("train", memory, work, flops, work_by_model=by_model, optimizer_steps=steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Distillation (fastrlhf distill): a trained student and the frozen teacher under one root on every GPU. Each step
+# (rollout_batch sequences over all GPUs, micro_batch per forward / backward): on-policy, the student samples its
+# responses (hf generate, the policy gathered once); the teacher's forward to its final hidden states; the
+# student's forward + backward with ops.linear_distill_loss over the response tokens, which projects one chunk of
+# each model's logits at a time (the teacher's lm_head runs there: counted with the teacher's forward).
+
+
+@register_models("distill")
+def _distill_models(spec, arch, other):
+    return [Role("student", student_arch(spec), True, True, "actor"), Role("teacher", arch, False, True, "actor")]
+
+
+def _micro(ctx: Context, m: ModelState) -> float:
+    """Sequences per forward / backward of a distillation step on one GPU."""
+    return min(ctx.spec.micro_batch, ctx.share(m))
+
+
+@register_phase("distill", "rollout")
+def student_rollout(ctx: Context) -> Phase | None:
+    """--on-policy: the student samples the step's responses (gen_len tokens each); offline: no phase."""
+    return rollout(ctx, "student") if ctx.spec.on_policy else None
+
+
+@register_phase("distill", "teacher")
+def teacher_forward(ctx: Context) -> Phase:
+    """The teacher's no-grad forward over the step's sequences, micro_batch at a time (ZeRO-3: gathered per
+    call), and its lm_head on the response tokens."""
+    spec, teacher = ctx.spec, ctx.by["teacher"]
+    mb = _micro(ctx, teacher)
+    work = W.forward_work(ctx.work(teacher.arch), teacher.arch, ctx.share(teacher), ctx.seq, micro=mb, db=ctx.db,
+                          lm_head=True, head_tokens=ctx.head_tokens(ctx.share(teacher)))
+    if teacher.zero == 3:
+        work.comm += W.collective(ctx.dev, ctx.gather_bytes(teacher), teacher.gpus, math.ceil(ctx.share(teacher) / mb))
+    mem = ctx.base(teacher.pool).at_least(buffers=teacher.gathered)
+    mem.activations = forward_working_bytes(teacher.arch, tokens=mb * ctx.seq, seq=ctx.seq, dtype=spec.dtype,
+                                            flash_attention=spec.flash_attention)
+    flops = W.forward_flops(teacher.arch, ctx.total_seqs * ctx.seq, ctx.seq / 2,
+                            head_tokens=ctx.head_tokens(ctx.total_seqs))
+    return Phase("forward", {teacher.pool: mem}, {teacher.pool: work}, flops, work_by_model={"teacher": work})
+
+
+@register_phase("distill", "update")
+def student_update(ctx: Context) -> Phase:
+    """The student's forward + backward and one optimizer step; beside its own activations and logits it holds the
+    teacher's final hidden states of the micro-batch and one chunk of the teacher's logits (no gradient)."""
+    spec, student, teacher = ctx.spec, ctx.by["student"], ctx.by["teacher"]
+    mb = _micro(ctx, student)
+    tokens = mb * ctx.seq
+    mem = training_memory(ctx, student, ctx.base(student.pool), tokens, lm_head=True)
+    head_tokens = ctx.head_tokens(mb) or tokens
+    mem.activations += head_tokens * teacher.arch.hidden * ctx.db
+    mem.logits += logit_bytes(teacher.arch, tokens=head_tokens, dtype=spec.dtype, mode=spec.logits, backward=False)
+    work = train_model(ctx, student, ctx.share(student), ctx.seq, micro=mb, steps=1, lm_head=True)
+    flops = W.train_passes(spec.lora_rank > 0, spec.gradient_checkpointing) * W.forward_flops(
+        student.arch, ctx.total_seqs * ctx.seq, ctx.seq / 2, head_tokens=ctx.head_tokens(ctx.total_seqs))
+    return Phase("train", {student.pool: mem}, {student.pool: work}, flops, work_by_model={"student": work},
+                 optimizer_steps=1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import fastrlhf.estimate.timing as timing
-from fastrlhf.estimate.arch import Arch, format_params, parse_params, resolve_model, scaled
+from fastrlhf.estimate.arch import Arch, format_params
 from fastrlhf.estimate.hardware import Device, device
 from fastrlhf.estimate.memory import ModelState, fill_states, largest_layer_params
 from fastrlhf.estimate.phases import (
@@ -31,33 +31,28 @@ from fastrlhf.estimate.phases import (
     host_engine,
 )
 from fastrlhf.estimate.serve import serve
-from fastrlhf.estimate.spec import POOLS, STAGES, Spec, actor_arch, check, resolved, zero_items, zero_of
+from fastrlhf.estimate.spec import (
+    POOLS,
+    STAGES,
+    Spec,
+    actor_arch,
+    check,
+    other_arch,
+    resolved,
+    student_arch,
+    zero_items,
+    zero_of,
+)
 
 __all__ = ["COMPONENTS", "PPO_PHASES", "STAGES", "POOLS", "Spec", "Plan", "StageResult", "estimate", "make_plan",
            "resolved", "check", "host_engine", "phase_works"]
 
+SERVE_STUDENT = "serve_student"  # --stage serve --student: the student's serving cost, beside the model's
 FRAGMENTATION = 0.05  # of the GPU's memory: the allocator's cache of freed blocks (the module docstring)
 
 
 # ---------------------------------------------------------------------------------------------
 # Models and pools
-
-
-def other_arch(value, actor: Arch, what: str) -> Arch:
-    """A critic's or reward model's shape: the actor's, a parameter count (the actor scaled to it) or a model."""
-    if isinstance(value, Arch | dict):
-        return resolve_model(value)
-    if value == "actor":
-        return actor
-    try:
-        return scaled(actor, parse_params(value, what))
-    except (ValueError, TypeError):
-        pass
-    try:
-        return resolve_model(value)
-    except ValueError as err:
-        raise ValueError(f"{what}: expected actor, a parameter count (350M) or a model, got {value!r} "
-                         f"({err})") from None
 
 
 def pool_gpus(spec: Spec) -> dict[str, int]:
@@ -204,7 +199,7 @@ def run_stage(spec: Spec, stage: str) -> StageResult:
     arch, dev = actor_arch(spec), device(spec.gpu)
     models = build_models(spec, arch, stage)
     ctx = Context(spec, stage, arch, dev, models, pool_gpus(spec))
-    phases = {name: fn(ctx) for name, fn in STAGE_PHASES[stage].items()}
+    phases = {name: phase for name, fn in STAGE_PHASES[stage].items() if (phase := fn(ctx)) is not None}
     return StageResult(stage, phases, models, pool_fit(phases, dev, pool_gpus(spec)))
 
 
@@ -236,7 +231,7 @@ def _candidates(spec: Spec, stage: str) -> list[tuple[str, dict]]:
         out.append(("--gradient-checkpointing", {"gradient_checkpointing": True}))
     if spec.micro_batch > 1:
         out.append(("--micro-batch 1", {"micro_batch": 1}))
-    if stage in ("ppo", "grpo"):
+    if stage in ("ppo", "grpo") or (stage == "distill" and spec.on_policy):
         per_gpu = spec.rollout_batch * spec.num_generations / max(pool_gpus(spec).values())
         if (spec.micro_rollout_batch or per_gpu) > 4:
             out.append(("--micro-rollout-batch 4", {"micro_rollout_batch": 4}))
@@ -285,6 +280,8 @@ def make_plan(spec: Spec | None = None, **overrides) -> Plan:
     out = Plan(spec, actor_arch(spec), device(spec.gpu))
     if spec.stage == "serve":
         out.stages["serve"] = serve(spec)
+        if spec.student is not None:  # the distilled student, served the same way
+            out.stages[SERVE_STUDENT] = serve(spec, student_arch(spec))
         return out
     for stage in ("sft", "rm", "ppo") if spec.stage == "all" else (spec.stage,):
         result = run_stage(spec, stage)

@@ -18,7 +18,7 @@ iteration); a replica sustains at most max concurrency / (TTFT + O x TPOT) reque
 GPUs a target rate needs. fp8 weights run W8A8 on GPUs with fp8 tensor cores (H100, H200: twice the bf16 peak),
 weight-only elsewhere; int8 / int4 are weight-only (Marlin-style: the weights read at their width, bf16 compute).
 Calibrated with the RLHF sources on published vLLM measurements (data/serving_points.json), under the same
-leave-one-source-out rule.
+leave-one-source-out rule. With --student, the student is served the same way beside the model (its teacher).
 """
 
 from __future__ import annotations
@@ -154,8 +154,10 @@ class ServeResult:
                 "decode_terms": T.terms(e.step_work(self.concurrency))}
 
 
-def serve(spec: Spec) -> ServeResult:
-    e = engine_of(spec, actor_arch(spec))
+def serve(spec: Spec, arch: Arch | None = None) -> ServeResult:
+    """Serving `arch` (default: --model) as `spec` asks: the concurrency that fits, or the one given, or the
+    replicas a request rate needs."""
+    e = engine_of(spec, arch or actor_arch(spec))
     cap = e.max_concurrency()
     if cap < 1:
         return ServeResult(e, 0.0, math.inf, math.inf, spec.request_rate, 0)

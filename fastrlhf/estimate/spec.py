@@ -16,9 +16,9 @@ from fastrlhf.estimate.arch import LINEARS, Arch, parse_params, resolve_model, s
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import DTYPE_BYTES, ENGINES, OFFLOADS
 
-STAGES = ("sft", "rm", "ppo", "grpo", "dpo", "serve")
+STAGES = ("sft", "rm", "ppo", "grpo", "dpo", "distill", "serve")
 POOLS = ("gen", "actor", "critic", "reference", "reward")
-ZERO_MODELS = ("actor", "critic", "reference", "reward", "ema", "all")
+ZERO_MODELS = ("actor", "critic", "reference", "reward", "ema", "student", "teacher", "all")
 GEN_ENGINES = ("hf", "ds-he", "vllm")
 ROLLOUT_CACHES = ("auto", "dynamic", "static")
 LOGITS = ("linear", "fused", "materialised")
@@ -41,7 +41,8 @@ class Spec:
     """Actor parameter count (7.5e9, 7.5B, 770M): the model is widened or narrowed to it (layers kept;
     weights, FLOPs, activations and KV cache follow)."""
     stage: str = "ppo"
-    """sft, rm, ppo, grpo, dpo, all (sft, rm, ppo) or serve (deploying the tuned policy)."""
+    """sft, rm, ppo, grpo, dpo, distill (--model the teacher, --student trained to mimic it), all (sft, rm, ppo) or
+    serve (deploying the tuned policy; with --student, the student beside it)."""
     gpus: int = 1
     """GPUs of a colocated run (--gpu cpu: processes, torchrun --nproc-per-node)."""
     placement: str = "colocated"
@@ -127,6 +128,14 @@ class Spec:
     max_num_seqs, 256)."""
     request_rate: float | None = None
     """--stage serve: requests per second to serve: the latency at that load and the GPUs it needs."""
+    student: str | dict | Arch | None = None
+    """--stage distill: the student trained to mimic --model (the frozen teacher), as `fastrlhf distill`; --stage
+    serve: a student served beside --model, side by side. A preset, built-in, model directory, config.json, or a
+    parameter count (--model narrowed to it). It shares the teacher's vocabulary."""
+    on_policy: bool = False
+    """--stage distill: the student samples its gen_len-token responses every step (hf generate), as `fastrlhf
+    distill --mode on_policy`; false: offline (prompt, response) data. rollout_batch: sequences per optimizer step
+    over all GPUs; micro_batch: per forward / backward per GPU."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +176,36 @@ def actor_arch(spec: Spec) -> Arch:
     if spec.params is not None:
         arch = scaled(arch, parse_params(spec.params))
     return arch
+
+
+def other_arch(value, actor: Arch, what: str) -> Arch:
+    """A critic's, reward model's or student's shape: the actor's, a parameter count (the actor scaled to it) or a
+    model."""
+    if isinstance(value, Arch | dict):
+        return resolve_model(value)
+    if value == "actor":
+        return actor
+    try:
+        return scaled(actor, parse_params(value, what))
+    except (ValueError, TypeError):
+        pass
+    try:
+        return resolve_model(value)
+    except ValueError as err:
+        raise ValueError(f"{what}: expected actor, a parameter count (350M) or a model, got {value!r} "
+                         f"({err})") from None
+
+
+def student_arch(spec: Spec) -> Arch:
+    """The student's shape (--student), which must share the teacher's (--model) vocabulary: the divergence
+    compares their next-token distributions token by token."""
+    teacher = actor_arch(spec)
+    student = other_arch(spec.student, teacher, "student")
+    if student.vocab != teacher.vocab:
+        raise ValueError(f"student: {student.source or spec.student} has a vocabulary of {student.vocab} and the "
+                         f"teacher {teacher.source or spec.model} {teacher.vocab}; a student shares its teacher's "
+                         "vocabulary")
+    return student
 
 
 def resolved(spec: Spec) -> Spec:
@@ -286,9 +325,26 @@ def _check_generation(spec: Spec) -> None:
         raise ValueError("pools: only with placement='disaggregated' (colocated runs use gpus)")
 
 
+def _check_distill(spec: Spec) -> None:
+    if spec.stage == "distill":
+        if spec.student is None:
+            raise ValueError("student: --stage distill needs --student (a model, or a parameter count such as 0.5B)")
+        if spec.placement != "colocated":
+            raise ValueError("placement: fastrlhf distill holds the student and the teacher under one FSDP root on "
+                             "every GPU: colocated only")
+        if spec.on_policy and spec.gen_engine != "hf":
+            raise ValueError(f"gen_engine: fastrlhf distill samples with hf generate (the rollout path), got "
+                             f"{spec.gen_engine!r}")
+    elif spec.on_policy:
+        raise ValueError(f"on_policy: a --stage distill option, got --stage {spec.stage}")
+    elif spec.student is not None and spec.stage != "serve":
+        raise ValueError(f"student: --stage distill or serve only, got --stage {spec.stage}")
+
+
 def check(spec: Spec) -> None:
     """Reject what no run can be, naming the argument (`spec` resolved)."""
     _check_values(spec)
     _check_zero_and_offload(spec)
     _check_lora(spec)
     _check_generation(spec)
+    _check_distill(spec)

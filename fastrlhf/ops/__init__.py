@@ -4,7 +4,8 @@ autograd), dispatch. The contract (formulas, conventions, tolerances, tie rules)
 One module per op family, mirroring kernels/: logprobs, kl, gae, losses (policy, value and the
 actor loss from logits), linear (from hidden states + lm_head); and two without kernels (their
 work is over B sequences): advantages (critic-free outcome advantages and their registry), dpo
-(the DPO losses, and the per-sequence log-prob sums from hidden states through linear); and
+(the DPO losses, and the per-sequence log-prob sums from hidden states through linear); distill
+(teacher-student divergences from logits or from both models' hidden states, kernels/distill.py);
 correction (rollout_correction: sampler-vs-trainer importance weights and rejection) and
 policy_modes (the policy-loss family's per-token math, for policy_loss / ppo_actor_loss). CUDA
 tensors run the Triton kernels; CPU tensors a torch path with the same conventions. `FASTRLHF_BACKEND=triton` forces
@@ -15,6 +16,7 @@ Every public op is one or a few `fastrlhf::*` custom ops, so torch.compile trace
 from fastrlhf.constants import AGG_MODES, KL_ESTIMATORS, MASK_MODES
 from fastrlhf.ops.advantages import ADVANTAGES, outcome_advantages, register_advantage
 from fastrlhf.ops.correction import rollout_correction
+from fastrlhf.ops.distill import distill_loss, linear_distill_loss, topk_distill_loss
 from fastrlhf.ops.dpo import dpo_loss, linear_dpo_loss, linear_sequence_logprobs
 from fastrlhf.ops.gae import gae, raw_moments, whiten
 from fastrlhf.ops.kl import kl_shaped_rewards, token_kl
@@ -28,10 +30,12 @@ __all__ = [
     "KL_ESTIMATORS",
     "MASK_MODES",
     "agg_loss",
+    "distill_loss",
     "dpo_loss",
     "entropy",
     "gae",
     "kl_shaped_rewards",
+    "linear_distill_loss",
     "linear_dpo_loss",
     "linear_logprobs",
     "linear_ppo_actor_loss",
@@ -44,6 +48,7 @@ __all__ = [
     "register_advantage",
     "rollout_correction",
     "token_kl",
+    "topk_distill_loss",
     "value_loss",
     "whiten",
 ]
