@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+import fastrlhf.ops.policy_modes as pm
 from fastrlhf.constants import AGG_MODES, IGNORE_INDEX, KL_ESTIMATORS, LOG_RATIO_CLAMP
-from fastrlhf.ops import policy_modes as pm
 from fastrlhf.ops._common import (
     as_dtype,
     as_rows,
