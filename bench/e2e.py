@@ -586,29 +586,18 @@ def update_readme(readme: Path = ROOT / "README.md", results_dir: Path = RESULTS
 # ---------------------------------------------------------------- main
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def new_record(args, plan: Plan, parts: list[str]) -> dict:
     import importlib.metadata
 
     import torch
 
     from fastrlhf.bench.environment import environment
+    from fastrlhf.estimate.record import cpu_model
 
     env = environment(torch.device(args.device))
     return {
         "schema": SCHEMA, "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": args.device,
-        "device_name": env["device"] if args.device == "cuda" else f"CPU: {cpu_name()}, {os.cpu_count()} cores",
+        "device_name": env["device"] if args.device == "cuda" else f"CPU: {cpu_model()}, {os.cpu_count()} cores",
         "commit": env.get("commit") or "unknown", "environment": env, "quick": args.quick, "parts": parts,
         "command": shlex.join(["python", "bench/e2e.py", *args.argv]), "finished": False,
         "versions": {d: _version(importlib.metadata, d) for d in ("torch", "transformers", "peft", "accelerate", "trl")}

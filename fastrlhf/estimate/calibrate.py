@@ -458,11 +458,11 @@ def probe_cpu_into_devices() -> dict:
     import os
 
     from fastrlhf.estimate.hardware import probe_cpu
-    from fastrlhf.estimate.record import _cpu_model
+    from fastrlhf.estimate.record import cpu_model
 
     one = probe_cpu(threads=1)
     every = probe_cpu(threads=os.cpu_count() or 1)
-    spec = {"name": f"{_cpu_model()}, {os.cpu_count()} cores",
+    spec = {"name": f"{cpu_model()}, {os.cpu_count()} cores",
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "bandwidth": one["bandwidth"], "bandwidth_all_threads": every["bandwidth"],
             "peak_flops": every["peak_flops"], "threads": every["threads"], "peak_flops_1_thread": one["peak_flops"],

@@ -45,7 +45,7 @@ def _git_commit() -> str:
         return ""
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_time": "cpu/<phase>: time.process_time() around fastrlhf.metrics.PhaseTimer.phase (record --cpu-time)"
         if args.cpu_time else None,
         "wall_seconds": round(wall, 2),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_avg_before": load_before,
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg_before": load_before,
                     "load_avg_after": load_after, "torch": torch.__version__, "python": platform.python_version(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "git_commit": _git_commit(),
