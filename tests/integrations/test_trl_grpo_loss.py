@@ -130,64 +130,17 @@ def test_unfused_combinations_run_trls_code_logged_once(grpo, op_calls, caplog, 
 # ---------------------------------------------------------------- a real GRPOTrainer's first step
 
 
-class _Float64Head:
-    """TRL's fused LM head as plain matmul + log_softmax in the inputs' dtype, returned in that dtype
-    (TRL's own head and the patched one return float32): both runs share it, so the float64 step
-    compares the loss code alone."""
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None, logit_scale=1.0, outputs=()):
-        assert softcap is None and logit_scale == 1.0 and bias is None
-        log_p = torch.log_softmax(hidden @ weight.T / temperature, dim=-1)
-        logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
-        return logp, entropy, None, None, None
-
-
-def _first_step(tmp_path, integration, use_patch, loss_type):
-    """One GRPOTrainer step (generation, rewards, reference KL, two iterations) on a tiny float64 Llama."""
-    import trl.trainer.utils as utils
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    from fastrlhf.task import build_char_tokenizer
-
-    from .test_trainer_steps import _tiny_llama
-
-    if use_patch:
-        integration.patch()
-    else:
-        integration.unpatch()
-    tok = build_char_tokenizer()
-    path = tmp_path / "tiny-llama"
-    _tiny_llama(len(tok)).to(F64).save_pretrained(path)
-    prompts = Dataset.from_dict({"prompt": ["abc ", "key: d ", "hello ", "xyz "]})
-
-    def reward(completions, **kwargs):
-        return [float(c.count("a")) + len(set(c)) / 3 for c in completions]
-
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=6, max_steps=1, learning_rate=5e-3, logging_steps=1, report_to=[],
-                      use_cpu=True, seed=0, save_strategy="no", beta=0.04, num_iterations=2, temperature=0.9,
-                      disable_tqdm=True, dataloader_num_workers=0, model_init_kwargs={"dtype": F64}, bf16=False,
-                      loss_type=loss_type, importance_sampling_level="sequence" if loss_type == "luspo" else "token")
-    saved, utils._ChunkedLogProbFunction = utils._ChunkedLogProbFunction, _Float64Head
-    try:
-        trainer = GRPOTrainer(model=str(path), reward_funcs=reward, args=args, train_dataset=prompts,
-                              processing_class=tok)
-        trainer.train()
-    finally:
-        utils._ChunkedLogProbFunction = saved
-    (log,) = [h for h in trainer.state.log_history if "loss" in h]
-    return log
-
-
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_grpo_trainer_first_step(trl_integration, tmp_path, op_calls, loss_type):
-    """The same first-step loss and metrics with and without patch() (float64, the torch path)."""
-    patched = _first_step(tmp_path / "p", trl_integration, True, loss_type)
+    """The same first-step loss and metrics with and without patch() (float64 on the torch path, TRL's
+    head replaced by a float64 one in both: the loss code alone differs)."""
+    from .test_trainer_steps import MaterialisedHead, grpo_run
+
+    config = dict(dtype=F64, steps=1, head=MaterialisedHead, loss_type=loss_type,
+                  importance_sampling_level="sequence" if loss_type == "luspo" else "token")
+    (patched,), _ = grpo_run(tmp_path / "p", trl_integration, True, **config)
     assert op_calls["policy_loss"] > 0
-    original = _first_step(tmp_path / "o", trl_integration, False, loss_type)
+    (original,), _ = grpo_run(tmp_path / "o", trl_integration, False, **config)
     assert patched.keys() == original.keys()
     for k, v in original.items():
         if isinstance(v, float) and "time" not in k and "per_second" not in k:
