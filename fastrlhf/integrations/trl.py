@@ -12,7 +12,36 @@ _ChunkedLogProbFunction: the fused LM head    linear_logprobs           softcapp
   that the GRPO, RLOO, DPO, KTO and SFT                                 other than log_probs / entropy (no op
   trainers add with add_fused_lm_head                                   computes them)
 
+grpo_trainer.GRPOTrainer._compute_loss       policy_loss(loss_mode=)   the entropy bonus (entropy_coef, adaptive
+  (the method; TRL's model forward,            + token_kl / agg_loss     entropy: its controller's state is TRL's),
+  _get_per_token_logps_and_entropies, the        for the KL term          the router aux loss (MoE), non-finite
+  entropy and off-policy masks and the                                   log-probs / advantages / IS ratios / ref
+  metrics' cross-process reductions stay                                 log-probs (TRL's loss is NaN there),
+  TRL's own calls)                                                       float64 on the kernels, vespo with IS
+                                                                         ratios != 1 off the mask (TRL sums their
+                                                                         logs over every position), unknown
+                                                                         loss_type / level (TRL raises)
+
 Top-K indices of shape (..., K) run fused: one read of the logits for all K.
+
+GRPO's loss (TRL 1.16 GRPOTrainer._compute_loss, every loss_type: grpo, dr_grpo, dapo, bnpo,
+cispo, sapo, luspo, vespo; importance_sampling_level token or sequence): grpo / bnpo / dr_grpo /
+dapo on loss_mode="vanilla" and luspo on "luspo" (the ratio at TRL's level, no log-ratio clamp,
+epsilon_low / epsilon_high, TRL's two-sided `delta`), cispo on "cispo" (ratio_max=epsilon_high),
+sapo on "sapo" (TRL's temperatures, rounded to float32 as its torch.where makes them), vespo on
+"vespo" (the vLLM IS ratio enters its gamma weight); top_entropy_quantile's and
+off_policy_mask_threshold's masks and the vLLM IS ratio (vllm_importance_sampling_correction,
+every mode: TRL computes it at generation) are the loss's is_weights; each loss_type's
+normalisation (per-sequence means, token means over the batch or num_items_in_batch, dr_grpo's
+max_completion_length, gradient accumulation in train mode) is its agg / global count. The
+returned loss and every metric TRL logs (kl, entropy, clip_ratio/*, cispo_clip_ratio,
+vespo/phi_seq_mean) are TRL's: the metrics are computed from the ratio on [B, T] as TRL does, and
+vespo/phi_seq_mean by TRL's own get_gamma_weights (a no-grad [B, T] pass; it is a mean over rows,
+policy_loss's phi_mean one over tokens). Still TRL's own: the IS ratio itself, which TRL computes
+at generation (_generate_and_score_completions; rollout_correction gives the same weights, checked
+in tests/integrations/test_policy_family_peers.py, but that method is not patched). A combination
+that runs TRL's own code is logged once per (function, reason) on the "fastrlhf.integrations"
+logger.
 
 Not replaced: TRL 1.12 PPO's `masked_whiten` (it returns whitened values off the mask too,
 which fastrlhf's whiten zeroes; the trainer zeroes them right after, but the function's own
@@ -28,7 +57,10 @@ and returns float32 (log_probs, entropy or None, None, None, None).
 Not kept (fastrlhf's op conventions, docs/ops.md): indices of -100 give log-prob 0 and indices
 outside [0, V) NaN, where TRL's selective_log_softmax raises an index error; -inf logits give
 a finite entropy with finite gradients, where TRL's entropy_from_logits is NaN in both. A
-caller's bad index is not caught.
+caller's bad index is not caught. In the GRPO loss, at an exact tie of the clipped and the
+unclipped term (a ratio exactly at 1 - epsilon_low / 1 + epsilon_high, or at delta) the
+unclipped term takes the whole gradient, where TRL's torch.min / torch.clamp split or drop it;
+values are equal.
 """
 
 from __future__ import annotations
