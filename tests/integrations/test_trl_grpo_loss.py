@@ -42,12 +42,16 @@ def _case(vllm_mode, extras):
     settings = dict(beta=0.04, current_gradient_accumulation_steps=2)
     if extras:
         settings.update(top_entropy_quantile=0.6, off_policy_mask_threshold=0.05, delta=1.5, steps_per_generation=4)
+    # tool-output tokens, which TRL's loss and IS ratio leave out (mask = completion_mask * tool_mask)
+    tool_mask = (torch.arange(T) % 5 != 3).expand(B, T) if extras else torch.ones(B, T, dtype=torch.bool)
     is_ratio = None
     if vllm_mode is not None:
-        is_ratio, _ = trl_vllm_importance_sampling(old, sampling, mask, vllm_mode, 0.5, 3.0)
+        is_ratio, _ = trl_vllm_importance_sampling(old, sampling, mask & tool_mask, vllm_mode, 0.5, 3.0)
         settings.update(use_vllm=True, vllm_importance_sampling_correction=True)
     inputs = trl_inputs(mask, adv_rows, old, ref=ref, is_ratio=is_ratio, sampling=sampling,
                         num_items=float(mask.sum()) * 1.5)
+    if extras:
+        inputs["tool_mask"] = tool_mask.long()
     return logp, entropy, inputs, settings
 
 
@@ -59,6 +63,18 @@ def _run(compute_loss, logp, entropy, inputs, settings, dtype):
     loss = compute_loss(trainer, None, cast)
     (grad,) = torch.autograd.grad(loss * 0.7, x)
     return loss.detach(), grad, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def test_patch_and_unpatch_the_method(trl_integration):
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    original = GRPOTrainer._compute_loss
+    trl_integration.patch()
+    trl_integration.patch()
+    assert GRPOTrainer._compute_loss is not original and GRPOTrainer._compute_loss.__wrapped__ is original
+    trl_integration.unpatch()
+    trl_integration.unpatch()
+    assert GRPOTrainer._compute_loss is original
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
