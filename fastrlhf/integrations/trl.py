@@ -319,7 +319,7 @@ def _grpo_loss(self, inputs, mask, logp, entropies):
     loss, _ = fastrlhf.policy_loss(logp, old, advantages.expand_as(logp), mask, loss_mode=loss_mode,
                                    clip_low=self.epsilon_low, clip_high=self.epsilon_high, is_weights=weights,
                                    **agg, **options)
-    loss = loss.to(promoted(logp, old, advantages))
+    loss = loss.to(_grpo_loss_dtype(self, inputs, logp, old, advantages, mask))
     coef_1 = _grpo_ratio(self, logp, old, mask)
     metrics = _grpo_metrics(self, mode, mask)
     if self.beta != 0.0:
@@ -331,6 +331,34 @@ def _grpo_loss(self, inputs, mask, logp, entropies):
     metrics("entropy", entropies)
     _grpo_ratio_metrics(self, metrics, coef_1.detach(), advantages, mask, inputs, logp, old)
     return loss
+
+
+def _grpo_loss_dtype(self, inputs, logp, old, advantages, mask) -> torch.dtype:
+    """The dtype of TRL's loss: its per-token terms promote the log-probs, advantages, IS ratios, the
+    reference log-probs and a float mask; sapo's temperatures and vespo's gamma weights (torch.where of
+    Python floats), the per-sequence / batch counts of an integer mask (clamp(min=1.0)) and dapo's
+    normaliser are tensors of their own dtype (the default float dtype where TRL makes them)."""
+    own = torch.get_default_dtype()
+    dtypes = [promoted(logp, old, advantages)]
+    if self.loss_type in ("sapo", "vespo"):
+        dtypes.append(own)
+    is_ratio = inputs.get("importance_sampling_ratio")
+    corrected = self.use_vllm and self.vllm_importance_sampling_correction
+    if is_ratio is not None and (self.loss_type == "vespo" or corrected):
+        dtypes.append(is_ratio.dtype)
+    if self.beta != 0.0:
+        dtypes.append(inputs["ref_per_token_logps"].dtype)
+    if mask.is_floating_point():
+        dtypes.append(mask.dtype)
+    if self.loss_type in ("grpo", "sapo", "bnpo"):
+        dtypes.append(mask.dtype if mask.is_floating_point() else own)
+    elif self.loss_type in ("dapo", "cispo", "vespo"):
+        num = inputs["num_items_in_batch"]
+        dtypes.append(num.dtype if num.is_floating_point() else own)
+    out = dtypes[0]
+    for dtype in dtypes[1:]:
+        out = torch.promote_types(out, dtype)
+    return out
 
 
 def _grpo_weights(self, inputs, mask, logp, old, advantages, entropy_mask):

@@ -55,11 +55,19 @@ def _case(vllm_mode, extras):
     return logp, entropy, inputs, settings
 
 
-def _run(compute_loss, logp, entropy, inputs, settings, dtype):
+def _cast(logp, entropy, inputs, dtype, only=None):
+    """The case in `dtype` (with `only`: those inputs and the log-probs in `dtype`, the other float inputs
+    in float32)."""
+    cast = {k: v.to(dtype if only is None or k in only else torch.float32)
+            if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    return logp.to(dtype), entropy.to(dtype), cast
+
+
+def _run(compute_loss, logp, entropy, inputs, settings, dtype, only=None):
     """(loss, d loss / d logp with a random upstream factor, TRL's logged metrics) in `dtype`."""
-    cast = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
-    x = logp.to(dtype).requires_grad_()
-    trainer = trl_trainer(x, entropy.to(dtype), **settings)
+    logp, entropy, cast = _cast(logp, entropy, inputs, dtype, only)
+    x = logp.detach().clone().requires_grad_()
+    trainer = trl_trainer(x, entropy, **settings)
     loss = compute_loss(trainer, None, cast)
     (grad,) = torch.autograd.grad(loss * 0.7, x)
     return loss.detach(), grad, {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -87,14 +95,30 @@ def test_compute_loss_patched_equals_trl(grpo, backend, op_calls, loss_type, lev
     original, patched = grpo
     logp, entropy, inputs, settings = _case(vllm_mode, extras)
     settings.update(loss_type=loss_type, importance_sampling_level=level)
-    got = _run(patched, logp, entropy, inputs, settings, torch.float32)
+    case = _cast(logp, entropy, inputs, torch.float32)  # the float64 runs take the same rounded inputs
+    got = _run(patched, *case, settings, torch.float32)
     assert op_calls["policy_loss"] == 1  # the loss ran on fastrlhf, not TRL's fallback
-    peer = _run(original, logp, entropy, inputs, settings, torch.float32)
-    peer64 = _run(original, logp, entropy, inputs, settings, torch.float64)
+    peer = _run(original, *case, settings, torch.float32)
+    peer64 = _run(original, *case, settings, F64)
     assert list(got[2]) == list(peer[2])  # the same metric names, logged in TRL's order
     check_like_peer(got, peer, peer64, atol=ATOL[torch.float32], name=f"{loss_type}/{level}")
     if backend == "torch":  # the torch path computes float64 in float64: TRL's own float64 numbers
-        check_like_peer(_run(patched, logp, entropy, inputs, settings, F64), peer64, peer64, atol=ATOL[F64])
+        check_like_peer(_run(patched, *case, settings, F64), peer64, peer64, atol=ATOL[F64])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_compute_loss_bfloat16_log_probs(grpo, backend, loss_type):
+    """bf16 log-probs (TRL's own selective_log_softmax under autocast): TRL computes its loss in bf16,
+    fastrlhf in float32 then rounds; both held to DESIGN.md's rule against TRL in float64 on the same
+    rounded inputs."""
+    original, patched = grpo
+    logp, entropy, inputs, settings = _case("token_truncate", True)
+    settings.update(loss_type=loss_type)
+    for only in (None, ("old_per_token_logps", "ref_per_token_logps")):  # all bf16; float32 advantages, IS ratio
+        got = _run(patched, logp, entropy, inputs, settings, torch.bfloat16, only)
+        peer = _run(original, logp, entropy, inputs, settings, torch.bfloat16, only)
+        peer64 = _run(original, *_cast(logp, entropy, inputs, torch.bfloat16, only), settings, F64)
+        check_like_peer(got, peer, peer64, atol=ATOL[torch.bfloat16], name=f"{loss_type} {only}")
 
 
 def test_eval_mode_and_token_advantages(grpo, backend):
@@ -102,6 +126,7 @@ def test_eval_mode_and_token_advantages(grpo, backend):
     original, patched = grpo
     logp, entropy, inputs, settings = _case(None, False)
     inputs["advantages"] = torch.randn(logp.shape, dtype=F64)
+    logp, entropy, inputs = _cast(logp, entropy, inputs, torch.float32)  # float64 runs: the same rounded inputs
     for loss_type in ("dapo", "grpo"):
         settings.update(loss_type=loss_type)
 
