@@ -20,8 +20,36 @@ trl.experimental.gkd.gkd_trainer (if present)
 GKDTrainer.generalized_jsd_loss               distill_loss              reduction="none" (per-element output),
                                                                         teacher logits that require grad,
                                                                         float64 on the kernels
+grpo_trainer.GRPOTrainer._compute_loss       policy_loss(loss_mode=)   the entropy bonus (entropy_coef, adaptive
+  (the method; TRL's model forward,            + token_kl / agg_loss     entropy: its controller's state is TRL's),
+  _get_per_token_logps_and_entropies, the        for the KL term          the router aux loss (MoE), non-finite
+  entropy and off-policy masks and the                                   log-probs / advantages / IS ratios / ref
+  metrics' cross-process reductions stay                                 log-probs (TRL's loss is NaN there),
+  TRL's own calls)                                                       float64 on the kernels, vespo with IS
+                                                                         ratios != 1 off the mask (TRL sums their
+                                                                         logs over every position), unknown
+                                                                         loss_type / level (TRL raises)
 
 Top-K indices of shape (..., K) run fused: one read of the logits for all K.
+
+GRPO's loss (TRL 1.16 GRPOTrainer._compute_loss, every loss_type: grpo, dr_grpo, dapo, bnpo,
+cispo, sapo, luspo, vespo; importance_sampling_level token or sequence): grpo / bnpo / dr_grpo /
+dapo on loss_mode="vanilla" and luspo on "luspo" (the ratio at TRL's level, no log-ratio clamp,
+epsilon_low / epsilon_high, TRL's two-sided `delta`), cispo on "cispo" (ratio_max=epsilon_high),
+sapo on "sapo" (TRL's temperatures, rounded to float32 as its torch.where makes them), vespo on
+"vespo" (the vLLM IS ratio enters its gamma weight); top_entropy_quantile's and
+off_policy_mask_threshold's masks and the vLLM IS ratio (vllm_importance_sampling_correction,
+every mode: TRL computes it at generation) are the loss's is_weights; each loss_type's
+normalisation (per-sequence means, token means over the batch or num_items_in_batch, dr_grpo's
+max_completion_length, gradient accumulation in train mode) is its agg / global count. The
+returned loss and every metric TRL logs (kl, entropy, clip_ratio/*, cispo_clip_ratio,
+vespo/phi_seq_mean) are TRL's: the metrics are computed from the ratio on [B, T] as TRL does, and
+vespo/phi_seq_mean by TRL's own get_gamma_weights (a no-grad [B, T] pass; it is a mean over rows,
+policy_loss's phi_mean one over tokens). Still TRL's own: the IS ratio itself, which TRL computes
+at generation (_generate_and_score_completions; rollout_correction gives the same weights, checked
+in tests/integrations/test_policy_family_peers.py, but that method is not patched). A combination
+that runs TRL's own code is logged once per (function, reason) on the "fastrlhf.integrations"
+logger.
 
 Not replaced: TRL 1.12 PPO's `masked_whiten` (it returns whitened values off the mask too,
 which fastrlhf's whiten zeroes; the trainer zeroes them right after, but the function's own
@@ -48,6 +76,9 @@ a finite entropy with finite gradients, where TRL's entropy_from_logits is NaN i
 caller's bad index is not caught. Distillation: GKD's loss on bf16 / fp16 logits is computed in fp32
 (TRL's in the logits' dtype); an lm_head bias is rounded to the compute dtype before the fp32 logits
 take it (TRL adds it unrounded); the entropy sum is the op's mean entropy times the valid count.
+In the GRPO loss, at an exact tie of the clipped and the unclipped term (a ratio exactly at
+1 - epsilon_low / 1 + epsilon_high, or at delta) the unclipped term takes the whole gradient,
+where TRL's torch.min / torch.clamp split or drop it; values are equal.
 """
 
 from __future__ import annotations
@@ -55,8 +86,8 @@ from __future__ import annotations
 import torch
 
 import fastrlhf
-from fastrlhf.integrations import Patcher, peer_version
-from fastrlhf.integrations._conventions import float64_on_kernels, scalar
+from fastrlhf.integrations import Patcher, logger, peer_version
+from fastrlhf.integrations._conventions import all_finite, float64_on_kernels, promoted, same_shape, scalar
 
 SUPPORTED = "TRL >= 1.12"
 _PATCHER = Patcher("trl", "trl")
@@ -90,6 +121,7 @@ def patch() -> None:
         if gkd is not None and "generalized_jsd_loss" in vars(getattr(gkd, "GKDTrainer", object)):
             original = gkd.GKDTrainer.generalized_jsd_loss
             p.attribute(gkd.GKDTrainer, "generalized_jsd_loss", _Unbound(_generalized_jsd_loss(original)))
+        _patch_grpo_loss(p)
     except BaseException:  # never leave a half-patched peer behind
         _PATCHER.undo()
         raise
@@ -303,3 +335,270 @@ def _generalized_jsd_loss(original):
         return loss.to(student_logits.dtype)
 
     return generalized_jsd_loss
+
+
+# ---------------------------------------------------------------- GRPOTrainer's loss
+
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL's clipped surrogate (and its metrics)
+# the inputs GRPOTrainer._compute_loss hands its model forward (TRL 1.16), besides the ids and masks
+_FORWARD_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_FALLBACKS: set = set()
+
+
+def _patch_grpo_loss(p: Patcher) -> None:
+    """GRPOTrainer._compute_loss: TRL's model forward, the loss and its aggregation on policy_loss."""
+    try:
+        from trl.trainer.grpo_trainer import GRPOTrainer
+    except ImportError:  # TRL without GRPO's dependencies: nothing to patch
+        return
+    p.attribute(GRPOTrainer, "_compute_loss", _grpo_compute_loss(GRPOTrainer.__dict__["_compute_loss"]))
+
+
+def _fallback(name: str, why: str) -> None:
+    """Log once per (function, reason) that TRL's own code runs."""
+    if (name, why) not in _FALLBACKS:
+        _FALLBACKS.add((name, why))
+        logger.info("fastrlhf: TRL's own %s runs (%s)", name, why)
+
+
+def _grpo_compute_loss(original):
+    def _compute_loss(self, model, inputs):
+        why = _grpo_unfused_settings(self)
+        if why is not None:
+            _fallback("GRPOTrainer._compute_loss", why)
+            return original(self, model, inputs)
+        forward = _grpo_forward(self, model, inputs)
+        mask = inputs["completion_mask"]
+        mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+        why = _grpo_unfused_inputs(self, inputs, mask, forward[0])
+        if why is not None:
+            _fallback("GRPOTrainer._compute_loss", why)
+            return _grpo_trl_loss(original, self, model, inputs, forward)
+        return _grpo_loss(self, inputs, mask, *forward[:2])
+
+    return _compute_loss
+
+
+def _grpo_unfused_settings(self) -> str | None:
+    """Why a trainer's settings run TRL's own _compute_loss, or None."""
+    if self.loss_type not in GRPO_LOSS_TYPES or self.importance_sampling_level not in ("token", "sequence"):
+        return "a loss_type or importance_sampling_level TRL rejects"
+    if self._entropy_bonus_enabled:
+        return "the entropy bonus (entropy_coef / adaptive entropy)"
+    if self.aux_loss_enabled:
+        return "the router auxiliary loss"
+    return None
+
+
+def _grpo_forward(self, model, inputs):
+    """TRL's own model forward, as _compute_loss calls it: (per-token log-probs, entropies, aux loss)."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return self._get_per_token_logps_and_entropies(
+        model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True,
+        compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _FORWARD_INPUTS})
+
+
+def _grpo_unfused_inputs(self, inputs, mask, logp) -> str | None:
+    """Why these inputs run TRL's own loss code, or None."""
+    old = inputs.get("old_per_token_logps")
+    is_ratio = inputs.get("importance_sampling_ratio")
+    ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+    if float64_on_kernels(logp, old):
+        return "float64 on the Triton kernels (fp32 inside)"
+    if not same_shape(logp, old, mask) or inputs["advantages"].dim() > 2:
+        return "inputs of unexpected shapes"
+    if not bool(all_finite(logp, old, inputs["advantages"], is_ratio, ref)):
+        return "non-finite inputs (TRL's loss and gradients are NaN there)"
+    if self.loss_type == "vespo" and is_ratio is not None and (
+            is_ratio.shape != logp.shape or bool((is_ratio[mask == 0] != 1).any())):
+        return "vespo with IS ratios of another shape or != 1 off the mask (TRL sums them over every position)"
+    return None
+
+
+def _grpo_trl_loss(original, self, model, inputs, forward):
+    """TRL's own _compute_loss on the forward already run (it is not run twice)."""
+    name = "_get_per_token_logps_and_entropies"
+    missing = object()
+    saved = self.__dict__.get(name, missing)
+    self.__dict__[name] = lambda *args, **kwargs: forward
+    try:
+        return original(self, model, inputs)
+    finally:
+        if saved is missing:
+            del self.__dict__[name]
+        else:
+            self.__dict__[name] = saved
+
+
+def _grpo_loss(self, inputs, mask, logp, entropies):
+    """TRL 1.16 GRPOTrainer._compute_loss after its forward, the per-token loss and its aggregation on
+    fastrlhf.policy_loss (and the KL term on token_kl / agg_loss); TRL's masks, metrics and loss."""
+    mode = "train" if self.model.training else "eval"
+    advantages = inputs["advantages"]
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    old = inputs.get("old_per_token_logps")
+    old = logp.detach() if old is None else old
+    entropy_mask = (self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+                    if self.top_entropy_quantile < 1.0 else None)
+    weights = _grpo_weights(self, inputs, mask, logp, old, advantages, entropy_mask)
+    agg = _grpo_agg(self, inputs, mask, mode)
+    loss_mode, options = _grpo_mode(self, inputs)
+    loss, _ = fastrlhf.policy_loss(logp, old, advantages.expand_as(logp), mask, loss_mode=loss_mode,
+                                   clip_low=self.epsilon_low, clip_high=self.epsilon_high, is_weights=weights,
+                                   **agg, **options)
+    loss = loss.to(_grpo_loss_dtype(self, inputs, logp, old, advantages, mask))
+    coef_1 = _grpo_ratio(self, logp, old, mask)
+    metrics = _grpo_metrics(self, mode, mask)
+    if self.beta != 0.0:
+        kl = fastrlhf.token_kl(logp, inputs["ref_per_token_logps"], estimator="k3")
+        if self.args.use_bias_correction_kl:
+            kl = kl * coef_1
+        loss = loss + self.beta * fastrlhf.agg_loss(kl, mask, **agg).to(loss.dtype)
+        metrics("kl", kl)
+    metrics("entropy", entropies)
+    _grpo_ratio_metrics(self, metrics, coef_1.detach(), advantages, mask, inputs, logp, old)
+    return loss
+
+
+def _grpo_loss_dtype(self, inputs, logp, old, advantages, mask) -> torch.dtype:
+    """The dtype of TRL's loss: its per-token terms promote the log-probs, advantages, IS ratios, the
+    reference log-probs and a float mask; sapo's temperatures and vespo's gamma weights (torch.where of
+    Python floats), the per-sequence / batch counts of an integer mask (clamp(min=1.0)) and dapo's
+    normaliser are tensors of their own dtype (the default float dtype where TRL makes them)."""
+    own = torch.get_default_dtype()
+    dtypes = [promoted(logp, old, advantages)]
+    if self.loss_type in ("sapo", "vespo"):
+        dtypes.append(own)
+    is_ratio = inputs.get("importance_sampling_ratio")
+    corrected = self.use_vllm and self.vllm_importance_sampling_correction
+    if is_ratio is not None and (self.loss_type == "vespo" or corrected):
+        dtypes.append(is_ratio.dtype)
+    if self.beta != 0.0:
+        dtypes.append(inputs["ref_per_token_logps"].dtype)
+    if mask.is_floating_point():
+        dtypes.append(mask.dtype)
+    if self.loss_type in ("grpo", "sapo", "bnpo"):
+        dtypes.append(mask.dtype if mask.is_floating_point() else own)
+    elif self.loss_type in ("dapo", "cispo", "vespo"):
+        num = inputs["num_items_in_batch"]
+        dtypes.append(num.dtype if num.is_floating_point() else own)
+    out = dtypes[0]
+    for dtype in dtypes[1:]:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def _grpo_weights(self, inputs, mask, logp, old, advantages, entropy_mask):
+    """The constant per-token factors TRL multiplies the loss by: the off-policy sequence mask, the
+    entropy mask and (all but vespo) the vLLM IS ratio; None when there are none."""
+    factors = []
+    if self.off_policy_mask_threshold is not None:
+        factors.append(self.get_off_policy_mask(
+            advantages=advantages, per_token_logps=logp, sampling_per_token_logps=inputs.get(
+                "sampling_per_token_logps", old), mask=mask, off_policy_threshold=self.off_policy_mask_threshold))
+    if entropy_mask is not None:
+        factors.append(entropy_mask)
+    if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
+        factors.append(inputs["importance_sampling_ratio"])
+    if not factors:
+        return None
+    weights = torch.ones_like(logp, dtype=promoted(logp, *(f for f in factors if f.is_floating_point())))
+    for f in factors:
+        weights = weights * f
+    return weights.detach()
+
+
+def _grpo_agg(self, inputs, mask, mode) -> dict:
+    """TRL 1.16's normalisation of each loss_type as agg_loss keywords, gradient accumulation (train
+    mode) folded into the global counts."""
+    steps = self.current_gradient_accumulation_steps if mode == "train" else 1
+    B = mask.shape[0]
+    if self.loss_type in ("grpo", "sapo"):
+        return dict(agg="seq-mean-token-mean", global_num_seqs=B * steps)
+    if self.loss_type == "bnpo":
+        return dict(agg="token-mean", global_num_tokens=max(float(mask.sum()), 1.0) * steps)
+    if self.loss_type == "dr_grpo":
+        return dict(agg="seq-mean-token-sum-norm", global_num_seqs=B,
+                    loss_scale_factor=self.max_completion_length * steps)
+    if self.loss_type == "luspo":
+        return dict(agg="seq-mean-token-sum", global_num_seqs=B * steps)
+    normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes  # cispo, dapo, vespo
+    if mode == "train":
+        normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+    return dict(agg="token-mean", global_num_tokens=scalar(normalizer))
+
+
+def _f32(x: float) -> float:
+    """A Python float rounded to float32, as TRL's torch.where of two Python floats makes it."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _grpo_mode(self, inputs) -> tuple[str, dict]:
+    """(loss_mode, its options) of the trainer's loss_type and importance_sampling_level (TRL 1.16:
+    no clamp of the log-ratio; cispo's bound is epsilon_high itself)."""
+    a, level = self.args, self.importance_sampling_level
+    common = dict(ratio_level=level, log_ratio_clamp=None)
+    if self.loss_type == "cispo":
+        return "cispo", dict(common, ratio_max=self.epsilon_high)
+    if self.loss_type == "sapo":
+        return "sapo", dict(common, tau_pos=_f32(a.sapo_temperature_pos), tau_neg=_f32(a.sapo_temperature_neg))
+    if self.loss_type == "vespo":
+        return "vespo", dict(k_pos=a.vespo_k_pos, lambda_pos=a.vespo_lambda_pos, k_neg=a.vespo_k_neg,
+                             lambda_neg=a.vespo_lambda_neg, sampler_weights=inputs.get("importance_sampling_ratio"))
+    return ("luspo" if self.loss_type == "luspo" else "vanilla"), dict(common, delta=a.delta)
+
+
+def _grpo_ratio(self, logp, old, mask):
+    """TRL's coef_1: exp of the token log-ratio, or of the row's masked mean ([B, 1]) at the sequence level."""
+    log_ratio = logp - old
+    if self.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return torch.exp(log_ratio)
+
+
+def _grpo_metrics(self, mode, mask):
+    """metrics(name, x): TRL's global masked mean of x ([B, T] over the mask, [B, 1] over the rows)
+    appended to self._metrics[mode][name]."""
+
+    def log(name, x):
+        x = x.detach()
+        if x.shape[1] == 1:
+            local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+        self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
+
+    return log
+
+
+def _grpo_ratio_metrics(self, metrics, coef_1, advantages, mask, inputs, logp, old):
+    """TRL's clip / cispo / vespo metrics, under its names."""
+    from trl.trainer.grpo_trainer import nanmax, nanmin
+
+    mode = "train" if self.model.training else "eval"
+    if self.loss_type in _CLIPPED_LOSS_TYPES:
+        if self.args.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=self.args.delta)
+        low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
+        high = ((coef_1 > 1 + self.epsilon_high) & (advantages > 0)).float()
+        metrics("clip_ratio/low_mean", low)
+        metrics("clip_ratio/high_mean", high)
+        metrics("clip_ratio/region_mean", torch.maximum(low, high))
+
+        def seq_mean(x):
+            return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+        self._metrics[mode]["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(seq_mean(low))).item())
+        self._metrics[mode]["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(seq_mean(high))).item())
+    elif self.loss_type == "cispo":
+        metrics("cispo_clip_ratio", ((coef_1 > self.epsilon_high) & (advantages > 0)).float())
+    elif self.loss_type == "vespo":
+        a = self.args
+        metrics("vespo/phi_seq_mean", self.get_gamma_weights(
+            advantages=advantages, log_ratio_per_token=logp.detach() - old, mask=mask,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio"), k_pos=a.vespo_k_pos,
+            lambda_pos=a.vespo_lambda_pos, k_neg=a.vespo_k_neg, lambda_neg=a.vespo_lambda_neg))

@@ -40,10 +40,10 @@ def _assert_same_params(a, b, rtol=1e-4, atol=1e-6):
 # ---------------------------------------------------------------- TRL GRPOTrainer
 
 
-class _MaterialisedHead:
+class MaterialisedHead:
     """Test reference for TRL's fused LM head: full logits and log_softmax in the inputs' dtype,
-    returned in float32 as TRL's head returns them (TRL's own head also keeps its statistics in
-    float32, even for float64 inputs)."""
+    returned in that dtype (TRL's own head and the patched one return float32 even for float64
+    inputs, so a float64 trainer would compute its loss in float32)."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None, logit_scale=1.0, outputs=()):
@@ -52,10 +52,13 @@ class _MaterialisedHead:
         log_p = torch.log_softmax(logits / temperature, dim=-1)
         logp = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
-        return logp.float(), None if entropy is None else entropy.float(), None, None, None
+        return logp, entropy, None, None, None
 
 
-def _grpo_run(tmp_path, integration, use_patch, dtype=torch.float32, steps=3):
+def grpo_run(tmp_path, integration, use_patch, dtype=torch.float32, steps=3, head=None, **config):
+    """A GRPOTrainer's `steps` steps on a tiny Llama, patched or not; `head` replaces TRL's fused LM head
+    (after patch()); `config`: GRPOConfig settings over these. (logged steps, the trained model)."""
+    import trl.trainer.utils as utils
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -77,9 +80,16 @@ def _grpo_run(tmp_path, integration, use_patch, dtype=torch.float32, steps=3):
                       max_completion_length=6, max_steps=steps, learning_rate=5e-3, logging_steps=1, report_to=[],
                       use_cpu=True, seed=0, save_strategy="no", beta=0.04, num_iterations=2, temperature=0.9,
                       disable_tqdm=True, dataloader_num_workers=0, model_init_kwargs={"dtype": dtype},
-                      **({} if dtype == torch.float32 else {"bf16": False}))
-    trainer = GRPOTrainer(model=str(path), reward_funcs=count_a, args=args, train_dataset=prompts, processing_class=tok)
-    trainer.train()
+                      **({} if dtype == torch.float32 else {"bf16": False}), **config)
+    saved = utils._ChunkedLogProbFunction
+    if head is not None:
+        utils._ChunkedLogProbFunction = head
+    try:
+        trainer = GRPOTrainer(model=str(path), reward_funcs=count_a, args=args, train_dataset=prompts,
+                              processing_class=tok)
+        trainer.train()
+    finally:
+        utils._ChunkedLogProbFunction = saved
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return logs, trainer.model
 
@@ -88,32 +98,35 @@ def _numbers(log):
     return {k: v for k, v in log.items() if isinstance(v, float) and "time" not in k and "per_second" not in k}
 
 
-def test_trl_grpo_trainer_steps_match(trl_integration, tmp_path, op_calls, monkeypatch):
+def test_trl_grpo_trainer_steps_match(trl_integration, tmp_path, op_calls):
     """GRPO steps (generation, rewards, reference KL, two PPO iterations per batch) with and
     without patch().
 
     The reference is TRL's trainer in float64 (no autocast) with a materialised-logits head
-    (TRL's own fused head keeps float32 statistics). In float64 the patched run agrees with it
-    to 1e-9 over three steps: the same trainer semantics end to end.
+    returning float64 (TRL's own fused head, and the patched one, return float32 log-probs, so
+    the loss after them would be float32 arithmetic). With that head in both, the patched run
+    (its GRPO loss on fastrlhf's policy_loss) agrees with it to 1e-9 over three steps: the same
+    trainer semantics end to end.
 
     In float32 (TRL's CPU default: bf16 autocast, which TRL's head and the patched one both
-    follow) only the first step is compared: its batch is sampled from the initial weights,
-    which the head does not touch, so its loss and metrics differ between the runs only by the
-    head's arithmetic, and each is held to DESIGN.md's rule against the float64 run: no further
-    from it than twice TRL's own error, plus float32's atol and rounding (the logged metrics are
-    float32 numbers). Later steps start from weights that already carry each run's rounding, and
-    a GRPO update is mostly cancellation (a group's advantages sum to 0): no per-op rule bounds
-    how those trajectories drift apart, so they are not compared in float32."""
-    import trl.trainer.utils as utils
-
-    logs_p64, model_p64 = _grpo_run(tmp_path / "p64", trl_integration, use_patch=True, dtype=torch.float64)
-    assert op_calls["linear_logprobs"] > 0  # the fused LM head ran through fastrlhf
-    logs_p, _ = _grpo_run(tmp_path / "p", trl_integration, use_patch=True, steps=1)
-    calls = op_calls["linear_logprobs"]
-    logs_o, _ = _grpo_run(tmp_path / "o", trl_integration, use_patch=False, steps=1)
-    monkeypatch.setattr(utils, "_ChunkedLogProbFunction", _MaterialisedHead)
-    logs_t, model_t = _grpo_run(tmp_path / "t", trl_integration, use_patch=False, dtype=torch.float64)
-    assert op_calls["linear_logprobs"] == calls
+    follow) the fused head and the loss both run patched, and only the first step is compared:
+    its batch is sampled from the initial weights, which neither touches, so its loss and
+    metrics differ between the runs only by the head's and the loss's arithmetic, and each is
+    held to DESIGN.md's rule against the float64 run: no further from it than twice TRL's own
+    error, plus float32's atol and rounding (the logged metrics are float32 numbers). Later
+    steps start from weights that already carry each run's rounding, and a GRPO update is mostly
+    cancellation (a group's advantages sum to 0): no per-op rule bounds how those trajectories
+    drift apart, so they are not compared in float32."""
+    logs_p, _ = grpo_run(tmp_path / "p", trl_integration, use_patch=True, steps=1)
+    assert op_calls["linear_logprobs"] > 0 and op_calls["policy_loss"] > 0  # the head and the loss ran fused
+    calls = dict(op_calls)
+    logs_o, _ = grpo_run(tmp_path / "o", trl_integration, use_patch=False, steps=1)
+    logs_p64, model_p64 = grpo_run(tmp_path / "p64", trl_integration, use_patch=True, dtype=torch.float64,
+                                   head=MaterialisedHead)
+    assert op_calls["policy_loss"] > calls["policy_loss"]
+    logs_t, model_t = grpo_run(tmp_path / "t", trl_integration, use_patch=False, dtype=torch.float64,
+                               head=MaterialisedHead)
+    assert op_calls["linear_logprobs"] == calls["linear_logprobs"]
     assert len(logs_p64) == len(logs_t) == 3 and len(logs_p) == len(logs_o) == 1
     for p, t in zip(logs_p64, logs_t):
         assert p.keys() == t.keys()
