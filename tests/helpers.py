@@ -63,6 +63,11 @@ def make_mask(B, T):
     return m
 
 
+# clip_cov's and kl_cov's token selections as the policy-loss tests set them (a tenth of the tokens; clip_cov's
+# covariance bounds wide open)
+SELECTION = dict(clip_cov=dict(clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0), kl_cov=dict(kl_cov_ratio=0.1))
+
+
 def poison_outputs(monkeypatch, *modules: str):
     """Make `torch.empty` / `torch.empty_like` in each named module (kernel launchers, op modules)
     return NaN-filled memory: every output element they allocate must then be written. Library

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close_to_ref, make_mask, poison_outputs
+from helpers import SELECTION, assert_close_to_ref, make_mask, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as R
@@ -17,7 +17,6 @@ from fastrlhf.ops import policy_modes as pm
 
 F64 = torch.float64
 B, T = 7, 37
-SELECTION = dict(clip_cov=dict(clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0), kl_cov=dict(kl_cov_ratio=0.1))
 CASES = [  # (mode, options)
     ("vanilla", {}),
     ("vanilla", dict(clip_high=0.28, dual_clip=3.0)),

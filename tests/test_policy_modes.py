@@ -5,6 +5,7 @@ ties at every clamp and clip bound."""
 
 import pytest
 import torch
+from helpers import SELECTION
 
 from fastrlhf import reference as R
 from fastrlhf.constants import POLICY_LOSS_MODES
@@ -71,7 +72,6 @@ CASES = [  # (name, options shared by the reference and the spec)
 ]
 AGGS = [("token-mean", {}), ("seq-mean-token-mean", {}),
         ("seq-mean-token-sum-norm", dict(global_num_seqs=11, dp_size=2, loss_scale_factor=64))]
-SELECTION = dict(clip_cov=dict(clip_cov_ratio=0.1, clip_cov_lb=-5.0, clip_cov_ub=5.0), kl_cov=dict(kl_cov_ratio=0.1))
 
 
 def run_reference(name, opts, old, logp, adv, mask, agg, agg_kw, is_weights, sampler):

@@ -154,6 +154,20 @@ def trl_trainer(logps, entropies, **settings):
     return trainer
 
 
+def grpo_inputs():
+    """float64 (old, logp, per-row advantages, mask, entropies, reference log-probs, sampler log-probs) of a
+    GRPO loss: policy_inputs' clip bands and masked rows; row 4's advantage negative and its sampler far
+    off-policy (TRL's off-policy mask drops it)."""
+    old, logp, adv, mask = policy_inputs()
+    B, T = mask.shape
+    adv_rows = adv[:, 0].contiguous()
+    entropy = torch.rand(B, T, dtype=F64) * 3
+    ref = logp + torch.randn(B, T, dtype=F64) * 0.2
+    sampling = rollout_logprobs(old, spread=0.2)
+    adv_rows[4], sampling[4] = -adv_rows[4].abs(), logp[4] + 0.5
+    return old, logp, adv_rows, mask, entropy, ref, sampling
+
+
 def trl_inputs(mask, advantages_rows, old, *, ref=None, is_ratio=None, sampling=None, num_items=None):
     B, T = mask.shape
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),

@@ -21,6 +21,7 @@ from fastrlhf import reference as R
 from .family_peers import (
     F64,
     assert_f64,
+    grpo_inputs,
     loss_and_grad,
     policy_inputs,
     rollout_logprobs,
@@ -515,13 +516,7 @@ def trl_float32_metric(key):
 
 
 def check_trl(settings, *, vllm_mode=None, nan_sampling=False):
-    old, logp, adv, mask = policy_inputs()
-    B, T = mask.shape
-    adv_rows = adv[:, 0].contiguous()
-    entropy = torch.rand(B, T, dtype=F64) * 3
-    ref = logp + torch.randn(B, T, dtype=F64) * 0.2
-    sampling = rollout_logprobs(old, spread=0.2)
-    adv_rows[4], sampling[4] = -adv_rows[4].abs(), logp[4] + 0.5  # off-policy masking drops row 4
+    old, logp, adv_rows, mask, entropy, ref, sampling = grpo_inputs()
     if nan_sampling:
         sampling[0, :2] = float("nan")  # tokens vLLM could not score
     num_items = float(mask.sum()) * 1.5

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from .family_peers import F64, policy_inputs, rollout_logprobs, trl_inputs, trl_trainer, trl_vllm_importance_sampling
+from .family_peers import F64, grpo_inputs, trl_inputs, trl_trainer, trl_vllm_importance_sampling
 from .peer_checks import ATOL, check_like_peer
 
 pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is not installed")
@@ -32,13 +32,8 @@ def grpo(trl_integration):
 def _case(vllm_mode, extras):
     """float64 (log-probs, entropies, inputs, settings): policy_inputs' clip bands and masked rows,
     a reference model's log-probs, TRL's own vLLM IS ratio for `vllm_mode` (None: no correction)."""
-    old, logp, adv, mask = policy_inputs()
+    old, logp, adv_rows, mask, entropy, ref, sampling = grpo_inputs()
     B, T = mask.shape
-    adv_rows = adv[:, 0].contiguous()
-    entropy = torch.rand(B, T, dtype=F64) * 3
-    ref = logp + torch.randn(B, T, dtype=F64) * 0.2
-    sampling = rollout_logprobs(old, spread=0.2)
-    adv_rows[4], sampling[4] = -adv_rows[4].abs(), logp[4] + 0.5  # off-policy masking drops row 4
     settings = dict(beta=0.04, current_gradient_accumulation_steps=2)
     if extras:
         settings.update(top_entropy_quantile=0.6, off_policy_mask_threshold=0.05, delta=1.5, steps_per_generation=4)
