@@ -17,7 +17,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 
 "${PIP[@]}" --no-deps verl==0.9.1 openrlhf==0.11.2
 # Liger (the bench's log-prob and distillation peer): pure Python over torch and triton, installed on CPU too so
-# that its provider's import is checked (tests/test_bench.py) and its fused linear JSD runs in the Triton
+# that its provider's import is checked (tests/bench/test_bench.py) and its fused linear JSD runs in the Triton
 # interpreter against linear_distill_loss (tests/integrations/test_distill_peers.py)
 "${PIP[@]}" --no-deps liger-kernel==0.8.5
 # verl 0.9.1 pins tensordict <= 0.10.0. pip then lists the peers' other (deliberately skipped)

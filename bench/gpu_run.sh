@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh OUT                       # install, environment, then the parts tests, ops, ppo
 #   bash bench/gpu_run.sh OUT --only ops[,PART...]  # install, environment, then only the parts named
 #   bash bench/gpu_run.sh OUT --dry-run [...]       # the same steps on CPU (CUDA hidden) at small shapes
-#                                                   # (CI: tests/test_gpu_run.py)
+#                                                   # (CI: tests/bench/test_gpu_run.py)
 #   bash bench/gpu_run.sh OUT --experiments         # the same as --only experiments
 #
 # Steps, each with its own time limit (seconds, GPU / dry run), run in order and continue on

@@ -1,5 +1,5 @@
 """One PPO update on a fixed rollout, in one plain process or under torchrun (run by
-tests/test_distributed.py):
+tests/trainer/test_distributed.py):
 
     python tests/dist_worker.py OUT.pt                            # one process: float64 and float32
     torchrun --nproc-per-node 2 tests/dist_worker.py OUT.pt       # 2 ranks: float32, sharded

@@ -10,7 +10,7 @@ larger chunk re-reads W in fewer, larger GEMMs; a smaller one holds fewer logits
 2026-11-23 measured, at the default: linear_logprobs 1.45x the 3 bare matmuls (1.42x accumulating
 d(weight) in bf16; goal <= 1.40), linear_ppo_actor_loss 1.07x (1.03x), and an extra peak of 2.32 GiB
 with the fp32 d(weight) buffer (V x H x 4 bytes by itself), 1.16 / 0.58 GiB in bf16 (goal <= 1 GiB).
-The 1.16 held the previous chunk's logits by mistake (fixed, see tests/test_linear_actor_fused.py's
+The 1.16 held the previous chunk's logits by mistake (fixed, see tests/ops/test_linear_actor_fused.py's
 one-chunk test): predicted 0.58 GiB now, not yet measured.
 
 The bet (a prediction): d(W) += d(logits)^T h is one GEMM per chunk that reads and writes all of d(W)

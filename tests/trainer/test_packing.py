@@ -1,6 +1,6 @@
 """Packed token-budget micro-batches (fastrlhf.packing): the grouping, the same hidden states and
 losses as padded rows, the padding they leave out, and the update's one device read per minibatch.
-(The packed gradients against the padded ones on 1 and 2 ranks: tests/test_distributed.py.)"""
+(The packed gradients against the padded ones on 1 and 2 ranks: tests/trainer/test_distributed.py.)"""
 
 import collections
 import re

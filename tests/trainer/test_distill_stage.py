@@ -16,7 +16,7 @@ from fastrlhf import distill, distributed
 from fastrlhf.config import DistillConfig
 from fastrlhf.models import load_causal_lm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("time/", "time_mean/", "memory/", "memory_mean/", "tokens_per_s")
 TINY = ["--teacher", "tiny", "--model", "tiny-student", "--batch_size", "8", "--num_examples", "64",
         "--eval_prompts", "8", "--log_every", "1", "--save_every", "2"]

@@ -1,6 +1,6 @@
 """DPO losses: hand-worked cases of the float64 reference, gradients (the hinge's kink), stats;
 the op and the fused path from hidden states against the reference (both backends), bad input.
-opcheck, gradcheck and torch.compile: tests/test_custom_ops.py; TRL's DPOTrainer and OpenRLHF's
+opcheck, gradcheck and torch.compile: tests/ops/test_custom_ops.py; TRL's DPOTrainer and OpenRLHF's
 DPOLoss: tests/integrations/test_algos_peers.py."""
 
 import math

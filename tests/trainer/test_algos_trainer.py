@@ -17,7 +17,7 @@ from fastrlhf.heads import VALUE_HEAD_FILE
 pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_GRPO = dict(model="tiny", reward="fastrlhf.task:true_score", advantage="grpo", num_generations=4,
                  rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, eval_prompts=8, max_new_tokens=5,
                  save_every=1)

@@ -25,7 +25,7 @@ from fastrlhf.rewards import check_scores, import_rule, load_reward
 from fastrlhf.rollout import Rollout
 from fastrlhf.run import start_stage_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_PPO = dict(helpers.TINY_PPO, steps=1, data="builtin")
 
 

@@ -20,7 +20,7 @@ from fastrlhf import cli, dpo, pipeline, ppo, rm, sft, task
 from fastrlhf.checkpoint import config_changes
 from fastrlhf.config import DPOConfig, PipelineConfig, PPOConfig, RMConfig, SFTConfig, to_dict
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_PPO = dict(helpers.TINY_PPO, data="builtin", steps=1)
 
 

@@ -28,7 +28,7 @@ from fastrlhf.config import PPOConfig, SFTConfig
 pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ["--sft.steps", "10", "--sft.batch_size", "8", "--sft.log_every", "1", "--sft.save_every", "5",
             "--sft.num_examples", "200",
             "--rm.steps", "4", "--rm.batch_size", "8", "--rm.num_pairs", "80", "--rm.eval_every", "4",

@@ -21,7 +21,8 @@ import torch
 from fastrlhf.kernels.ppo_loss import actor_loss_fwd
 from helpers import poison_outputs, worst
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
 EXPERIMENTS = ROOT / "bench" / "experiments"
 MODULE = "coop_actor_loss"
 
@@ -208,8 +209,9 @@ def _sm90_ptx(tmp_path, monkeypatch, **launch) -> str:
     spec_file.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTRLHF_BACKEND")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))  # helpers, compile_capture
     subprocess.run([sys.executable, __file__, str(spec_file), str(out_file)], env=env, check=True, timeout=300,
-                   cwd=Path(__file__).parent)
+                   cwd=TESTS)
     return out_file.read_text()
 
 

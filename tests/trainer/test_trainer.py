@@ -19,7 +19,7 @@ from fastrlhf.rm import bradley_terry_loss
 pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_PPO = dict(helpers.TINY_PPO, rollout_batch_size=8, micro_batch_size=2, eval_prompts=8, max_new_tokens=5,
                 save_every=1)
 

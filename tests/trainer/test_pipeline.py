@@ -8,7 +8,7 @@ import pytest
 from helpers import run_cli
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PHASES = {"rollout", "reward", "logprobs", "advantages", "update"}
 
 
@@ -55,7 +55,7 @@ def test_pipeline_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 3
     assert json.loads((out / "summary.json").read_text())["ppo"] == ppo
-    # (a changed configuration or a fresh run there is refused: tests/test_user_inputs.py, finding 3)
+    # (a changed configuration or a fresh run there is refused: tests/trainer/test_user_inputs.py, finding 3)
 
 
 def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):

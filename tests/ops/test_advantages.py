@@ -1,7 +1,7 @@
 """Outcome advantages (GRPO, Dr. GRPO, RLOO, REINFORCE++): hand-worked cases of the float64
 reference and its conventions (groups, singletons, whitening); the op against the reference
 (dtypes, every option), finiteness at the edges, the registry, bad input. opcheck and
-torch.compile: tests/test_custom_ops.py; the peers' own functions:
+torch.compile: tests/ops/test_custom_ops.py; the peers' own functions:
 tests/integrations/test_algos_peers.py."""
 
 import math

@@ -27,7 +27,7 @@ from fastrlhf import bench
 from fastrlhf.bench import environment, measure, providers, run
 from fastrlhf.bench.cases import GRID_TARGET, LINEAR_TARGET, LOGITS_TARGET
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"op", "shape", "dims", "dtype", "pass", "provider", "backend", "median_ms", "p10_ms", "p90_ms", "reps",
             "bytes", "gbps", "roofline", "peak_mem_bytes", "grad_bytes", "extra_peak_bytes", "autotune", "host_us",
             "wall_ms"}
