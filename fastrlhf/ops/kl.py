@@ -224,6 +224,12 @@ def token_kl(logp, ref_logp, *, estimator="k1", clamp=None, straight_through=Fal
     Returns:
         kl [...] float32 (float64 for float64 inputs); gradients to logp and ref_logp.
     """
+    if estimator == "k1" and clamp is None and not straight_through and grad_weight is None:
+        try:  # float32 inputs of one shape: k1 is their difference, one torch op on any device, eager or traced
+            if logp.dtype is ref_logp.dtype is torch.float32 and logp.shape == ref_logp.shape:
+                return logp - ref_logp
+        except (AttributeError, RuntimeError):
+            pass  # not tensors, or on two devices: the checks below name the argument
     check_float("logp", logp)
     check_same("logp", logp, ref_logp=ref_logp, grad_weight=grad_weight)
     check_choice("estimator", estimator, KL_ESTIMATORS)

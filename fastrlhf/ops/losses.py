@@ -26,6 +26,7 @@ on the device when that scalar is 1).
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import NamedTuple
 
@@ -151,6 +152,36 @@ def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
     return _off_mask_zero(as_dtype(loss_mat, dtype) * (as_dtype(row_scale, dtype).unsqueeze(1) * m), m).sum()
 
 
+def _agg_loss_cpu(x: Tensor, mask: Tensor, agg: Agg) -> Tensor:
+    """`_agg_loss_op` of `row_scale` on a CPU in eager mode, under torch's autograd: reading a count on the host
+    costs no sync there, so each mode's scale is a Python number and only seq-mean-token-mean divides per row
+    (about half the torch ops of the tensor-valued scale). Rows whose mask sums to <= 0 count for nothing, and
+    tokens with mask == 0 give exactly 0 even where x is NaN or inf (then the products go through torch.where)."""
+    dtype = out_dtype(x)
+    w = as_dtype(mask, dtype)
+    products = as_dtype(x, dtype) * w
+    if agg.mode in ("token-mean", "token-sum"):
+        total = products.sum()
+        n = 1.0 if agg.mode == "token-sum" else agg.global_num_tokens or w.sum().item()
+        loss = total * (agg.dp_size / n) if n > 0 else total * 0.0
+    else:
+        n_b = w.sum(-1)
+        nonempty = n_b > 0
+        kept = int(nonempty.sum())
+        n_seqs = agg.global_num_seqs or kept
+        per_row = products.sum(-1)
+        if agg.mode == "seq-mean-token-mean":
+            per_row = per_row / (n_b if kept == len(n_b) else torch.where(nonempty, n_b, 1.0))
+        if kept < len(n_b):
+            per_row = per_row * nonempty
+        norm = (max(x.shape[1], 1) if agg.loss_scale_factor is None else agg.loss_scale_factor) \
+            if agg.mode == "seq-mean-token-sum-norm" else 1.0
+        loss = per_row.sum() * (agg.dp_size / (n_seqs * norm)) if n_seqs > 0 else per_row.sum() * 0.0
+    if math.isfinite(loss.item()) or not torch.isfinite(x).logical_or(w == 0).all():
+        return loss
+    return _agg_loss_cpu(torch.where(w != 0, x, 0.0), mask, agg)  # a NaN or inf only where mask == 0
+
+
 def _fake_agg_loss(loss_mat, mask, row_scale):
     return loss_mat.new_empty((), dtype=out_dtype(loss_mat))
 
@@ -195,6 +226,8 @@ def agg_loss(loss_mat, mask, *, agg="token-mean", global_num_tokens=None, global
     check_mask(mask, loss_mat, "loss_mat")
     agg_ = check_agg(agg, global_num_tokens, global_num_seqs, dp_size, loss_scale_factor)
     x, m = as_rows(loss_mat), as_rows(mask)
+    if x.is_cpu and eager(x):
+        return _agg_loss_cpu(x, m, agg_)
     scale = row_scale(m, agg_, out_dtype(loss_mat))
     if eager(x):  # torch ops only, products and a sum: torch's autograd gives w = scale * m exactly
         return _agg_loss_op(x, m, scale)
