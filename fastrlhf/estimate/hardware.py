@@ -132,12 +132,25 @@ def probe_op_latency(seconds: float = 1.0, clock=None) -> float:
     return (clock() - start) / n
 
 
+BARE_ROUND_OPS = 8  # aten ops one `bare_round` dispatches (asserted in tests/estimate/test_time.py)
+
+
+def bare_round(m, x, y, j: int) -> None:
+    """One round of bare tensor expressions from Python, as an elementwise recursion written in Python issues them
+    (the torch path of GAE): a column read, a Python scalar times a tensor, `1 - d` (rsub), `e + y`, `f - x`,
+    `g * y` and a column write (select + copy_)."""
+    c = m[:, j]
+    d = 0.95 * c
+    e = 1 - d
+    f = e + y
+    g = f - x
+    m[:, j] = g * y
+
+
 def probe_bare_op_latency(seconds: float = 1.0, clock=None) -> float:
-    """Seconds per dispatched op of bare tensor expressions written in Python on 64-element tensors, no nn.Module
-    and no autograd around them: a column read `M[:, j]`, a Python scalar times a tensor, `1 - x` (rsub), `x + y`,
-    `x - y`, `x * y` and a column write `M[:, j] = x` (select + copy_): 8 ops a round. An elementwise recursion
-    written in Python (the torch path of GAE) issues these; they cost more than the bare `torch.add` of
-    `probe_op_latency` (Python's operator protocol, scalar wrapping, indexing) and less than an HF layer's op."""
+    """Seconds per dispatched op of `bare_round` on 64-element tensors, no nn.Module and no autograd around them.
+    These cost more than the bare `torch.add` of `probe_op_latency` (Python's operator protocol, scalar wrapping,
+    indexing) and less than an HF layer's op."""
     import time
 
     import torch
@@ -147,17 +160,11 @@ def probe_bare_op_latency(seconds: float = 1.0, clock=None) -> float:
 
     def rounds(n: int) -> None:
         for j in range(n):
-            c = m[:, j % 48]
-            d = 0.95 * c
-            e = 1 - d
-            f = e + y
-            g = f - x
-            h = g * y
-            m[:, j % 48] = h
+            bare_round(m, x, y, j % 48)
 
     rounds(100)
     n, start = 0, clock()
     while clock() - start < seconds:
         rounds(100)
         n += 100
-    return (clock() - start) / (8 * n)
+    return (clock() - start) / (BARE_ROUND_OPS * n)

@@ -102,6 +102,23 @@ def test_cpu_advantage_op_counts_are_the_traced_ones():
     assert grpo == {"fixed": timing.ADV_CPU_OPS["outcome"], "per_token": 0}
 
 
+def test_the_bare_op_probe_divides_by_the_ops_it_dispatches():
+    """hardware.probe_bare_op_latency: seconds per dispatched op, so a round's ops are counted, not assumed; the CPU
+    device prices bare ops at the probed latency, between the bare torch.add and the fitted HF-layer op."""
+    import torch
+
+    from fastrlhf.estimate.hardware import BARE_ROUND_OPS, bare_round, cpu_device
+    from fastrlhf.estimate.measure import _op_counter
+
+    m, x, y = torch.randn(64, 48), torch.randn(64), torch.randn(64)
+    with _op_counter() as c:
+        bare_round(m, x, y, 3)
+    assert c.n == BARE_ROUND_OPS
+    probe = json.loads((timing.DATA / "devices.json").read_text())["cpu"]
+    assert cpu_device().bare_op_s == probe["bare_op_latency_1_thread"]
+    assert probe["op_latency_1_thread"] < cpu_device().bare_op_s < timing.factors("cpu")["op"]
+
+
 def test_host_and_device_overlap_on_a_gpu_and_add_on_a_cpu():
     """A step's host and device work overlap on a GPU (kernels launch asynchronously) and add on a CPU."""
     f = dict(timing.factors("gpu"), mm=0.5, bw=0.5, op=10e-6, gap=1e-6)
