@@ -466,7 +466,8 @@ def probe_cpu_into_devices() -> dict:
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "bandwidth": one["bandwidth"], "bandwidth_all_threads": every["bandwidth"],
             "peak_flops": every["peak_flops"], "threads": every["threads"], "peak_flops_1_thread": one["peak_flops"],
-            "op_latency_1_thread": one["op_latency"], "load_avg": os.getloadavg(),
+            "op_latency_1_thread": one["op_latency"], "bare_op_latency_1_thread": one["bare_op_latency"],
+            "load_avg": os.getloadavg(),
             "command": "python -m fastrlhf.estimate.calibrate --probe-cpu",
             "note": "fp32 1024^3 matmuls, 64 MiB copies and 64-element adds (hardware.probe_cpu); on a machine shared "
                     "with other jobs the 2-thread figure can fall below the 1-thread one (the threads wait on each "

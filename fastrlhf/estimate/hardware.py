@@ -42,6 +42,7 @@ class Device:
     context_bytes: int = 1 * GIB  # CUDA context + allocator slack, not in max_memory_allocated
     threads: int = 0  # CPU: threads the probe used
     peak_flops_1_thread: float = 0.0  # CPU: the probe on one thread
+    bare_op_s: float = 0.0  # CPU: host seconds per bare tensor op from Python (probe_bare_op_latency); 0: unprobed
     fp8_flops: float = 0.0  # dense fp8 tensor-core FLOP/s (0: no fp8 tensor cores; fp8 weights run weight-only)
 
 
@@ -65,7 +66,8 @@ def cpu_device() -> Device:
     spec = json.loads((DATA / "devices.json").read_text())["cpu"]
     return Device(spec["name"], int(spec["memory_bytes"]), float(spec["bandwidth"]), float(spec["peak_flops"]),
                   kind="cpu", context_bytes=0, threads=int(spec["threads"]),
-                  peak_flops_1_thread=float(spec["peak_flops_1_thread"]))
+                  peak_flops_1_thread=float(spec["peak_flops_1_thread"]),
+                  bare_op_s=float(spec.get("bare_op_latency_1_thread", 0.0)))
 
 
 def device(name: str) -> Device:
@@ -108,7 +110,7 @@ def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
         n += 1
     bandwidth = 2 * src.numel() * 4 * n / (clock() - start)  # read + write
     return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads(),
-            "op_latency": probe_op_latency(seconds, clock)}
+            "op_latency": probe_op_latency(seconds, clock), "bare_op_latency": probe_bare_op_latency(seconds, clock)}
 
 
 def probe_op_latency(seconds: float = 1.0, clock=None) -> float:
@@ -128,3 +130,41 @@ def probe_op_latency(seconds: float = 1.0, clock=None) -> float:
             torch.add(a, b)
         n += 100
     return (clock() - start) / n
+
+
+BARE_ROUND_OPS = 8  # aten ops one `bare_round` dispatches (asserted in tests/estimate/test_time.py)
+
+
+def bare_round(m, x, y, j: int) -> None:
+    """One round of bare tensor expressions from Python, as an elementwise recursion written in Python issues them
+    (the torch path of GAE): a column read, a Python scalar times a tensor, `1 - d` (rsub), `e + y`, `f - x`,
+    `g * y` and a column write (select + copy_)."""
+    c = m[:, j]
+    d = 0.95 * c
+    e = 1 - d
+    f = e + y
+    g = f - x
+    m[:, j] = g * y
+
+
+def probe_bare_op_latency(seconds: float = 1.0, clock=None) -> float:
+    """Seconds per dispatched op of `bare_round` on 64-element tensors, no nn.Module and no autograd around them.
+    These cost more than the bare `torch.add` of `probe_op_latency` (Python's operator protocol, scalar wrapping,
+    indexing) and less than an HF layer's op."""
+    import time
+
+    import torch
+
+    clock = clock or time.process_time
+    x, y, m = torch.randn(64), torch.randn(64), torch.randn(64, 48)
+
+    def rounds(n: int) -> None:
+        for j in range(n):
+            bare_round(m, x, y, j % 48)
+
+    rounds(100)
+    n, start = 0, clock()
+    while clock() - start < seconds:
+        rounds(100)
+        n += 100
+    return (clock() - start) / (BARE_ROUND_OPS * n)

@@ -93,12 +93,8 @@ def measure(lora_rank: int = 0, device: str | None = None) -> dict:
     return {"device": device, "dtype": dtype, "lora_rank": lora_rank, "predicted": predicted, "measured": measured}
 
 
-def count_layer_ops(lora_rank: int = 0, layers: tuple[int, int] = (2, 4)) -> dict[str, float]:
-    """Aten ops one decoder layer dispatches on CPU in fp32 (counted with TorchDispatchMode): its no-grad forward,
-    and its forward and backward with gradients; per layer = the difference between two depths of the tiny Llama
-    (peft LoRA on every linear when lora_rank > 0), divided by the layers between them. These are the CPU class's
-    counts in timing.LAYER_OPS."""
-    import torch
+def _op_counter():
+    """A TorchDispatchMode that counts the aten ops dispatched under it (a custom op's own ops included)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -108,14 +104,54 @@ def count_layer_ops(lora_rank: int = 0, layers: tuple[int, int] = (2, 4)) -> dic
             self.n += 1
             return func(*args, **(kwargs or {}))
 
+    return Count()
+
+
+def count_advantage_ops(advantage: str = "gae", batch: int = 16, lengths: tuple[int, int] = (12, 48)) -> dict:
+    """Aten ops the trainer's phase 4 (ppo.with_advantages: KL-shaped rewards, the `advantage` estimator, the
+    whitening) dispatches on CPU over [batch, T] responses, counted at two response lengths: {"fixed": the ops
+    around the recursion, "per_token": the ops each response token adds}. These are timing.ADV_CPU_OPS and
+    timing.GAE_TORCH_OPS_PER_TOKEN."""
+    import types
+
+    import torch
+
+    from fastrlhf import ppo
+
+    cfg = ppo.PPOConfig(advantage=advantage, num_generations=1 if advantage == "gae" else 4)
+    estimator = ppo.advantage_estimator(cfg)
+
+    def count(T: int) -> int:
+        g = torch.Generator().manual_seed(0)
+        mask = (torch.rand(batch, T, generator=g) > 0.2).float()
+        mask[:, 0] = 1
+        logp, ref, values = (torch.randn(batch, T, generator=g) * mask for _ in range(3))
+        exp = ppo.Experience(types.SimpleNamespace(response_mask=mask), logp, ref,
+                             values if advantage == "gae" else None)
+        with torch.no_grad(), _op_counter() as c:
+            ppo.with_advantages(exp, torch.randn(batch, generator=g), 0.1, cfg, estimator)
+        return c.n
+
+    small, big = (count(T) for T in lengths)
+    per_token = (big - small) / (lengths[1] - lengths[0])
+    return {"fixed": small - per_token * lengths[0], "per_token": per_token}
+
+
+def count_layer_ops(lora_rank: int = 0, layers: tuple[int, int] = (2, 4)) -> dict[str, float]:
+    """Aten ops one decoder layer dispatches on CPU in fp32 (counted with TorchDispatchMode): its no-grad forward,
+    and its forward and backward with gradients; per layer = the difference between two depths of the tiny Llama
+    (peft LoRA on every linear when lora_rank > 0), divided by the layers between them. These are the CPU class's
+    counts in timing.LAYER_OPS."""
+    import torch
+
     def counts(depth: int) -> tuple[int, int, int]:
         model = build_tiny_model(lora_rank, dict(TINY_LLAMA, num_hidden_layers=depth))
         ids = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 16))
-        with torch.no_grad(), Count() as fwd:
+        with torch.no_grad(), _op_counter() as fwd:
             model(input_ids=ids)
-        with Count() as train_fwd:
+        with _op_counter() as train_fwd:
             loss = model(input_ids=ids).logits.float().sum()
-        with Count() as bwd:
+        with _op_counter() as bwd:
             loss.backward()
         return fwd.n, train_fwd.n, bwd.n
 

@@ -11,7 +11,8 @@ kernels itself, so the two add:
              many tokens, reading its weights at one token per sequence - a decode step), w = h / (h + h_half)
              for a model of hidden size h: narrow matrices fill fewer tiles and waves of the GPU
     device = GEMMs + other bytes / (bandwidth x bw) + kernels x gap     (KV cache, activations, optimizer states)
-    host   = ops x op
+    host   = ops x op + bare ops x bare   (an HF layer's ops; bare tensor ops from Python, GAE's recursion, at
+             the CPU's probed bare-op latency: no fitted factor)
     step   = max(host, device) on a GPU, host + device on a CPU
     phase  = sum of count x step + collectives / net + host-link bytes / (pcie x PCIE_EFFICIENCY)
              + parameters a host optimizer updates x adam
@@ -105,8 +106,13 @@ VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
 # passes of the hidden size and 5 of the intermediate size (the layer's op list), in the compute dtype
 ACT_PASSES_HIDDEN = 24
 ACT_PASSES_INTERMEDIATE = 5
-ADV_OPS = 20  # KL-shaped rewards, GAE or outcome advantages, whitening: custom ops and their torch glue
-GAE_TORCH_OPS_PER_TOKEN = 19  # reference.gae's recursion on the CPU path: 19 dispatched ops per token (counted)
+ADV_OPS = 20  # GPU: KL-shaped rewards, GAE or outcome advantages, whitening: fused kernels and their torch glue
+# CPU (the torch path), counted with TorchDispatchMode around ppo.with_advantages (measure.count_advantage_ops,
+# asserted in tests/estimate/test_time.py): 48 ops around the recursion (kl_shaped_rewards, the whitening, the
+# checks' reads) and, for GAE, reference.gae's recursion: 19 bare ops per token (4 column reads, 2 scalar products,
+# 2 rsubs, 9 tensor adds / subs / products, a column write: select + copy_); GRPO's group advantages: 63 ops
+ADV_CPU_OPS = {"gae": 48, "outcome": 63}
+GAE_TORCH_OPS_PER_TOKEN = 19
 ADAMW_BYTES_PER_PARAM = 28  # fp32 AdamW reads weights, gradients, momentum, variance and writes three back
 OPT_OPS_PER_TENSOR = 12  # a for-loop AdamW step and its clip, per parameter tensor (the CPU default)
 OPT_FOREACH_OPS = 30  # CUDA: foreach / fused AdamW and clip_grad_norm, a few multi-tensor kernels per step
@@ -121,7 +127,8 @@ class Step:
     weight_bytes: float = 0.0  # bytes the GEMMs read (their roofline takes the larger of the two)
     bytes: float = 0.0  # other memory-bound traffic: KV cache, activations, optimizer states
     kernels: float = 0.0
-    ops: float = 0.0
+    ops: float = 0.0  # host ops of an HF layer's class (nn.Module and Python around each): priced at `op`
+    bare_ops: float = 0.0  # bare tensor ops from Python (GAE's recursion): the device's probed bare-op latency
     train: bool = False  # training's forward + backward (mm_train)
     width: float = 0.0  # the model's hidden size (h_half); 0: no width effect
 
@@ -138,6 +145,7 @@ class Work:
     comm: float = 0.0  # seconds of exposed collectives at the link's nominal bandwidth
     host_link: float = 0.0  # seconds over the host link at nominal bandwidth (offload)
     adam_params: float = 0.0  # parameters DeepSpeed's CPU Adam updates
+    bare_op: float = 0.0  # host seconds per bare op (a CPU's probe; 0: priced at the fitted `op`)
 
     def add(self, other: Work) -> Work:
         self.steps += other.steps
@@ -234,7 +242,7 @@ def gemm_seconds(s: Step, work: Work, f: dict):
 def step_seconds(s: Step, work: Work, f: dict) -> tuple:
     """(host, device) seconds of one repetition of a step."""
     device = gemm_seconds(s, work, f) + s.bytes / (work.bandwidth * f["bw"]) + s.kernels * f["gap"]
-    return s.ops * f["op"], device
+    return s.ops * f["op"] + s.bare_ops * (work.bare_op or f["op"]), device
 
 
 def seconds(work: Work, f: dict | None = None):

@@ -53,7 +53,7 @@ def new_work(dev: Device, arch: Arch, cpu_threads_: int | None = None, peak: flo
     if dev.kind == "cpu":
         threads = cpu_threads(cpu_threads_, dev, arch)
         rate = dev.peak_flops_1_thread if threads == 1 else dev.peak_flops * threads / max(1, dev.threads)
-        return Work("cpu", rate, dev.bandwidth)
+        return Work("cpu", rate, dev.bandwidth, bare_op=dev.bare_op_s)
     return Work("gpu", peak or dev.peak_flops, dev.bandwidth)
 
 
@@ -132,9 +132,13 @@ def collective(dev: Device, size_bytes: float, gpus: int, times: float = 1.0) ->
 
 def advantages_work(work: Work, gen_len: int, gae: bool) -> Work:
     """KL-shaped rewards, GAE (or outcome advantages) and whitening: a few fused kernels on a GPU; on a CPU the
-    torch path's GAE recursion runs per token (reference.gae: 19 dispatched ops per token)."""
-    ops = T.ADV_OPS + (T.GAE_TORCH_OPS_PER_TOKEN * gen_len if gae and work.kind == "cpu" else 0)
-    return work.step(kernels=ops, ops=ops)
+    torch path: the ops around the recursion at an op's host time, and GAE's recursion, 19 bare tensor ops per
+    token from Python (reference.gae), at the probed bare-op time."""
+    if work.kind != "cpu":
+        return work.step(kernels=T.ADV_OPS, ops=T.ADV_OPS)
+    ops = T.ADV_CPU_OPS["gae" if gae else "outcome"]
+    bare = T.GAE_TORCH_OPS_PER_TOKEN * gen_len if gae else 0
+    return work.step(kernels=ops + bare, ops=ops, bare_ops=bare)
 
 
 # ---------------------------------------------------------------------------------------------
