@@ -137,6 +137,12 @@ def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask != 0, products, 0.0)
 
 
+def _finite_or_zeroed(products: Tensor, mask: Tensor, finite: bool) -> Tensor:
+    """A gradient's products with the mask as they are where the loss's terms were all finite (then so is
+    every factor of these, and they are 0 off the mask), else through torch.where."""
+    return products if finite else torch.where(mask != 0, products, 0.0)
+
+
 def _masked_flags(flags, m: Tensor) -> Tensor:
     """m where a bool indicator is set, in m's dtype (None: no token is flagged)."""
     return torch.zeros_like(m) if flags is None else m * flags
@@ -455,12 +461,21 @@ def agg_launch(agg: Agg, T: int):
 
 
 def _agg_torch(terms: Tensor, agg: Agg, T: int):
-    """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float) from the per-token terms
-    [K, B, T] (0 off the mask; row 0 the loss, row 1 the mask, then what the stats average), as the finish
-    kernel. Token modes sum each term in one reduction; the seq-mean modes sum the loss and the mask per
-    row first. Reads the totals on the host (this path is the CPU's; forced onto CUDA it syncs here)."""
+    """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float, finite) from the per-token
+    terms [K, B, T] (products with the mask; row 0 the loss, row 1 the mask, then what the stats average), as
+    the finish kernel. Token modes sum each term in one reduction; the seq-mean modes sum the loss and the mask
+    per row first. Reads the totals on the host (this path is the CPU's; forced onto CUDA it syncs here).
+    Where a total is NaN or inf (an input is, maybe only where mask == 0: 0 * NaN is NaN), the terms are
+    zeroed off the mask first (`finite` False: so must the caller's gradient be); finite totals mean every
+    product is finite, hence already 0 off the mask."""
     totals = terms.sum((1, 2))
-    n, *stat_sums = totals[1:].tolist()
+    sums = totals.tolist()
+    finite = all(map(math.isfinite, sums))
+    if not finite:
+        terms = torch.where(terms[1] != 0, terms, 0.0)
+        totals = terms.sum((1, 2))
+        sums = totals.tolist()
+    n, *stat_sums = sums[1:]
     count, total, scale = n, totals[0], None
     if agg.mode.startswith("seq-mean"):
         row_sums = terms[:2].sum(2)
@@ -476,7 +491,7 @@ def _agg_torch(terms: Tensor, agg: Agg, T: int):
         c /= max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor
     inv_n = 1.0 / n if n > 0 else 0.0
     stats = torch.tensor([v * inv_n for v in stat_sums], dtype=terms.dtype, device=terms.device)
-    return total * c, stats, (c if scale is None else (scale * c).unsqueeze(1))
+    return total * c, stats, (c if scale is None else (scale * c).unsqueeze(1)), finite
 
 
 def _setup_input_gradient(ctx, inputs, output):
@@ -581,8 +596,8 @@ def _policy_torch(logp, old_logp, advantages, mask, is_weights, selected, sample
         loss, d_logp, clipped, lower, log_ratio = policy_terms(lp, olp, adv, spec.clip_low, spec.clip_high,
                                                                spec.dual_clip, need_grad)
         terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
-        loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, lp.shape[1])
-        return loss, torch.nn.functional.pad(stats, (0, 1)), (_off_mask_zero(d_logp * w, m) * scale
+        loss, stats, scale, finite = _agg_torch(terms, agg, lp.shape[1])
+        return loss, torch.nn.functional.pad(stats, (0, 1)), (_finite_or_zeroed(d_logp * w, m, finite) * scale
                                                               if need_grad else None)
     cast = lambda t: None if t is None else as_dtype(t, dtype)  # noqa: E731
     x = pm.Inputs(lp, olp, adv, m, cast(is_weights), cast(sampler_weights), selected)
@@ -701,8 +716,8 @@ def _value_torch(values, old_values, returns, mask, clip, agg, need_grad):
     v, ov, ret, m = (as_dtype(t, dtype) for t in (values, old_values, returns, mask))
     loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
     terms = torch.stack([loss * m, m, _masked_flags(clipped, m)])
-    loss, stats, scale = _agg_torch(_off_mask_zero(terms, m), agg, v.shape[1])
-    return loss, stats, (_off_mask_zero(d * m, m) * scale if need_grad else None)
+    loss, stats, scale, finite = _agg_torch(terms, agg, v.shape[1])
+    return loss, stats, (_finite_or_zeroed(d * m, m, finite) * scale if need_grad else None)
 
 
 def _value_fwd(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None, agg: str,
