@@ -11,10 +11,14 @@ reversed order so that a forward `tl.associative_scan` runs backwards in time, a
 (A and, in skip mode, the next counted value) passes from block to block. In skip mode V_next is
 itself a scan: "the nearest counted value at a later time", over values loaded shifted by one.
 
-Whitening is global over all mask=1 entries of the batch: each row writes (n, mean, M2)
+Whitening is global over all mask=1 entries of the batch: each row writes (n, mean, M2) in float64
 (combined block by block with Chan's formula, stable when |mean| >> std), one program combines the
 B partials in a fixed order (deterministic) into (mean, rstd), and a light elementwise pass writes
-(x - mean) * rsqrt(var + 1e-8). Three launches, no torch op between them.
+(x - mean) * rsqrt(var + 1e-8). Three launches, no torch op between them. The mean is carried below
+float32's last bit: a block's mean is its float32 mean (the pivot) plus the mean deviation from it
+(small, so exact far below the pivot's ulp), summed in float64; the elementwise pass subtracts it as
+a float32 pair (hi + lo). With |mean| >> std a float32 mean's half ulp is a visible error in
+(x - mean) / std (at mean 300, std 0.5: 6e-5); the pair leaves the output's own rounding.
 
 Where fast: one program per row, the row streamed once (plus a cached re-read of V and the mask
 shifted by one in skip mode); well occupied from B >= a few hundred, any T (the row loops over
@@ -60,11 +64,16 @@ def _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 @triton.jit
 def _block_stats(x, m):
-    # (count, mean, M2) of the masked entries of one block, two-pass inside the block
+    # (count, mean, M2) of the masked entries of one block, float64, two-pass inside the block: the float32
+    # mean is the pivot, the mean of the deviations from it the correction below its last bit
     n = tl.sum(m, axis=0)
-    mean = tl.sum(x * m, axis=0) / tl.maximum(n, 1.0)
-    dev = (x - mean) * m
-    return n, mean, tl.sum(dev * dev, axis=0)
+    inv_n = 1.0 / tl.maximum(n, 1.0)
+    pivot = tl.sum(x * m, axis=0) * inv_n
+    dev = (x - pivot) * m
+    correction = tl.sum(dev, axis=0) * inv_n
+    dev = (dev - correction) * m
+    mean = pivot.to(tl.float64) + correction.to(tl.float64)
+    return n.to(tl.float64), mean, tl.sum(dev * dev, axis=0).to(tl.float64)
 
 
 @triton.jit
@@ -75,7 +84,7 @@ def _gae_fwd_kernel(
     mask_ptr,  # [B, T] bool (as int8), int or float, contiguous; any non-zero selects
     adv_ptr,  # [B, T] fp32 out: raw advantages * mask
     ret_ptr,  # [B, T] fp32 out: (raw advantages + values) * mask
-    stats_ptr,  # [3, B] fp32 out: per-row (n, mean, M2) of the advantages, when WHITEN
+    stats_ptr,  # [3, B] fp64 out: per-row (n, mean, M2) of the advantages, when WHITEN
     # shapes
     B,
     T,
@@ -93,9 +102,9 @@ def _gae_fwd_kernel(
     gl = gamma_lam
     adv_carry = 0.0  # A_next at the end of the block (a later time)
     v_carry = 0.0  # skip mode: the nearest counted value at a later time (0 past the end)
-    n_row = 0.0
-    mean_row = 0.0
-    m2_row = 0.0
+    n_row = tl.zeros((), tl.float64)
+    mean_row = tl.zeros((), tl.float64)
+    m2_row = tl.zeros((), tl.float64)
     for blk in range(0, tl.cdiv(T, BLOCK_T)):
         t = T - 1 - blk * BLOCK_T - i  # reversed: i = 0 is the latest time of the block
         inb = t >= 0
@@ -145,7 +154,7 @@ def _row_stats_kernel(
     # pointers
     x_ptr,  # [B, T] fp32/bf16/fp16, contiguous
     mask_ptr,  # [B, T] bool (as int8), int or float, contiguous; any non-zero selects
-    stats_ptr,  # [3, B] fp32 out: per-row (n, mean, M2) of the masked entries
+    stats_ptr,  # [3, B] fp64 out: per-row (n, mean, M2) of the masked entries
     # shapes
     B,
     T,
@@ -155,9 +164,9 @@ def _row_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = row * T
     cols = tl.arange(0, BLOCK_T)
-    n_row = 0.0
-    mean_row = 0.0
-    m2_row = 0.0
+    n_row = tl.zeros((), tl.float64)
+    mean_row = tl.zeros((), tl.float64)
+    m2_row = tl.zeros((), tl.float64)
     for start in range(0, T, BLOCK_T):
         t = start + cols
         inb = t < T
@@ -173,8 +182,8 @@ def _row_stats_kernel(
 @triton.jit
 def _moments_kernel(
     # pointers
-    stats_ptr,  # [3, B] fp32: per-row (n, mean, M2)
-    moments_ptr,  # [2] fp32 out: (mean, rstd)
+    stats_ptr,  # [3, B] fp64: per-row (n, mean, M2)
+    moments_ptr,  # [2] fp64 out: (mean, rstd)
     # shapes
     B,
     # meta
@@ -190,9 +199,9 @@ def _moments_kernel(
     for start in range(0, B, BLOCK_B):
         b = start + rows
         ok = b < B
-        n_b = tl.load(stats_ptr + b, mask=ok, other=0.0).to(tl.float64)
-        mean_b = tl.load(stats_ptr + B + b, mask=ok, other=0.0).to(tl.float64)
-        m2_b = tl.load(stats_ptr + 2 * B + b, mask=ok, other=0.0).to(tl.float64)
+        n_b = tl.load(stats_ptr + b, mask=ok, other=0.0)
+        mean_b = tl.load(stats_ptr + B + b, mask=ok, other=0.0)
+        m2_b = tl.load(stats_ptr + 2 * B + b, mask=ok, other=0.0)
         n_blk = tl.sum(n_b, axis=0)
         mean_blk = tl.sum(n_b * mean_b, axis=0) / tl.maximum(n_blk, 1.0)
         dev = mean_b - mean_blk
@@ -202,8 +211,8 @@ def _moments_kernel(
     if UNBIASED:
         denom = tl.where(n > 1, n - 1.0, denom)
     rstd = 1.0 / tl.sqrt(m2 / denom + EPS)
-    tl.store(moments_ptr, mean.to(tl.float32))
-    tl.store(moments_ptr + 1, rstd.to(tl.float32))
+    tl.store(moments_ptr, mean)
+    tl.store(moments_ptr + 1, rstd)
 
 
 @triton.jit
@@ -211,7 +220,7 @@ def _normalize_kernel(
     # pointers
     x_ptr,  # [N] fp32/bf16/fp16
     mask_ptr,  # [N] bool (as int8), int or float; any non-zero selects
-    moments_ptr,  # [2] fp32: (mean, rstd)
+    moments_ptr,  # [2] fp64: (mean, rstd)
     out_ptr,  # [N] fp32 out (may be x_ptr)
     # shapes
     N,
@@ -219,16 +228,18 @@ def _normalize_kernel(
     SHIFT_MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # out = (x - mean) * rstd * m, plus mean * m when not SHIFT_MEAN
+    # out = (x - mean) * rstd * m, plus mean * m when not SHIFT_MEAN; the float64 mean as the float32 pair hi + lo
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < N
     mean = tl.load(moments_ptr)
-    rstd = tl.load(moments_ptr + 1)
+    hi = mean.to(tl.float32)
+    lo = (mean - hi.to(tl.float64)).to(tl.float32)
+    rstd = tl.load(moments_ptr + 1).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     m = (tl.load(mask_ptr + offs, mask=valid, other=0) != 0).to(tl.float32)
-    y = (x - mean) * rstd
+    y = ((x - hi) - lo) * rstd
     if not SHIFT_MEAN:
-        y = y + mean
+        y = (y + lo) + hi
     tl.store(out_ptr + offs, y * m, mask=valid)
 
 
@@ -237,7 +248,7 @@ def _normalize(x: torch.Tensor, mask: torch.Tensor, stats: torch.Tensor, unbiase
     """out = (x - mean) * rstd * mask from the per-row (n, mean, M2) `stats` [3, B]: the moments kernel, then
     the elementwise pass."""
     B = stats.shape[1]
-    moments = torch.empty(2, dtype=torch.float32, device=x.device)
+    moments = torch.empty(2, dtype=torch.float64, device=x.device)
     _moments_kernel[(1,)](stats, moments, B, UNBIASED=unbiased, BLOCK_B=min(next_power_of_2(B), _MOMENTS_BLOCK_B))
     n = x.numel()
     _normalize_kernel[(cdiv(n, _BLOCK),)](
@@ -271,7 +282,7 @@ def gae_fwd(
     ret = torch.empty((B, T), dtype=torch.float32, device=device)
     if B == 0 or T == 0:
         return adv, ret
-    stats = torch.empty((3, B), dtype=torch.float32, device=device)
+    stats = torch.empty((3, B), dtype=torch.float64, device=device)
     block_t = min(next_power_of_2(T), _MAX_BLOCK_T)
     mask_l = as_loadable(mask)
     _gae_fwd_kernel[(B,)](
@@ -300,7 +311,7 @@ def whiten_fwd(x: torch.Tensor, mask: torch.Tensor, *, unbiased: bool, shift_mea
     out = torch.empty((B, T), dtype=torch.float32, device=x.device)
     if B == 0 or T == 0:
         return out
-    stats = torch.empty((3, B), dtype=torch.float32, device=x.device)
+    stats = torch.empty((3, B), dtype=torch.float64, device=x.device)
     mask_l = as_loadable(mask)
     _row_stats_kernel[(B,)](x, mask_l, stats, B, T, BLOCK_T=min(next_power_of_2(T), _MAX_BLOCK_T))
     return _normalize(x, mask_l, stats, unbiased, shift_mean, out=out)

@@ -701,7 +701,10 @@ def policy_loss(logp, old_logp, advantages, mask, *, loss_mode="vanilla", clip_l
                          f"the sampler correction as is_weights")
     selected = None
     if spec.mode in ("clip_cov", "kl_cov"):
-        selected = pm.selection(pm.Inputs(lp, old, adv, m), spec, generator)
+        # made in the dtype the per-token pass computes in (float32 for bf16 / fp16 inputs): a token that pass
+        # clips is never a clip_cov candidate, and kl_cov's covariances are not rounded to bf16 (and into ties)
+        up = lambda t: as_dtype(t, out_dtype(logp))  # noqa: E731
+        selected = pm.selection(pm.Inputs(up(lp), up(old), up(adv), m), spec, generator)
     grad = torch.is_grad_enabled() and logp.requires_grad
     loss, stats, *_ = _policy_loss(as_rows(logp), old, adv, m, rows(is_weights), selected, rows(sampler_weights),
                                    *spec.flat(), *agg_, grad, use_triton(logp), grad=grad)

@@ -129,11 +129,27 @@ def check_policy(mode, options, agg_kw, dtype, atol, with_is):
         return
     same, same_stats, same_grad = run(
         lambda x: reference_policy(mode, x, old, adv, mask, options, agg_kw, is_w, sampler), logp, upstream)
+    # float64 on the rounded inputs the op is given: the error no op can avoid (assert_close_to_ref)
+    up = lambda t: None if t is None else t.to(F64)  # noqa: E731
+    rounded, rounded_stats, rounded_grad = run(
+        lambda x: reference_policy(mode, x, up(old), up(adv), mask, options, agg_kw, up(is_w), up(sampler)),
+        up(logp), upstream)
     assert got.dtype == torch.float32
-    assert_close_to_ref(got, want, same, atol=atol, name="loss")
-    assert_close_to_ref(grad, want_grad, same_grad, atol=atol, name="d_logp")
+    assert_close_to_ref(got, want, same, atol=atol, name="loss", ref64_rounded=rounded)
+    assert_close_to_ref(grad, want_grad, same_grad, atol=atol, name="d_logp", ref64_rounded=rounded_grad)
     for k, v in want_stats.items():
-        assert_close_to_ref(stats[k], v, same_stats[k], atol=atol, name=k)
+        assert_close_to_ref(stats[k], v, same_stats[k], atol=atol, name=k, ref64_rounded=rounded_stats[k])
+    # and on the inputs as given, the op's own arithmetic: float64 there is the truth, reference.py in float32 (what
+    # the op computes in; its gradient rounded to the op's dtype) the yardstick, float32's atol. The rule above grants
+    # the input rounding, which can swamp a wrong op (a clip or selection decided the other way moves whole tokens)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    same32, same32_stats, same32_grad = run(
+        lambda x: reference_policy(mode, x, f32(old), f32(adv), mask, options, agg_kw, f32(is_w), f32(sampler)),
+        f32(logp), upstream)
+    assert_close_to_ref(got, rounded, same32, atol=DTYPES[0][1], name="loss on its inputs")
+    assert_close_to_ref(grad, rounded_grad, same32_grad.to(dtype), atol=DTYPES[0][1], name="d_logp on its inputs")
+    for k, v in rounded_stats.items():
+        assert_close_to_ref(stats[k], v, same32_stats[k], atol=DTYPES[0][1], name=f"{k} on its inputs")
 
 
 @pytest.mark.parametrize("mode,options", CASES, ids=IDS)
@@ -211,6 +227,23 @@ def test_clip_cov_generator_draws_reproducibly(backend):
     draws = [ops.policy_loss(logp, old, adv, mask, generator=torch.Generator().manual_seed(5), **kw)
              for _ in range(2)]
     assert torch.equal(draws[0][0], draws[1][0]) and draws[0][1]["clipfrac"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_clip_cov_candidates_are_the_tokens_the_loss_leaves_unclipped(backend, dtype):
+    """One row, A = 1, log-ratios 0.25 and 0 (exact in bf16 / fp16): exp(0.25) = 1.284 is past the clip
+    1 + 0.28, so token 0 is clipped and token 1, the only candidate, is the one token dropped, whatever the
+    draw: loss (-1.28 + 0) / 2, no gradient. (In bf16 arithmetic exp(0.25) and 1.28 both round to 1.28125:
+    a selection made there counts token 0 as a candidate and drops it on about half the draws.)"""
+    old = torch.full((1, 2), -1.0, dtype=dtype)
+    logp = torch.tensor([[-0.75, -1.0]], dtype=dtype)
+    adv, mask = torch.ones(1, 2, dtype=dtype), torch.ones(1, 2, dtype=torch.bool)
+    kw = dict(loss_mode="clip_cov", clip_high=0.28, agg="token-mean", **SELECTION["clip_cov"])
+    for seed in range(8):
+        generator = torch.Generator().manual_seed(seed)
+        loss, stats, grad = run(lambda x, g=generator: ops.policy_loss(x, old, adv, mask, generator=g, **kw), logp, 1.0)
+        assert loss.item() == pytest.approx(-0.64, rel=1e-6) and not grad.any(), seed
+        assert stats["clipfrac"].item() == 0.5
 
 
 def test_mode_arguments_are_checked():

@@ -1,6 +1,7 @@
 """Actor-critic, reference policy, padding, generation and checkpoints on the tiny model."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -109,20 +110,43 @@ def test_response_mask_stops_after_first_eos():
     assert torch.equal(response_mask_after_eos(responses, eos), expected)
 
 
+def _eos_at(lm, eos: int, steps: list[int]):
+    """A forward hook on the output head: row b samples EOS at its steps[b]-th new token, for certain (every other
+    logit -inf), and never before or after (its EOS logit -inf); the head runs once per new token (the prompt's
+    pass makes the first). The rows' other tokens are still sampled."""
+    calls = [0]
+
+    def hook(module, args, logits):
+        calls[0] += 1
+        last = logits[:, -1]
+        for b, step in enumerate(steps):
+            if step == calls[0]:
+                last[b] = torch.where(torch.arange(last.shape[-1]) == eos, 0.0, -math.inf)
+            else:
+                last[b, eos] = -math.inf
+        return logits
+
+    return lm.get_output_embeddings().register_forward_hook(hook)
+
+
 def test_generate_masks_and_pads_after_eos(tiny):
+    """Rows that sample EOS at new token 1..6 (6 = the last one) and rows that never do: the response mask keeps
+    each row's tokens up to and including its EOS, padding and attention mask 0 after it, every row."""
     lm, tok = tiny
-    with torch.no_grad():  # make EOS likely so some rows stop early
-        lm.get_output_embeddings().weight[tok.eos_token_id] += 0.5 * lm.get_output_embeddings().weight.norm(dim=1).max()
+    assert tok.pad_token_id != tok.eos_token_id
+    steps = [3, 1, 0, 6, 2, 0, 5, 4]  # 0: never
     prompt_ids = _random_seqs(8, 2, 6, len(tok))
-    r = generate(lm, tok, prompt_ids, ["x"] * 8, max_new_tokens=6, temperature=1.0, device=CPU)
+    handle = _eos_at(lm, tok.eos_token_id, steps)
+    try:
+        r = generate(lm, tok, prompt_ids, ["x"] * 8, max_new_tokens=6, temperature=1.0, device=CPU)
+    finally:
+        handle.remove()
     b = r.batch
-    assert b.input_ids.shape[0] == 8 and b.response_mask.shape[1] <= 6
-    ended = b.response_mask.sum(-1) < b.response_mask.shape[1]
-    assert ended.any()
-    for row in range(8):
-        n = int(b.response_mask[row].sum())
-        if ended[row]:
-            assert b.responses[row, n - 1] == tok.eos_token_id
+    assert b.input_ids.shape[0] == 8 and b.response_mask.shape[1] == 6
+    assert b.response_mask.sum(-1).tolist() == [step or 6 for step in steps]
+    for row, step in enumerate(steps):
+        n = step or 6
+        assert (b.responses[row, :n] == tok.eos_token_id).tolist() == [t == step - 1 for t in range(n)]
         assert (b.responses[row, n:] == tok.pad_token_id).all()
         assert b.attention_mask[row, b.prompt_len + n:].sum() == 0
     # prompts are left-padded and positions count only real tokens
