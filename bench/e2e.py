@@ -605,7 +605,9 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
         "plan": dataclasses.asdict(plan),
         "configurations": {
             "fastrlhf": "fastrlhf.ppo.train (`fastrlhf ppo`): GRPO with --kl_in_loss, or PPO with GAE and a value "
-                        "head on the policy's LoRA trunk; rollout_cache auto (static on one CUDA process)",
+                        "head on the policy's LoRA trunk; rollout_cache auto (static on one CUDA process); "
+                        "on CPU --rollout_sampler exponential (softmax(logits / T) drawn as argmax(p / E), "
+                        "E = -log U: the distribution torch.multinomial draws, from cheaper random numbers)",
             "trl_shipped": "TRL's defaults for how the work is done: gradient checkpointing, adamw_torch_fused with "
                            "a linear decay, bf16 autocast (bf16=True, on CPU too), GRPO use_bias_correction_kl=True, "
                            "generate with the dynamic cache; PPO: a separate AutoModelForSequenceClassification "

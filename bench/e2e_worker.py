@@ -154,6 +154,12 @@ def versions(names) -> dict:
 # ---------------------------------------------------------------- fastrlhf
 
 
+def fastrlhf_sampler(device: str) -> str:
+    """fastrlhf's --rollout_sampler here: `exponential` on CPU (the same distribution as torch.multinomial,
+    whose exponential_ costs ~4x the draw there), transformers' `multinomial` on CUDA."""
+    return "exponential" if device == "cpu" else "multinomial"
+
+
 def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
     """`fastrlhf ppo` in this process (fastrlhf.ppo.train), GRPO (KL in the loss) or PPO with GAE."""
     from fastrlhf import metrics, ppo
@@ -183,7 +189,7 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
         advantage="grpo" if grpo else "gae", num_generations=spec["generations"], kl_in_loss=grpo,
         kl_coef=spec["kl_coef"], vf_coef=spec["vf_coef"], eval_prompts=spec["eval_prompts"], seed=spec["seed"],
         save_every=spec["iterations"] + 1, device=spec["device"], dtype="auto", rollout_cache="auto",
-        overwrite=True)
+        rollout_sampler=fastrlhf_sampler(spec["device"]), overwrite=True)
     ppo.PhaseTimer = NotedPhases
     summary = ppo.train(cfg)
     defaults = PPOConfig()
@@ -197,7 +203,8 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
     return {"peak_memory_bytes": int(max(peaks)) if peaks else None,
             "peak_memory_kind": "max over phases of " + ("CUDA max allocated" if rec.device.type == "cuda"
                                                          else "the process's peak RSS (fastrlhf's phase timer)"),
-            "settings": {"rollout_cache": summary.get("rollout_cache"), "dtype": cfg.dtype,
+            "settings": {"rollout_cache": summary.get("rollout_cache"), "rollout_sampler": cfg.rollout_sampler,
+                         "dtype": cfg.dtype,
                          "gradient_checkpointing": cfg.gradient_checkpointing, "optimizer": "torch.optim.AdamW",
                          "max_grad_norm": cfg.max_grad_norm},
             "versions": versions(("fastrlhf", "torch", "transformers", "peft")), "command": shlex.join(command)}

@@ -199,7 +199,9 @@ def test_quick_record(tmp_path):
         matched = trl["settings"]
         assert matched["gradient_checkpointing"] is False and matched["bf16"] is False
         assert "adamw_torch" in matched["optim"].lower() and "fused" not in matched["optim"].lower()
-        assert section["trainers"]["fastrlhf"]["command"].startswith("fastrlhf ppo ")
+        ours = section["trainers"]["fastrlhf"]
+        assert ours["command"].startswith("fastrlhf ppo ") and "--rollout_sampler=exponential" in ours["command"]
+        assert ours["settings"]["rollout_sampler"] == "exponential"  # on CPU: torch.multinomial's draw, cheaper
         assert set(section["ratios"]) == {f"fastrlhf / {name}" for name in section["trainers"] if name != "fastrlhf"}
 
     sections = record["learning"]["sections"]
