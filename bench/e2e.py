@@ -361,6 +361,7 @@ def summarize(results: list[dict], warmup: int) -> dict:
         return out
     out.update({
         "seconds_per_iteration": median(it["seconds"] for it in timed),
+        "cpu_seconds_per_iteration": median(it.get("cpu_seconds") for it in timed),
         "phases_s": {p: median(it[p] for it in timed) for p in PHASES},
         "tokens_per_s": median(it["tokens"] / it["seconds"] for it in timed if it.get("tokens")),
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in ok if r.get("peak_memory_bytes")), default=None),
@@ -384,6 +385,8 @@ def ratios(trainers: dict) -> dict:
         if name == "fastrlhf" or "seconds_per_iteration" not in theirs or "seconds_per_iteration" not in ours:
             continue
         r = {"iteration": ours["seconds_per_iteration"] / theirs["seconds_per_iteration"]}
+        if ours.get("cpu_seconds_per_iteration") and theirs.get("cpu_seconds_per_iteration"):
+            r["iteration_cpu"] = ours["cpu_seconds_per_iteration"] / theirs["cpu_seconds_per_iteration"]
         r.update({p: ours["phases_s"][p] / theirs["phases_s"][p] for p in ("rollout", "logprobs", "update")
                   if theirs["phases_s"][p]})
         if ours.get("peak_memory_bytes") and theirs.get("peak_memory_bytes"):
@@ -619,7 +622,9 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
         "iteration": "from the start of the rollout to the end of the last optimizer step (each trainer's logging "
                      "after it is not counted); phases: rollout (generation and decoding), reward, logprobs (old "
                      "policy and reference log-probs, and PPO's values, without grad), update (the PPO epochs), "
-                     "other (advantages and the rest)",
+                     "other (advantages and the rest); cpu_seconds: the CPU time the trainer's process spent in the "
+                     "iteration (one thread: under load it varies less than the wall time; its ratio is "
+                     "iteration_cpu)",
         "notes": NOTES, "timing": [], "learning": {"sections": []},
     }
 

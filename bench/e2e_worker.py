@@ -96,8 +96,8 @@ class Recorder:
             self.memory.start()
         if self.first_start_wall is None:
             self.first_start_wall = time.time()
-        self.current = {"start": time.perf_counter(), "phases": defaultdict(float), "update_start": None,
-                        "update_end": None}
+        self.current = {"start": time.perf_counter(), "cpu_start": time.process_time(), "phases": defaultdict(float),
+                        "update_start": None, "update_end": None}
 
     def timed(self, name: str, fn, *, when=lambda *a, **k: True):
         """fn, with its time added to phase `name` of the open iteration when `when(*args)` holds."""
@@ -131,6 +131,9 @@ class Recorder:
         self.sync()
         cur, self.current = self.current, None
         seconds = (time.perf_counter() if at is None or cur[at] is None else cur[at]) - cur["start"]
+        # the CPU time this process spent in the iteration (to its end, whatever `at`): on a loaded machine a
+        # one-thread trainer's CPU seconds vary less than its wall seconds
+        cpu_seconds = time.process_time() - cur["cpu_start"]
         phases = dict(cur["phases"])
         if "scoring" in phases:
             phases["update"] = seconds - phases.pop("scoring")
@@ -138,7 +141,8 @@ class Recorder:
             phases["update"] = cur["update_end"] - cur["update_start"]
         phases["other"] = seconds - sum(phases.get(p, 0.0) for p in PHASES if p != "other")
         noted = {k: cur[k] for k in ("tokens", "true_score") if k in cur}
-        self.iterations.append({"seconds": seconds, **{p: phases.get(p, 0.0) for p in PHASES}, **noted, **extra})
+        self.iterations.append({"seconds": seconds, "cpu_seconds": cpu_seconds,
+                                **{p: phases.get(p, 0.0) for p in PHASES}, **noted, **extra})
 
 
 def versions(names) -> dict:
