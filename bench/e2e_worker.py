@@ -96,8 +96,8 @@ class Recorder:
             self.memory.start()
         if self.first_start_wall is None:
             self.first_start_wall = time.time()
-        self.current = {"start": time.perf_counter(), "phases": defaultdict(float), "update_start": None,
-                        "update_end": None}
+        self.current = {"start": time.perf_counter(), "cpu_start": time.process_time(), "phases": defaultdict(float),
+                        "update_start": None, "update_end": None}
 
     def timed(self, name: str, fn, *, when=lambda *a, **k: True):
         """fn, with its time added to phase `name` of the open iteration when `when(*args)` holds."""
@@ -131,6 +131,9 @@ class Recorder:
         self.sync()
         cur, self.current = self.current, None
         seconds = (time.perf_counter() if at is None or cur[at] is None else cur[at]) - cur["start"]
+        # the CPU time this process spent in the iteration (to its end, whatever `at`): on a loaded machine a
+        # one-thread trainer's CPU seconds vary less than its wall seconds
+        cpu_seconds = time.process_time() - cur["cpu_start"]
         phases = dict(cur["phases"])
         if "scoring" in phases:
             phases["update"] = seconds - phases.pop("scoring")
@@ -138,7 +141,8 @@ class Recorder:
             phases["update"] = cur["update_end"] - cur["update_start"]
         phases["other"] = seconds - sum(phases.get(p, 0.0) for p in PHASES if p != "other")
         noted = {k: cur[k] for k in ("tokens", "true_score") if k in cur}
-        self.iterations.append({"seconds": seconds, **{p: phases.get(p, 0.0) for p in PHASES}, **noted, **extra})
+        self.iterations.append({"seconds": seconds, "cpu_seconds": cpu_seconds,
+                                **{p: phases.get(p, 0.0) for p in PHASES}, **noted, **extra})
 
 
 def versions(names) -> dict:
@@ -152,6 +156,12 @@ def versions(names) -> dict:
 
 
 # ---------------------------------------------------------------- fastrlhf
+
+
+def fastrlhf_sampler(device: str) -> str:
+    """fastrlhf's --rollout_sampler here: `exponential` on CPU (the same distribution as torch.multinomial,
+    whose exponential_ costs ~4x the draw there), transformers' `multinomial` on CUDA."""
+    return "exponential" if device == "cpu" else "multinomial"
 
 
 def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
@@ -183,7 +193,7 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
         advantage="grpo" if grpo else "gae", num_generations=spec["generations"], kl_in_loss=grpo,
         kl_coef=spec["kl_coef"], vf_coef=spec["vf_coef"], eval_prompts=spec["eval_prompts"], seed=spec["seed"],
         save_every=spec["iterations"] + 1, device=spec["device"], dtype="auto", rollout_cache="auto",
-        overwrite=True)
+        rollout_sampler=fastrlhf_sampler(spec["device"]), overwrite=True)
     ppo.PhaseTimer = NotedPhases
     summary = ppo.train(cfg)
     defaults = PPOConfig()
@@ -197,7 +207,8 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
     return {"peak_memory_bytes": int(max(peaks)) if peaks else None,
             "peak_memory_kind": "max over phases of " + ("CUDA max allocated" if rec.device.type == "cuda"
                                                          else "the process's peak RSS (fastrlhf's phase timer)"),
-            "settings": {"rollout_cache": summary.get("rollout_cache"), "dtype": cfg.dtype,
+            "settings": {"rollout_cache": summary.get("rollout_cache"), "rollout_sampler": cfg.rollout_sampler,
+                         "dtype": cfg.dtype,
                          "gradient_checkpointing": cfg.gradient_checkpointing, "optimizer": "torch.optim.AdamW",
                          "max_grad_norm": cfg.max_grad_norm},
             "versions": versions(("fastrlhf", "torch", "transformers", "peft")), "command": shlex.join(command)}

@@ -64,6 +64,7 @@ from fastrlhf.rewards import check_reward_model_dir, import_rule, is_rule, load_
 from fastrlhf.rollout import (
     ROLLOUT_CACHES,
     ROLLOUT_ENGINES,
+    ROLLOUT_SAMPLERS,
     Rollout,
     engine_generate,
     generate,
@@ -405,7 +406,8 @@ def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, de
     if engine is not None:
         return engine_generate(engine, ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"])
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device))
+                    temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device),
+                    sampler=cfg.rollout_sampler)
 
 
 @dataclasses.dataclass
@@ -482,6 +484,9 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_cache not in ("auto", *ROLLOUT_CACHES):
         raise ValueError(f"ppo: rollout_cache must be one of auto, {', '.join(ROLLOUT_CACHES)}, "
                          f"got {cfg.rollout_cache!r}")
+    if cfg.rollout_sampler not in ROLLOUT_SAMPLERS:
+        raise ValueError(f"ppo: rollout_sampler must be one of {', '.join(ROLLOUT_SAMPLERS)}, "
+                         f"got {cfg.rollout_sampler!r}")
     if cfg.rollout_engine not in ROLLOUT_ENGINES:
         raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
@@ -743,6 +748,7 @@ def finish(s: PPORun) -> dict:
         "rollout_cache": rollout_cache(cfg, device), "micro_batch_tokens": cfg.micro_batch_tokens,
         "compiled": s.compiled, **({"compile": compile_stats()} if s.compiled else {}),
         "rollout_engine": "hf" if s.engine is None else "graph",
+        **({"rollout_sampler": cfg.rollout_sampler} if s.engine is None else {}),
         **({} if s.engine is None else {"rollout_engine_stats": dict(s.engine.stats, **s.engine.memory_bytes())}),
         **state_bytes,
     }

@@ -72,9 +72,9 @@ def test_eos_and_pad_are_never_sampled(tmp_path, monkeypatch, name):
 def test_summaries():
     """Medians over the timed iterations of every repetition; ratios fastrlhf / TRL; the first
     iteration at the target true score and the seconds until its end."""
-    def run(seconds, tokens=64):
+    def run(seconds, tokens=64, cpu=0.8):
         its = [{"seconds": s, "rollout": s / 2, "reward": 0.0, "logprobs": s / 4, "update": s / 4, "other": 0.0,
-                "tokens": tokens} for s in seconds]
+                "tokens": tokens, **({"cpu_seconds": cpu * s} if cpu else {})} for s in seconds]
         return {"iterations": its, "startup_s": 3.0, "peak_memory_bytes": 100}
 
     ours = e2e.summarize([run([9.0, 1.0, 2.0]), run([9.0, 3.0, 5.0])], warmup=1)
@@ -84,6 +84,10 @@ def test_summaries():
     assert theirs["seconds_per_iteration"] == 5.0 and len(theirs["failed"]) == 1
     r = e2e.ratios({"fastrlhf": ours, "trl_matched": theirs})["fastrlhf / trl_matched"]
     assert r["iteration"] == 0.5 and r["rollout"] == 0.5 and r["peak_memory"] == 1.0
+    assert ours["cpu_seconds_per_iteration"] == 2.0 and r["iteration_cpu"] == 0.5
+    older = e2e.summarize([run([1.0, 5.0], cpu=None)], warmup=1)  # a result from before cpu_seconds
+    assert older["cpu_seconds_per_iteration"] is None
+    assert "iteration_cpu" not in e2e.ratios({"fastrlhf": ours, "trl_matched": older})["fastrlhf / trl_matched"]
 
     learned = e2e.to_target({"iterations": [{"seconds": 1.0, "true_score": s} for s in (0.5, 0.92, 0.88, 0.95)],
                              "startup_s": 2.0})
@@ -188,6 +192,7 @@ def test_quick_record(tmp_path):
             raw = json.loads((tmp_path / "work" / "results" / f"{section['algo']}-tiny-{name}-rep0.json").read_text())
             for it in raw["iterations"]:
                 assert it["tokens"] == per_iteration, (name, it)  # EOS unreachable: every response is R tokens
+                assert 0 < it["cpu_seconds"] <= 1.5 * it["seconds"] + 0.5, (name, it)  # one thread (+ stragglers)
                 assert sum(it[p] for p in e2e.PHASES) == pytest.approx(it["seconds"])
                 assert min(it[p] for p in e2e.PHASES if p != "other") >= 0 and it["rollout"] > 0 and it["update"] > 0
             assert t["command"]
@@ -199,8 +204,14 @@ def test_quick_record(tmp_path):
         matched = trl["settings"]
         assert matched["gradient_checkpointing"] is False and matched["bf16"] is False
         assert "adamw_torch" in matched["optim"].lower() and "fused" not in matched["optim"].lower()
-        assert section["trainers"]["fastrlhf"]["command"].startswith("fastrlhf ppo ")
+        ours = section["trainers"]["fastrlhf"]
+        assert ours["command"].startswith("fastrlhf ppo ") and "--rollout_sampler=exponential" in ours["command"]
+        assert ours["settings"]["rollout_sampler"] == "exponential"  # on CPU: torch.multinomial's draw, cheaper
         assert set(section["ratios"]) == {f"fastrlhf / {name}" for name in section["trainers"] if name != "fastrlhf"}
+        for name, r in section["ratios"].items():
+            theirs = section["trainers"][name.split(" / ")[1]]
+            ours_cpu = section["trainers"]["fastrlhf"]["cpu_seconds_per_iteration"]
+            assert r["iteration_cpu"] == round(ours_cpu / theirs["cpu_seconds_per_iteration"], 3)
 
     sections = record["learning"]["sections"]
     assert [s["algo"] for s in sections] == ["grpo"]  # quick: PPO's learning is left to the full record
