@@ -66,6 +66,14 @@ def device():
     return DEVICE
 
 
+def _interpreted(item) -> bool:
+    """The test runs the Triton kernels, in the interpreter on a CPU: the `backend` fixture's triton case, or the
+    `triton_backend` fixture."""
+    params = getattr(item, "callspec", None)
+    return (params is not None and params.params.get("backend") == "triton") or \
+        "triton_backend" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -73,6 +81,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        elif _interpreted(item):
+            item.add_marker(pytest.mark.slow)  # seconds in the interpreter; on a GPU they are fast
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ import torch
 from fastrlhf.kernels.ppo_loss import actor_loss_fwd
 from helpers import poison_outputs, worst
 
+pytestmark = pytest.mark.slow  # an experiment's kernel in the interpreter and its PTX
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 EXPERIMENTS = ROOT / "bench" / "experiments"

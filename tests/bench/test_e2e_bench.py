@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import e2e_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # runs fastrlhf and TRL side by side at a reduced size
+
 
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
@@ -160,7 +162,6 @@ def test_resume_reuses_only_a_finished_run_of_the_same_spec(tmp_path):
         e2e.resumed_from(record)
 
 
-@pytest.mark.slow
 def test_quick_record(tmp_path):
     """`bench/e2e.py --device cpu --quick` runs fastrlhf and both TRL configurations for GRPO (TRL 1.16),
     TRL 1.12's PPO (from its wheel) matched, and GRPO's learning from an SFT checkpoint, and writes the record:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # every part's --dry-run runs the part's scripts on CPU
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["install", "env", "tests", "ops", "ppo"]
 FILES = {"status.json", "bench.json", "bench.png", "ppo.json", "tests.log", "logs.tar.gz"}
@@ -174,7 +176,6 @@ def test_bad_arguments():
         assert all(part in proc.stderr for part in parts), proc.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
 def test_update_part_dry_run(tmp_path):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the peers' own test suites, patched, in subprocesses
+
 HERE = Path(__file__).parent
 
 SUITES = {

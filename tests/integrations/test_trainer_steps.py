@@ -21,6 +21,8 @@ from helpers import make_mask
 
 from .peer_checks import ATOL, check_like_peer
 
+pytestmark = pytest.mark.slow  # the peers' trainers stepped with and without patch()
+
 
 def _tiny_llama(vocab_size, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -13,6 +13,8 @@ import torch
 from .family_peers import F64, grpo_inputs, trl_inputs, trl_trainer, trl_vllm_importance_sampling
 from .peer_checks import ATOL, check_like_peer
 
+pytestmark = pytest.mark.slow  # TRL's GRPOTrainer loss and first steps, patched and not
+
 pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is not installed")
 
 LOSS_TYPES = ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"]

@@ -18,6 +18,8 @@ from .peer_checks import (
     unpatched,
 )
 
+pytestmark = pytest.mark.slow  # verl's own functions, patched and not, over dtypes, masks and aggregations
+
 B, T, V = 6, 13, 37
 KL_NAMES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+", "k2+", "mse+"]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -10,6 +10,8 @@ from .family_peers import F64, policy_inputs, rollout_logprobs
 from .peer_checks import check_like_peer, compare, unpatched
 from .test_policy_family_peers import CORRECTIONS, POLICY_LOSS_SETTINGS, VERL_POLICY_LOSSES, verl_config
 
+pytestmark = pytest.mark.slow  # verl's own functions on every registry entry, aggregation and correction
+
 AGGS = ["token-mean", "seq-mean-token-mean"]
 INFOS = [{}, {"dp_size": 2, "batch_num_tokens": 90, "global_batch_size": 11}]
 

@@ -22,11 +22,11 @@ from fastrlhf import kernels, ops
 
 TARGETS = {"sm90": 90, "sm80": 80}
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(  # slow: every kernel compiled for two targets
     "nvidia" not in triton_backends,
     reason=f"this triton build has no CUDA backend (backends: {sorted(triton_backends)}), so it cannot "
            "compile for sm_90 / sm_80",
-)
+)]
 
 
 def _kernel_names() -> list[str]:

@@ -321,6 +321,7 @@ def test_compile_fullgraph_matches_eager(backend, name):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_with_changing_hyperparameters():
     """A float keyword that changes between calls (an adaptive KL coefficient, a clip schedule) becomes
     a SymFloat on the recompile: the argument checks must trace it (math.isfinite of one broke the
@@ -345,6 +346,7 @@ def test_compile_fullgraph_with_changing_hyperparameters():
                 torch.testing.assert_close(compiled(x, *args), fn(x, *args), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_inductor_end_to_end():
     """The real compiler on the trainer's two losses in one graph: Dynamo, AOTAutograd, inductor."""
     torch._dynamo.reset()

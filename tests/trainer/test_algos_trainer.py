@@ -14,7 +14,7 @@ from fastrlhf import dpo, ops, ppo, sft
 from fastrlhf.config import DPOConfig, PPOConfig, SFTConfig
 from fastrlhf.heads import VALUE_HEAD_FILE
 
-pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_threads_and_warnings")]  # runs whole stages
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,14 +183,12 @@ def sft_model(tmp_path_factory):
     return str(out / "sft" / "final")
 
 
-@pytest.mark.slow
 def test_dpo_raises_the_true_score_from_sft(sft_model, tmp_path):
     s = dpo.train(DPOConfig(out=str(tmp_path), model=sft_model, steps=40, num_pairs=600, eval_prompts=64,
                             eval_every=40, log_every=20, device="cpu"))
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "graph"])
 def test_grpo_raises_the_true_score_from_sft(engine, sft_model, tmp_path):
     """With either sampler (`graph`: fastrlhf's decode engine, its step run eagerly on CPU)."""

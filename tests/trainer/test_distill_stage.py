@@ -16,6 +16,8 @@ from fastrlhf import distill, distributed
 from fastrlhf.config import DistillConfig
 from fastrlhf.models import load_causal_lm
 
+pytestmark = pytest.mark.slow  # distillation runs, on 1 and 2 ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("time/", "time_mean/", "memory/", "memory_mean/", "tokens_per_s")
 TINY = ["--teacher", "tiny", "--model", "tiny-student", "--batch_size", "8", "--num_examples", "64",

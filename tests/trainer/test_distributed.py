@@ -25,7 +25,7 @@ from helpers import metric_rows
 from fastrlhf import checkpoint, distributed, dpo, ppo, sft
 from fastrlhf.config import PPOConfig, SFTConfig
 
-pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_threads_and_warnings")]  # runs whole stages
 
 
 ROOT = Path(__file__).resolve().parents[2]

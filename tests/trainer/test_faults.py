@@ -69,7 +69,7 @@ else:
 sys.exit(cli.main(args))
 """
 
-pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_threads_and_warnings")]  # runs whole stages
 
 
 @pytest.fixture(autouse=True)
@@ -240,7 +240,6 @@ def test_a_damaged_run_file_is_named_with_what_to_do(name, fix, stopped_at_4, tm
 # ---------------------------------------------------------------- kill -9 inside a save, a second process
 
 
-@pytest.mark.slow
 def test_a_second_process_is_refused_and_kill_9_inside_a_save_loses_nothing(reference, tmp_path, capsys, caplog):
     """A run paused inside the save of step 4 (its files written, no manifest yet) holds the
     folder: a second process, --resume and --overwrite included, is refused naming it, and
@@ -269,7 +268,6 @@ def test_a_second_process_is_refused_and_kill_9_inside_a_save_loses_nothing(refe
     _assert_as_uninterrupted(out, reference)
 
 
-@pytest.mark.slow
 def test_kill_9_between_publishing_a_checkpoint_and_moving_latest_loses_nothing(reference, tmp_path, caplog):
     out, marker = tmp_path / "run", tmp_path / "paused"
     proc = _driver("pause_latest", 4, marker, *_args(out))
@@ -287,7 +285,6 @@ def test_kill_9_between_publishing_a_checkpoint_and_moving_latest_loses_nothing(
 # ---------------------------------------------------------------- signals
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_finishes_the_step_writes_a_checkpoint_and_the_resume_continues_there(sig, code, reference,
                                                                                       tmp_path, caplog):
@@ -305,7 +302,6 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_the_resume_continues
     _assert_as_uninterrupted(out, reference)
 
 
-@pytest.mark.slow
 def test_a_second_signal_exits_at_once_without_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = _driver("signal", 3, "SIGTERM,SIGINT", *_args(out))
@@ -509,7 +505,6 @@ def _children(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()]
 
 
-@pytest.mark.slow
 def test_a_killed_torchrun_rank_ends_the_job_naming_it_and_the_run_resumes(tmp_path):
     """Rank 1 of 2 is killed once a checkpoint exists: the job ends within seconds, torchrun naming
     the rank; the resume under torchrun finishes with the loss curve of one process."""

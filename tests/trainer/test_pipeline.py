@@ -8,6 +8,8 @@ import pytest
 from helpers import run_cli
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # whole pipelines
+
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = {"rollout", "reward", "logprobs", "advantages", "update"}
 

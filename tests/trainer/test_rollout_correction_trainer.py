@@ -9,7 +9,7 @@ import pytest
 from fastrlhf import ppo
 from fastrlhf.config import PPOConfig
 
-pytestmark = pytest.mark.usefixtures("keep_threads_and_warnings")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("keep_threads_and_warnings")]  # PPO runs
 
 ONE_UPDATE = dict(helpers.TINY_PPO, steps=1, ppo_epochs=1, rollout_engine="graph", device="cpu", advantage="grpo",
                   num_generations=2, reward="varied:score")  # one minibatch: its loss is taken before any step

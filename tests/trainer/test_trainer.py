@@ -80,6 +80,7 @@ def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
     assert (tmp_path / "ppo" / "checkpoints" / "step_000002" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", [[], ["--micro_batch_tokens", "74"]], ids=["padded", "packed"])
 def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, packing):
     """Stopped after 2 steps and resumed: the rows and the true score after are the uninterrupted run's,

@@ -422,6 +422,7 @@ def _fastrlhf(*args, cwd, timeout=600):
     return subprocess.run(command + list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_acceptance_user_model_user_data_rule_reward_from_the_working_directory(user_model, tmp_path):
     """The pipeline on a local Qwen2 with its own BPE tokenizer and user JSONL for every stage;
     then PPO with a rule reward from ./myreward.py; the final models reload with plain
