@@ -578,17 +578,17 @@ def _write_dlogits(logits_ptr, dlogits_ptr, row, row_off, a, src, n, n_full, col
     if n_full < n:
         in_span = n_full + cols < n
         x_tail = tl.load(src + n_full + cols, mask=in_span, other=0.0, eviction_policy="evict_first")
-        dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz = _bwd_tile(x_tail.to(tl.float32), scale, lse2, 0.0, a_coef, b_coef, HAS_ENTROPY)
         dz += tl.where(cols == label_col - n_full, g_label, 0.0)
         tl.store(dst + n_full + cols, dz.to(out_ty), mask=in_span, eviction_policy="evict_first")
     for i in range(0, n_full // BLOCK_V):
         k = n_full - BLOCK_V - i * BLOCK_V
         x = tl.load(src + k + cols, eviction_policy="evict_first").to(tl.float32)
-        dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+        dz = _bwd_tile(x, scale, lse2, 0.0, a_coef, b_coef, HAS_ENTROPY)
         dz += tl.where(cols == label_col - k, g_label, 0.0)
         tl.store(dst + k + cols, dz.to(out_ty), eviction_policy="evict_first")
     x_ends = tl.load(logits_ptr + row_off + col, mask=ok, other=0.0).to(tl.float32)
-    dz = _bwd_tile(x_ends, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+    dz = _bwd_tile(x_ends, scale, lse2, 0.0, a_coef, b_coef, HAS_ENTROPY)
     dz += tl.where(col == label, g_label, 0.0)  # g_label is 0 where the label takes no gradient
     tl.store(dlogits_ptr + drow_off + col, dz.to(out_ty), mask=ok)
 

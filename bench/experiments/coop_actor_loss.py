@@ -301,12 +301,12 @@ def _coop_actor_loss_kernel(
                     in_k = lo + k + tiles < V
                     x_k = tl.load(logits_ptr + row_off + lo + k + tiles, mask=in_k, other=0.0,
                                   eviction_policy="evict_first").to(tl.float32)
-                    dz = _bwd_tile(x_k, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+                    dz = _bwd_tile(x_k, scale, lse2, 0.0, a_coef, b_coef, HAS_ENTROPY)
                     dz += tl.where(tiles == label_col - k, g_label, 0.0)
                     tl.store(dlogits_ptr + row * V + lo + k + tiles, dz.to(out_ty), mask=in_k,
                              eviction_policy="evict_first")
             else:
-                dz = _bwd_tile(x, scale, lse2, a_coef, b_coef, HAS_ENTROPY)
+                dz = _bwd_tile(x, scale, lse2, 0.0, a_coef, b_coef, HAS_ENTROPY)
                 dz += tl.where(cols == label_col, g_label, 0.0)
                 tl.store(dlogits_ptr + row * V + lo + cols, dz.to(out_ty), mask=in_row)
 

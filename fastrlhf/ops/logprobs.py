@@ -20,6 +20,8 @@ of float32 work per intra-op thread, near the cores' L2 caches): the forward kee
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -192,7 +194,7 @@ def _backward_torch(x, y, lse, entropy, g_logp, g_ent, temperature, ignore_index
 def logprobs_fwd(x: Tensor, y: Tensor, *, temperature: float, ignore_index: int, return_entropy: bool,
                  use_triton: bool):
     """x [B, T, V] (stride(-1) == 1), y [B, T] or [B, T, K] int64 -> (logp flat [y.numel()], entropy
-    flat [B * T] or None, lse flat [B * T]) in out_dtype(x)."""
+    flat [B * T] or None, lse flat [B * T]) in out_dtype(x); the kernel's lse in fp64 (`_lse_dtype`)."""
     if not use_triton:
         return _forward_torch(x, y, temperature, ignore_index, return_entropy)
     from fastrlhf.kernels import logprobs as kernels
@@ -203,12 +205,14 @@ def logprobs_fwd(x: Tensor, y: Tensor, *, temperature: float, ignore_index: int,
                                               compute_entropy=return_entropy)
     if not per_position:  # K labels per row: the kernel's lse, then a gather of K logits per row
         valid = (y >= 0) & (y < x.shape[-1])
-        z_label = x.gather(-1, torch.where(valid, y, 0)).float() * (1.0 / temperature)
-        logp = torch.where(valid, z_label - lse.unsqueeze(-1), float("nan"))
+        # as the kernel: y = logits * fp32(log2(e) / T), logp = (y - lse / ln 2) ln 2 in fp64 (exact at the max)
+        y_label = x.gather(-1, torch.where(valid, y, 0)).float() * torch.tensor(kernels.LOG2E / temperature)
+        logp = (y_label.double() - lse.unsqueeze(-1) * (1 / math.log(2))) * math.log(2)
+        logp = torch.where(valid, logp.float(), float("nan"))
         logp = torch.where(y == ignore_index, 0.0, logp)
     dtype = out_dtype(x)
     flat = lambda t: None if t is None else t.reshape(-1).to(dtype)  # noqa: E731
-    return flat(logp), flat(entropy), flat(lse)
+    return flat(logp), flat(entropy), lse.reshape(-1)  # lse in fp64 (see kernels.logprobs_fwd)
 
 
 def logprobs_bwd(x: Tensor, y: Tensor, lse: Tensor, entropy, g_logp, g_ent, *, temperature: float,
@@ -256,10 +260,15 @@ def _logprobs_op(logits: Tensor, labels: Tensor, temperature: float, ignore_inde
     return logp.view(labels.shape), entropy, lse.view(shape)
 
 
+def _lse_dtype(logits: Tensor, use_triton: bool) -> torch.dtype:
+    """The kernel keeps lse in fp64 (kernels.logprobs.logprobs_fwd), the torch path in out_dtype."""
+    return torch.float64 if use_triton else out_dtype(logits)
+
+
 def _fake_logprobs(logits, labels, temperature, ignore_index, return_entropy, inplace_backward, use_triton):
     shape, dtype = logits.shape[:-1], out_dtype(logits)
-    return (logits.new_empty(labels.shape, dtype=dtype),
-            logits.new_empty(shape if return_entropy else (0,), dtype=dtype), logits.new_empty(shape, dtype=dtype))
+    return (logits.new_empty(labels.shape, dtype=dtype), logits.new_empty(shape if return_entropy else (0,),
+            dtype=dtype), logits.new_empty(shape, dtype=_lse_dtype(logits, use_triton)))
 
 
 def logprobs_backward_op(logits: Tensor, labels: Tensor, lse: Tensor, entropy: Tensor, grad_logp: Tensor | None,
@@ -396,7 +405,7 @@ def _entropy_op(logits: Tensor, temperature: float, use_triton: bool) -> tuple[T
 
 def _fake_entropy(logits, temperature, use_triton):
     shape, dtype = logits.shape[:-1], out_dtype(logits)
-    return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=dtype)
+    return logits.new_empty(shape, dtype=dtype), logits.new_empty(shape, dtype=_lse_dtype(logits, use_triton))
 
 
 def _setup_entropy(ctx, inputs, output):
