@@ -127,19 +127,14 @@ def token_weights(mask: Tensor, agg: Agg, dtype: torch.dtype) -> Tensor:
     return row_scale(mask, agg, dtype).unsqueeze(1) * mask.to(dtype)
 
 
-def _off_mask_zero(products: Tensor, mask: Tensor) -> Tensor:
+def _off_mask_zero(products: Tensor, mask: Tensor, finite: bool | None = None) -> Tensor:
     """Products of per-token values with mask weights, made exactly 0 where mask == 0, even where a
     value is NaN or inf (0 * NaN is NaN). On CPU torch.where (and the mask != 0 it needs) costs as
     much as a dozen elementwise ops, so it is skipped when every product is finite (their sum is):
-    then the products are already 0 there."""
-    if products.device.type == "cpu" and bool(torch.isfinite(products.sum())):  # NaN and inf never sum to finite
-        return products
-    return torch.where(mask != 0, products, 0.0)
-
-
-def _finite_or_zeroed(products: Tensor, mask: Tensor, finite: bool) -> Tensor:
-    """A gradient's products with the mask as they are where the loss's terms were all finite (then so is
-    every factor of these, and they are 0 off the mask), else through torch.where."""
+    then the products are already 0 there. `finite`: already known (the caller's totals were read);
+    None: checked here."""
+    if finite is None:
+        finite = products.device.type == "cpu" and bool(torch.isfinite(products.sum()))  # NaN / inf never sum finite
     return products if finite else torch.where(mask != 0, products, 0.0)
 
 
@@ -160,29 +155,26 @@ def _agg_loss_op(loss_mat: Tensor, mask: Tensor, row_scale: Tensor) -> Tensor:
 
 def _agg_loss_cpu(x: Tensor, mask: Tensor, agg: Agg) -> Tensor:
     """`_agg_loss_op` of `row_scale` on a CPU in eager mode, under torch's autograd: reading a count on the host
-    costs no sync there, so each mode's scale is a Python number and only seq-mean-token-mean divides per row
-    (about half the torch ops of the tensor-valued scale). Rows whose mask sums to <= 0 count for nothing, and
-    tokens with mask == 0 give exactly 0 even where x is NaN or inf (then the products go through torch.where)."""
+    costs no sync there, so each mode's scale is a Python number (`_host_scale`, as the policy and value losses'
+    finish) and only seq-mean-token-mean divides per row (about half the torch ops of the tensor-valued scale).
+    Rows whose mask sums to <= 0 count for nothing, and tokens with mask == 0 give exactly 0 even where x is NaN
+    or inf (then the products go through torch.where)."""
     dtype = out_dtype(x)
     w = as_dtype(mask, dtype)
     products = as_dtype(x, dtype) * w
-    if agg.mode in ("token-mean", "token-sum"):
-        total = products.sum()
-        n = 1.0 if agg.mode == "token-sum" else agg.global_num_tokens or w.sum().item()
-        loss = total * (agg.dp_size / n) if n > 0 else total * 0.0
-    else:
+    if agg.mode.startswith("seq-mean"):
         n_b = w.sum(-1)
         nonempty = n_b > 0
         kept = int(nonempty.sum())
-        n_seqs = agg.global_num_seqs or kept
         per_row = products.sum(-1)
         if agg.mode == "seq-mean-token-mean":
             per_row = per_row / (n_b if kept == len(n_b) else torch.where(nonempty, n_b, 1.0))
         if kept < len(n_b):
             per_row = per_row * nonempty
-        norm = (max(x.shape[1], 1) if agg.loss_scale_factor is None else agg.loss_scale_factor) \
-            if agg.mode == "seq-mean-token-sum-norm" else 1.0
-        loss = per_row.sum() * (agg.dp_size / (n_seqs * norm)) if n_seqs > 0 else per_row.sum() * 0.0
+        loss = per_row.sum() * _host_scale(agg, kept, x.shape[1])
+    else:
+        count = w.sum().item() if agg.mode == "token-mean" and agg.global_num_tokens is None else 0.0
+        loss = products.sum() * _host_scale(agg, count, x.shape[1])
     if math.isfinite(loss.item()) or not torch.isfinite(x).logical_or(w == 0).all():
         return loss
     return _agg_loss_cpu(torch.where(w != 0, x, 0.0), mask, agg)  # a NaN or inf only where mask == 0
@@ -460,6 +452,17 @@ def agg_launch(agg: Agg, T: int):
                      agg.mode == "seq-mean-token-mean", grad_scale if known else 1.0, not known)
 
 
+def _host_scale(agg: Agg, count: float, T: int) -> float:
+    """The factor that turns a summed loss into `agg` as a Python number: dp_size over the global count given, or
+    over `count` (this call's tokens or nonempty rows; 0 -> 0), then seq-mean-token-sum-norm's divisor."""
+    given = agg.global_num_seqs if agg.mode.startswith("seq-mean") else agg.global_num_tokens
+    count = count if given is None else given
+    c = float(agg.dp_size) if agg.mode == "token-sum" else (agg.dp_size / count if count > 0 else 0.0)
+    if agg.mode == "seq-mean-token-sum-norm":
+        c /= max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor
+    return c
+
+
 def _agg_torch(terms: Tensor, agg: Agg, T: int):
     """The torch path's finish: (loss, stats, gradient scale [B, 1] or a float, finite) from the per-token
     terms [K, B, T] (products with the mask; row 0 the loss, row 1 the mask, then what the stats average), as
@@ -484,11 +487,7 @@ def _agg_torch(terms: Tensor, agg: Agg, T: int):
         if agg.mode == "seq-mean-token-mean":
             scale = nonempty / torch.where(nonempty, row_sums[1], 1.0)
         total = (row_sums[0] * (nonempty if scale is None else scale)).sum()
-    given = agg.global_num_seqs if agg.mode.startswith("seq-mean") else agg.global_num_tokens
-    count = count if given is None else given
-    c = float(agg.dp_size) if agg.mode == "token-sum" else (agg.dp_size / count if count > 0 else 0.0)
-    if agg.mode == "seq-mean-token-sum-norm":
-        c /= max(T, 1) if agg.loss_scale_factor is None else agg.loss_scale_factor
+    c = _host_scale(agg, count, T)
     inv_n = 1.0 / n if n > 0 else 0.0
     stats = torch.tensor([v * inv_n for v in stat_sums], dtype=terms.dtype, device=terms.device)
     return total * c, stats, (c if scale is None else (scale * c).unsqueeze(1)), finite
@@ -597,7 +596,7 @@ def _policy_torch(logp, old_logp, advantages, mask, is_weights, selected, sample
                                                                spec.dual_clip, need_grad)
         terms = torch.stack([loss * w, m, m * clipped, _masked_flags(lower, m), -log_ratio * m, (olp - lp) * m])
         loss, stats, scale, finite = _agg_torch(terms, agg, lp.shape[1])
-        return loss, torch.nn.functional.pad(stats, (0, 1)), (_finite_or_zeroed(d_logp * w, m, finite) * scale
+        return loss, torch.nn.functional.pad(stats, (0, 1)), (_off_mask_zero(d_logp * w, m, finite) * scale
                                                               if need_grad else None)
     cast = lambda t: None if t is None else as_dtype(t, dtype)  # noqa: E731
     x = pm.Inputs(lp, olp, adv, m, cast(is_weights), cast(sampler_weights), selected)
@@ -720,7 +719,7 @@ def _value_torch(values, old_values, returns, mask, clip, agg, need_grad):
     loss, d, clipped = value_terms(v, ov, ret, clip, need_grad)
     terms = torch.stack([loss * m, m, _masked_flags(clipped, m)])
     loss, stats, scale, finite = _agg_torch(terms, agg, v.shape[1])
-    return loss, stats, (_finite_or_zeroed(d * m, m, finite) * scale if need_grad else None)
+    return loss, stats, (_off_mask_zero(d * m, m, finite) * scale if need_grad else None)
 
 
 def _value_fwd(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None, agg: str,
