@@ -244,11 +244,16 @@ def bounded(fn: RewardFn, name: str, timeout_s: float, device: torch.device) -> 
 
     def call(rollout: Rollout) -> torch.Tensor:
         result = {}
+        # the current device is per thread: the reward's thread takes the caller's, or `device`'s index
+        # (set_device refuses a bare "cuda", which means the current device)
+        cuda_index = None
+        if device.type == "cuda":
+            cuda_index = torch.cuda.current_device() if device.index is None else device.index
 
         def target():
             try:
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)  # the current device is per thread
+                if cuda_index is not None:
+                    torch.cuda.set_device(cuda_index)
                 result["scores"] = fn(rollout)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 result["error"] = e

@@ -362,6 +362,18 @@ def test_a_hanging_reward_times_out_with_an_error_naming_it(tmp_path, monkeypatc
     assert not (out / "ppo" / "final").exists()
 
 
+@pytest.mark.parametrize("device, expected", [("cuda", 3), ("cuda:1", 1)])
+def test_a_bounded_reward_runs_on_the_callers_cuda_device(monkeypatch, device, expected):
+    # the reward's thread sets its current device: a bare "cuda" (bench/e2e.py's, and the CLI's on one GPU) is
+    # the caller's current device, which torch.cuda.set_device refuses as such; CUDA is stubbed on this CPU
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.setdefault("index", index))
+    call = rewards.bounded(lambda rollout: torch.ones(2), "stub", 10.0, torch.device(device))
+    assert call(None).tolist() == [1.0, 1.0]
+    assert seen["index"] == expected
+
+
 def test_dist_timeout_s_is_the_process_groups_timeout_in_a_stage_and_in_the_pipeline(monkeypatch, tmp_path):
     import datetime
 
