@@ -315,7 +315,9 @@ def _layer_forward(layer: nn.Module, *args, _backend: str = "inductor", **kwargs
     forward = type(layer).forward  # with transformers' gradient-checkpointing wrapper, so that is compiled too
     if kwargs.get("cache", kwargs.get("past_key_values")) is None:
         if (forward, _backend) not in _COMPILED:
-            _COMPILED[forward, _backend] = torch.compile(forward, backend=_backend)
+            # dynamic shapes from the first call: the padded width changes with the prompts and responses,
+            # and a static first graph would be compiled again (forward and backward) at the first new width
+            _COMPILED[forward, _backend] = torch.compile(forward, backend=_backend, dynamic=True)
         forward = _COMPILED[forward, _backend]
     return forward(layer, *args, **kwargs)
 
