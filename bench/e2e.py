@@ -271,8 +271,10 @@ class Bench:
         out["spec"] = run_spec(spec)
         timed = out["iterations"][spec["warmup"]:]
         if timed:
+            graphs = compiled_while_timed([out], spec["warmup"])
             print(f"   {statistics.median(i['seconds'] for i in timed):.3f} s/iteration, start-up "
-                  f"{out['startup_s']:.1f} s", flush=True)
+                  f"{out['startup_s']:.1f} s" + (f", {graphs} graph(s) compiled while timed" if graphs else ""),
+                  flush=True)
         return out
 
 
@@ -359,6 +361,13 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def compiled_while_timed(results: list[dict], warmup: int) -> int | None:
+    """Graphs torch.compile compiled from the end of the warm-up to the last timed iteration, over the runs."""
+    counts = [[it.get("compiled_graphs") for it in r["iterations"]] for r in results]
+    spans = [(c[warmup - 1] if warmup else 0, c[-1]) for c in counts if len(c) > warmup and None not in c]
+    return sum(last - first for first, last in spans) if spans else None
+
+
 def summarize(results: list[dict], warmup: int) -> dict:
     """One trainer over its repetitions: medians over the timed iterations of all of them."""
     ok = [r for r in results if "iterations" in r]
@@ -376,6 +385,8 @@ def summarize(results: list[dict], warmup: int) -> dict:
         "startup_s": median(r["startup_s"] for r in ok),
         "first_iteration_s": median(r["iterations"][0]["seconds"] for r in ok if r["iterations"]),
         "iterations_timed": len(timed),
+        # torch.compile graphs compiled during the timed iterations (a recompile shows here; None: nothing compiled)
+        "graphs_compiled_while_timed": compiled_while_timed(ok, warmup),
         "seconds_per_iteration_each_repetition": [median(it["seconds"] for it in r["iterations"][warmup:])
                                                   for r in ok],
         "settings": ok[0].get("settings"), "versions": ok[0].get("versions"), "command": ok[0].get("command"),

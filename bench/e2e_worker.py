@@ -203,6 +203,7 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
     for it, row in zip(rec.iterations, rows):
         it["tokens"] = row["response_length"] * spec["rollout_batch"]
         it["true_score"] = row.get("true_score")
+        it["compiled_graphs"] = row.get("compiled_graphs")  # torch.compile's graphs so far (None: not compiled)
     peaks = [v for row in rows[spec["warmup"]:] for k, v in row.items() if k.startswith("memory/")]
     return {"peak_memory_bytes": int(max(peaks)) if peaks else None,
             "peak_memory_kind": "max over phases of " + ("CUDA max allocated" if rec.device.type == "cuda"

@@ -90,6 +90,16 @@ def test_summaries():
     older = e2e.summarize([run([1.0, 5.0], cpu=None)], warmup=1)  # a result from before cpu_seconds
     assert older["cpu_seconds_per_iteration"] is None
     assert "iteration_cpu" not in e2e.ratios({"fastrlhf": ours, "trl_matched": older})["fastrlhf / trl_matched"]
+    assert ours["graphs_compiled_while_timed"] is None  # nothing compiled (TRL, or fastrlhf on CPU)
+
+    def compiled(graphs):  # graphs so far after each iteration
+        r = run([9.0, 1.0, 2.0])
+        for it, g in zip(r["iterations"], graphs):
+            it["compiled_graphs"] = g
+        return r
+
+    assert e2e.summarize([compiled([4, 4, 8]), compiled([4, 4, 4])], warmup=1)["graphs_compiled_while_timed"] == 4
+    assert e2e.compiled_while_timed([compiled([4, 4, 8])], warmup=0) == 8
 
     learned = e2e.to_target({"iterations": [{"seconds": 1.0, "true_score": s} for s in (0.5, 0.92, 0.88, 0.95)],
                              "startup_s": 2.0})
