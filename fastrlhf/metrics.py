@@ -1,11 +1,16 @@
 """Phase timer, memory tracker, JSONL / TensorBoard logging, summary, progress bars.
 
 Peak memory per phase: on CUDA `torch.cuda.max_memory_allocated`, reset when the phase
-starts. On CPU (Linux, glibc) the peak resident set size during the phase: when it starts,
-freed heap memory is handed back to the OS (`malloc_trim(0)`; otherwise glibc keeps it
-resident and every phase would report the run's high-water mark) and the kernel's peak
-(VmHWM) is reset to the current size (`/proc/self/clear_refs`); VmHWM when it ends is the
-phase's peak. Where either is unavailable, no memory figure is reported at all.
+starts. On CPU (Linux, glibc) the peak resident set size during the phase: when a step's
+first phase starts, freed heap memory is handed back to the OS (`malloc_trim(0)`; otherwise
+glibc keeps it resident and every step would report the run's high-water mark), and when
+each phase starts the kernel's peak (VmHWM) is reset to the current size
+(`/proc/self/clear_refs`); VmHWM when it ends is the phase's peak. So a step's largest phase
+peak is the step's peak RSS, and a later phase's peak also counts the heap glibc kept from
+the step's earlier phases (which it hands out again first; blocks above its mmap threshold,
+32 MiB at most, go back to the OS when freed). Trimming before every phase instead cost ~5%
+of a CPU GRPO iteration (llama-10m-v32k, bench/e2e.py): every page handed back is faulted in
+and zeroed again. Where either is unavailable, no memory figure is reported at all.
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ class CPUPeakRSS:
         except OSError:
             return False
 
-    def start(self) -> None:
-        self._malloc_trim(0)
+    def start(self, trim: bool = True) -> None:
+        """Measure from now: hand freed heap memory back to the OS first (`trim`), then reset the peak."""
+        if trim:
+            self._malloc_trim(0)
         self._reset_peak()
 
     @staticmethod
@@ -100,6 +107,7 @@ class PhaseTimer:
         self.total_seconds: dict[str, float] = defaultdict(float)
         self.total_peak: dict[str, int] = defaultdict(int)
         self._cpu = CPUPeakRSS() if device.type == "cpu" else None
+        self._step_started = False  # a phase of the current step has started (CPU: the heap was trimmed)
         if device.type == "cuda":
             self.memory_kind = "CUDA allocated"
         elif self._cpu.available:
@@ -116,7 +124,8 @@ class PhaseTimer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.memory_kind is not None:
-            self._cpu.start()
+            self._cpu.start(trim=not self._step_started)
+        self._step_started = True
 
     def _peak_memory(self) -> int | None:
         if self.device.type == "cuda":
@@ -145,6 +154,7 @@ class PhaseTimer:
         stats.update({f"memory/{k}": float(v) for k, v in self.peak.items()})
         self.seconds.clear()
         self.peak.clear()
+        self._step_started = False
         return stats
 
 
