@@ -46,7 +46,7 @@ def ppo_record(run_dir: Path, command: str) -> dict:
     if metrics_path.is_file():
         rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if r.get("stage") == "ppo"]
-    keep = ("step", "tokens_per_s", "response_length", "reward", "kl")
+    keep = ("step", "tokens_per_s", "response_length", "response_width", "reward", "kl")
     steps = [{k: r[k] for k in keep if k in r}
              | {f"{p}_s": r.get(f"time/{p}") for p in PHASES}
              | {f"{p}_peak_bytes": r.get(f"memory/{p}") for p in PHASES} for r in rows]

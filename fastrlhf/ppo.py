@@ -692,6 +692,7 @@ def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: di
                  compiled["seconds"], compiled["graphs"])
     stats = {"reward": rollout.scores.mean().item(), "kl": kl, "kl_coef": s.kl_ctl.coef,
              "response_length": mask.sum(-1).mean().item(),
+             "response_width": mask.shape[1],  # the longest response: phases 2, 3 and 5 run over prompt + this
              "tokens_per_s": distributed.all_sum(mask.sum()).item() / seconds,
              "skipped_nonfinite": s.skipped, **update_stats, **s.timer.step_stats()}
     if exp.sampler_logp is not None:  # how far the distribution sampled from is from the one trained

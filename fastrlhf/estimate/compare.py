@@ -60,10 +60,16 @@ class RunRecord:
     def mean_response_length(self) -> float:
         return statistics.fmean(r["response_length"] for r in self.rows if "response_length" in r)
 
+    def mean_response_width(self) -> float | None:
+        """The batch's response columns (its longest response) averaged over the rows; None for a record
+        made before the trainer logged them."""
+        widths = [r["response_width"] for r in self.rows if "response_width" in r]
+        return statistics.fmean(widths) if widths else None
+
     def to_json(self) -> dict:
         out = asdict(self)
         out["rows"] = [{k: v for k, v in r.items() if k.startswith(("time/", "memory/", "cpu/")) or k in
-                        ("step", "response_length", "tokens_per_s")} for r in self.rows]
+                        ("step", "response_length", "response_width", "tokens_per_s")} for r in self.rows]
         out["median_phase_seconds"] = self.phase_seconds()
         out["min_phase_seconds"] = self.phase_seconds("min")
         out["peak_phase_bytes"] = self.phase_peak_bytes()
@@ -202,11 +208,15 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
     on_cuda = dev != "cpu"
     dtype = "fp32" if (not on_cuda or c.get("dtype") == "float32") else "bf16"
     reward = "rule" if record.reward_config is None else arch_from_config(record.reward_config, "reward model")
+    # generate stops at the longest response, and phases 2, 3 and 5 run over prompt + its columns: the logged
+    # width where the record has it, else max_new_tokens (the widest it can be)
+    width = record.mean_response_width()
+    gen_len = int(c["max_new_tokens"]) if width is None else max(1, min(int(c["max_new_tokens"]), round(width)))
     return Spec(model=arch_from_config(record.model_config, record.config.get("model") or "policy"), stage="ppo",
                 gpus=1, engine="fsdp2", zero=0, dtype=dtype, lora_rank=int(c["lora_rank"]),
                 gradient_checkpointing=bool(c.get("gradient_checkpointing")), logits="linear",
-                micro_batch=int(c["micro_batch_size"]), seq_len=record.prompt_len, gen_len=int(c["max_new_tokens"]),
-                mean_gen_len=max(1, min(int(c["max_new_tokens"]), round(record.mean_response_length()))),
+                micro_batch=int(c["micro_batch_size"]), seq_len=record.prompt_len, gen_len=gen_len,
+                mean_gen_len=max(1, min(gen_len, round(record.mean_response_length()))),
                 rollout_batch=int(c["rollout_batch_size"]), mini_batch=int(c["mini_batch_size"]),
                 ppo_epochs=int(c["ppo_epochs"]), critic="shared", reward=reward, gen_engine="hf",
                 rollout_cache=c.get("rollout_cache") or "dynamic", gpu=dev,

@@ -99,6 +99,8 @@ def from_steps(data: dict, *, source: str, device_name: str, rollout_cache: str 
 
     def row(step: dict) -> dict:
         out = {"step": step["step"], "response_length": step["response_length"], "tokens_per_s": step["tokens_per_s"]}
+        if "response_width" in step:  # logged since the trainer's response_width (older step files lack it)
+            out["response_width"] = step["response_width"]
         for ph in PPO_PHASES:
             out[f"time/{ph}"] = step[f"{ph}_s"]
             out[f"memory/{ph}"] = step[f"{ph}_peak_bytes"]

@@ -15,7 +15,7 @@ import pytest
 
 from fastrlhf import estimate as est
 from fastrlhf.estimate import calibrate, timing
-from fastrlhf.estimate.compare import RunRecord, compare, read_run
+from fastrlhf.estimate.compare import RunRecord, compare, read_run, spec_from_run
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,24 @@ def test_compare_run_reads_the_trainers_rows(tmp_path, capsys):
     assert est.main(["--compare-run", str(out), "--seq-len", "16", "--json"]) == 0  # given flags override the run's
     over = json.loads(capsys.readouterr().out)
     assert over["phases"]["update"]["predicted_seconds"] > result["phases"]["update"]["predicted_seconds"]
+
+
+def test_compare_run_takes_the_logged_response_width(tmp_path):
+    """generate stops at the batch's longest response and phases 2, 3 and 5 run over prompt + its columns:
+    the Spec takes the rows' mean `response_width` as gen_len, max_new_tokens where no row has it."""
+    record = read_run(_fake_run(tmp_path))
+    assert record.mean_response_width() is None
+    assert spec_from_run(record).gen_len == 16 and spec_from_run(record).mean_gen_len == 9
+    for row, width in zip(record.rows, (12, 11, 12, 13)):
+        row["response_width"] = width
+    assert record.mean_response_width() == 12.0
+    spec = spec_from_run(record)
+    assert spec.gen_len == 12 and spec.mean_gen_len == 9 and spec.seq_len == 8
+    assert RunRecord.from_json(json.loads(json.dumps(record.to_json()))).mean_response_width() == 12.0
+    narrower = compare(record)["phases"]
+    wider = compare(read_run(tmp_path))["phases"]
+    for phase in ("rollout", "logprobs", "update"):
+        assert narrower[phase]["predicted_seconds"] < wider[phase]["predicted_seconds"], phase
 
 
 def test_compare_run_errors(tmp_path, capsys):
