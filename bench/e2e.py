@@ -153,7 +153,9 @@ NOTES = [
     "no autocast of its own (accelerator.autocast wraps its scoring forwards only), the model's generation_config "
     "overridden for the call; each token drawn by torch.multinomial (exponential_ + argmax). On one CPU thread "
     "the draw for [64, 32000] costs ~46 ms, about a third of a llama-10m-v32k decode step: fastrlhf's CPU runs "
-    "draw from the same distribution with --rollout_sampler exponential (~11 ms).",
+    "draw from the same distribution with --rollout_sampler inverse_cdf (~11 ms: one uniform per row against the "
+    "float64 running sum of the probabilities; records before 2026-11-27 evening used the exponential race over "
+    "uniforms, ~29 ms).",
     "TRL 1.12 PPOTrainer generates with output_scores=True (the [B, R, V] logits of the whole rollout are kept and "
     "the old log-probs taken from them), runs the critic's backbone and the policy as two forwards even when they "
     "share the trunk (PolicyAndValueWrapper.forward), calls gc.collect() every iteration and clips no gradient.",
@@ -627,8 +629,8 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
         "configurations": {
             "fastrlhf": "fastrlhf.ppo.train (`fastrlhf ppo`): GRPO with --kl_in_loss, or PPO with GAE and a value "
                         "head on the policy's LoRA trunk; rollout_cache auto (static on one CUDA process); "
-                        "on CPU --rollout_sampler exponential (softmax(logits / T) drawn as argmax(p / E), "
-                        "E = -log U: the distribution torch.multinomial draws, from cheaper random numbers)",
+                        "on CPU --rollout_sampler inverse_cdf (softmax(logits / T) drawn by inversion, one "
+                        "uniform per row: the distribution torch.multinomial draws, from fewer random numbers)",
             "trl_shipped": "TRL's defaults for how the work is done: gradient checkpointing, adamw_torch_fused with "
                            "a linear decay, bf16 autocast (bf16=True, on CPU too), GRPO use_bias_correction_kl=True, "
                            "generate with the dynamic cache; PPO: a separate AutoModelForSequenceClassification "

@@ -159,9 +159,9 @@ def versions(names) -> dict:
 
 
 def fastrlhf_sampler(device: str) -> str:
-    """fastrlhf's --rollout_sampler here: `exponential` on CPU (the same distribution as torch.multinomial,
+    """fastrlhf's --rollout_sampler here: `inverse_cdf` on CPU (the same distribution as torch.multinomial,
     whose exponential_ costs ~4x the draw there), transformers' `multinomial` on CUDA."""
-    return "exponential" if device == "cpu" else "multinomial"
+    return "inverse_cdf" if device == "cpu" else "multinomial"
 
 
 def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:

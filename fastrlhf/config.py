@@ -206,11 +206,11 @@ class PPOConfig(RunConfig):
     until the test suite has run on CUDA with static (each test's first rollout would compile)."""
     rollout_sampler: str = "multinomial"
     """How `--rollout_engine hf` draws each token from softmax(logits / temperature): `multinomial`
-    (transformers' torch.multinomial) or `exponential` (fastrlhf.rollout.ExponentialRace: argmax of
-    p / E with E = -log U, the race torch.multinomial runs, from cheaper random numbers: on one CPU
-    thread 11 ms per [64, 32000] draw against 46 ms, ~1.1 s of a 64 x 32 rollout of a 32000-token
-    vocabulary). The same distribution from another random stream, so a seed's samples differ:
-    opt-in. The graph engine samples inside its own step and ignores it."""
+    (transformers' torch.multinomial) or `inverse_cdf` (fastrlhf.rollout.InverseCDF: one uniform per
+    row against the float64 running sum of the probabilities, instead of one random number per
+    vocabulary entry: on one CPU thread ~11 ms per [64, 32000] draw against ~44 ms, ~1 s of a 64 x 32
+    rollout of a 32000-token vocabulary). The same distribution from another random stream, so a seed's
+    samples differ: opt-in. The graph engine samples inside its own step and ignores it."""
     rollout_engine: str = "hf"
     """Sampler of the rollouts: `hf` (transformers' generate with rollout_cache: the exact reference),
     `graph` (fastrlhf's own decode engine, fastrlhf/engine.py: the LoRA merged into a private bf16 copy

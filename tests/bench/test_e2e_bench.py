@@ -216,8 +216,8 @@ def test_quick_record(tmp_path):
         assert matched["gradient_checkpointing"] is False and matched["bf16"] is False
         assert "adamw_torch" in matched["optim"].lower() and "fused" not in matched["optim"].lower()
         ours = section["trainers"]["fastrlhf"]
-        assert ours["command"].startswith("fastrlhf ppo ") and "--rollout_sampler=exponential" in ours["command"]
-        assert ours["settings"]["rollout_sampler"] == "exponential"  # on CPU: torch.multinomial's draw, cheaper
+        assert ours["command"].startswith("fastrlhf ppo ") and "--rollout_sampler=inverse_cdf" in ours["command"]
+        assert ours["settings"]["rollout_sampler"] == "inverse_cdf"  # on CPU: torch.multinomial's draw, cheaper
         assert set(section["ratios"]) == {f"fastrlhf / {name}" for name in section["trainers"] if name != "fastrlhf"}
         for name, r in section["ratios"].items():
             theirs = section["trainers"][name.split(" / ")[1]]

@@ -253,36 +253,35 @@ def test_checkpoint_roundtrip_restores_weights_optimizer_and_rng(tiny, tmp_path)
     assert not list(tmp_path.joinpath("checkpoints").glob(".*tmp*"))  # nothing half-written left behind
 
 
-def test_exponential_race_is_the_softmax_draw_from_its_uniforms():
-    """ExponentialRace's scores are softmax(x / T) / (-log U) of the uniforms it draws from the same seed: as far
-    from the float64 formula as the float32 formula is (x 2), so their argmax is the exponential race's; U = 0
-    reads as the smallest normal float (finite scores); a temperature <= 0 and an unknown sampler are refused."""
-    from fastrlhf.rollout import ExponentialRace, token_sampler
+def test_inverse_cdf_picks_the_first_token_whose_running_sum_passes_its_uniform(monkeypatch):
+    """InverseCDF's scores are 0 at one token and -inf elsewhere; the token is the first whose float64 running
+    sum of softmax(x / T) exceeds U x the total, for the U it draws from the same seed; a token of probability 0
+    is never picked, at U = 0 (the first token with p > 0) nor at U = 1 (beyond rand's range: the last with
+    p > 0); a temperature <= 0 and an unknown sampler are refused."""
+    from fastrlhf.rollout import InverseCDF, token_sampler
 
     x = torch.randn(5, 37) * 3
+    x[:, [0, 5, 36]] = float("-inf")  # probability 0: the first, one inside, the last
     torch.manual_seed(3)
-    got = ExponentialRace(0.7)(None, x.clone())
+    got = InverseCDF(0.7)(None, x.clone())
     torch.manual_seed(3)
-    u = torch.rand(5, 37).clamp(min=torch.finfo(torch.float32).tiny)
-    want = torch.softmax(x.double() / 0.7, -1) / -u.double().log()
-    same_dtype = torch.softmax(x / 0.7, -1) / -u.log()
-    assert ((got.double() - want).abs() <= 2 * (same_dtype.double() - want).abs() + 1e-12).all()
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    zeros = ExponentialRace(1.0)
-    real_rand = torch.rand_like
-    try:
-        torch.rand_like = torch.zeros_like
-        edge = zeros(None, x.clone())
-    finally:
-        torch.rand_like = real_rand
-    assert torch.isfinite(edge).all() and torch.equal(edge.argmax(-1), x.argmax(-1))
+    u = torch.rand(5, 1, dtype=torch.float64)
+    cdf = torch.softmax(x.double() / 0.7, -1).cumsum(-1)
+    want = (cdf > u * cdf[:, -1:]).double().argmax(-1)  # the first index past U x total
+    pick = got.argmax(-1)
+    assert torch.equal(pick, want)
+    assert (got[torch.arange(5), pick] == 0).all() and torch.isneginf(got).sum() == 5 * 36
+    for value, expected in ((0.0, 1), (1.0, 35)):
+        monkeypatch.setattr(torch, "rand", lambda shape, dtype, device, v=value: torch.full(shape, v, dtype=dtype))
+        assert InverseCDF(1.0)(None, x.clone()).argmax(-1).tolist() == [expected] * 5, value
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
-        ExponentialRace(0)
-    with pytest.raises(ValueError, match="sampler must be one of multinomial, exponential, got 'gumbel'"):
+        InverseCDF(0)
+    with pytest.raises(ValueError, match="sampler must be one of multinomial, inverse_cdf, got 'gumbel'"):
         token_sampler("gumbel", 1.0)
 
 
-@pytest.mark.parametrize("sampler", ["multinomial", "exponential"])
+@pytest.mark.parametrize("sampler", ["multinomial", "inverse_cdf"])
 def test_rollout_sampler_draws_softmax_of_logits_over_temperature(tiny, sampler):
     """Each sampler's first tokens of 6000 rollouts of one prompt follow softmax(logits / T) of the model
     (LoRA policy, T = 0.7): every token's frequency within 5 standard errors + 1e-3 of its probability. The
@@ -304,8 +303,8 @@ def test_rollout_sampler_draws_softmax_of_logits_over_temperature(tiny, sampler)
     assert (freq - p).abs().le(5 * (p * (1 - p) / n).sqrt() + 1e-3).all()
 
 
-def test_exponential_sampler_rollout_is_seeded_and_cache_independent(tiny):
-    """sampler=exponential: the same seed draws the same rollout, with the dynamic and the static cache;
+def test_inverse_cdf_sampler_rollout_is_seeded_and_cache_independent(tiny):
+    """sampler=inverse_cdf: the same seed draws the same rollout, with the dynamic and the static cache;
     another seed another one; its GenerationConfig passes transformers' strict check (a greedy pick, no
     sampling-only field set); PPO refuses an unknown --rollout_sampler."""
     from fastrlhf.config import PPOConfig
@@ -313,7 +312,7 @@ def test_exponential_sampler_rollout_is_seeded_and_cache_independent(tiny):
     from fastrlhf.rollout import sampling_config
 
     lm, tok = tiny
-    config = sampling_config(tok, temperature=0.8, max_new_tokens=9, sampler="exponential")
+    config = sampling_config(tok, temperature=0.8, max_new_tokens=9, sampler="inverse_cdf")
     config.validate(strict=True)
     assert config.do_sample is False
     ac = ActorCritic(lm, lora_rank=4, lora_alpha=8.0, value_head=False)
@@ -322,8 +321,8 @@ def test_exponential_sampler_rollout_is_seeded_and_cache_independent(tiny):
     for seed, cache in ((0, "dynamic"), (0, "static"), (1, "dynamic")):
         torch.manual_seed(seed)
         runs[seed, cache] = generate(ac.policy, tok, prompt_ids, ["x"] * 5, max_new_tokens=9, temperature=0.8,
-                                     device=CPU, cache=cache, sampler="exponential").batch
+                                     device=CPU, cache=cache, sampler="inverse_cdf").batch
     assert torch.equal(runs[0, "static"].input_ids, runs[0, "dynamic"].input_ids)
     assert not torch.equal(runs[1, "dynamic"].input_ids, runs[0, "dynamic"].input_ids)
-    with pytest.raises(ValueError, match="rollout_sampler must be one of multinomial, exponential, got 'x'"):
+    with pytest.raises(ValueError, match="rollout_sampler must be one of multinomial, inverse_cdf, got 'x'"):
         prepare(PPOConfig(rollout_sampler="x"))
