@@ -108,6 +108,9 @@ class InverseCDF:
         probs = torch.softmax(scores.float() / self.temperature, dim=-1)
         cdf = probs.double().cumsum_(-1)
         total = cdf[..., -1:]
+        # as torch.multinomial refuses them (on CUDA without a host sync: the assert is the kernel's)
+        torch._assert_async(torch.isfinite(total).all(),
+                            "rollout: a row's logits are not finite (NaN or inf): no token can be drawn from them")
         u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device).mul_(total)
         u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # U * total may round up to it
         pick = torch.searchsorted(cdf, u, right=True)

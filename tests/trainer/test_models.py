@@ -275,6 +275,9 @@ def test_inverse_cdf_picks_the_first_token_whose_running_sum_passes_its_uniform(
         monkeypatch.setattr(torch, "rand", lambda shape, dtype, device, v=value: torch.full(shape, v, dtype=dtype))
         assert InverseCDF(1.0)(None, x.clone()).argmax(-1).tolist() == [expected] * 5, value
     monkeypatch.undo()
+    x[2, 7] = float("nan")
+    with pytest.raises(RuntimeError, match="a row's logits are not finite"):
+        InverseCDF(1.0)(None, x)
     with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
         InverseCDF(0)
     with pytest.raises(ValueError, match="sampler must be one of multinomial, inverse_cdf, got 'gumbel'"):
