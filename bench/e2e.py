@@ -318,6 +318,7 @@ def start_load(uptime_line: str | None) -> float | None:
 def worker_env(args, threads: int) -> dict:
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    env.setdefault("TORCH_LOGS", "recompiles")  # a recompile's guard failure goes to the run's log
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = str(threads)
     return env

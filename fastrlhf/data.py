@@ -467,6 +467,20 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     return Batch(input_ids, attention_mask, position_ids_from_mask(attention_mask), response_mask, P)
 
 
+def pad_to_width_multiple(batch: Batch, multiple: int, pad_id: int) -> Batch:
+    """`batch` with `-width % multiple` more prompt columns of left padding, so that its width P + R is a
+    multiple of `multiple`; the real tokens, their positions and the response columns are unchanged."""
+    extra = -batch.input_ids.shape[1] % multiple
+    if extra == 0:
+        return batch
+
+    def left(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t.new_full((t.shape[0], extra), value), t], dim=1)
+
+    return Batch(left(batch.input_ids, pad_id), left(batch.attention_mask, 0), left(batch.position_ids, 0),
+                 batch.response_mask, batch.prompt_len + extra)
+
+
 def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) [B, P] of left-padded prompts, as generation wants them."""
     batch = pack(prompt_ids, [[]] * len(prompt_ids), pad_id)

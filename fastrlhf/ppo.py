@@ -43,7 +43,15 @@ from fastrlhf import distributed, ops, packing, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
 from fastrlhf.constants import AGG_MODES, CORRECTION_LEVELS, CORRECTION_MODES, IGNORE_INDEX, PPO_PHASES
-from fastrlhf.data import BUILTIN, Batch, Encoder, auto_lengths, load_table, truncate_prompts
+from fastrlhf.data import (
+    BUILTIN,
+    Batch,
+    Encoder,
+    auto_lengths,
+    load_table,
+    pad_to_width_multiple,
+    truncate_prompts,
+)
 from fastrlhf.devices import autocast, resolve_device, resolve_dtype
 from fastrlhf.heads import ActorCritic
 from fastrlhf.metrics import PhaseTimer, log, setup_logging
@@ -209,12 +217,22 @@ def update_plan(exp: Experience, cfg: PPOConfig, device) -> list[tuple[list[pack
 # ---------------------------------------------------------------- 3. log-probs, values, reference
 
 
+def width_multiple(cfg: PPOConfig, device: torch.device) -> int:
+    """What phases 3 and 5 round the padded width up to (a few more columns of prompt padding): 8 with
+    compiled layers on CUDA, else 1. Inductor's lowering of SDPA with a mask on CUDA guards on whether
+    the mask's width is a multiple of 8 (torch/_inductor/lowering.py, `sdpa_constraint`), so a rollout
+    whose width fell on the other side of that compiled the training forward and backward again
+    mid-run: 2 graphs and 23 s of a 26 s iteration on an H100 (issue 27's e2e run at 2ee9464)."""
+    return 8 if device.type == "cuda" and compile_wanted(cfg.compile, device) else 1
+
+
 @torch.no_grad()
 def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Experience:
     """Phase 3: one actor-critic forward (old log-probs, values) and one reference forward, over the
     rollout in one padded forward or in packs of micro_batch_tokens; the sampler's own log-probs
-    come along from the rollout (the graph engine's; None on the hf path)."""
-    b = rollout.batch
+    come along from the rollout (the graph engine's; None on the hf path). The Experience's batch is
+    the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
+    b = pad_to_width_multiple(rollout.batch, width_multiple(cfg, device), pad_id=0)  # masked columns
     lengths = packing.read_lengths(b)
     head, ref_head = ac.lm_head, ac.reference_lm_head()
     dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32  # the ops' output dtype

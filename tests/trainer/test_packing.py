@@ -224,3 +224,37 @@ def test_a_packs_varlen_attention_gives_the_block_mask_attention(monkeypatch):
         attention.varlen_kernel.cache_clear()
         assert varlen.shape == masked.shape == (1, 14, 4, 8)
         torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-6)
+
+
+def test_a_width_rounded_up_to_8_gives_the_same_experience_and_update(monkeypatch):
+    """Compiled layers on CUDA: phases 3 and 5 run over the rollout's width rounded up to a multiple of
+    8 with more prompt padding (ppo.width_multiple; inductor's SDPA lowering guards on the mask's width
+    modulo 8, so a width across that line recompiled the training step). The extra columns change
+    nothing: the same old and reference log-probs, and the same update, as the width the rollout had."""
+    assert ppo.width_multiple(PPOConfig(compile="auto"), torch.device("cuda")) == 8
+    assert ppo.width_multiple(PPOConfig(compile="off"), torch.device("cuda")) == 1
+    assert ppo.width_multiple(PPOConfig(compile="on"), CPU) == 1
+    cfg = PPOConfig(rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, ppo_epochs=1)
+    out = {}
+    for multiple in (1, 8):
+        monkeypatch.setattr(ppo, "width_multiple", lambda cfg, device, m=multiple: m)
+        torch.manual_seed(0)
+        lm, tok = load_causal_lm("tiny", device=CPU, dtype=torch.float64)
+        ac = ActorCritic(lm, lora_rank=4)
+        rollout = _rollout(tok, [6, 1, 5, 2, 6, 6, 3, 4], prompt_lengths=[3, 5, 4, 5, 3, 4, 5, 5])
+        assert rollout.batch.input_ids.shape[1] == 11
+        exp = ppo.with_advantages(ppo.experience(ac, rollout, cfg, CPU), torch.randn(8, dtype=torch.float64), 0.1,
+                                  cfg, ppo.advantage_estimator(cfg))
+        optimizer = torch.optim.SGD([p for p in ac.parameters() if p.requires_grad], lr=1e-2)
+        stats = ppo.ppo_update(ac, optimizer, exp, cfg, CPU, step=0)
+        out[multiple] = exp, stats, [p.detach().clone() for p in ac.parameters() if p.requires_grad]
+    (exp1, stats1, params1), (exp8, stats8, params8) = out[1], out[8]
+    assert exp8.batch.input_ids.shape[1] == 16 and exp8.batch.prompt_len == rollout.batch.prompt_len + 5
+    assert torch.equal(exp8.batch.responses, exp1.batch.responses)
+    for name in ("old_logp", "ref_logp"):  # float64
+        torch.testing.assert_close(getattr(exp8, name), getattr(exp1, name), rtol=1e-12, atol=1e-12, msg=name)
+    for name in ("values", "advantages", "returns"):  # the float32 value head's
+        torch.testing.assert_close(getattr(exp8, name), getattr(exp1, name), msg=name)
+    assert stats8["pg_loss"] == pytest.approx(stats1["pg_loss"], rel=1e-6)
+    for a, b in zip(params8, params1):
+        torch.testing.assert_close(a, b)
