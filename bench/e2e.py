@@ -522,7 +522,10 @@ def _fmt(x, digits=3) -> str:
 
 def record_heading(record: dict) -> str:
     """Where and how a record was measured, in one line (with the load when it was under load)."""
-    text = f"**{record['device_name']}**, {record['date']}, commit {record['commit'][:7]}: `{record['command']}`"
+    commit = record["commit"][:7]
+    if "code_commit" in record:  # the device's checkout: the session's first commit + the working tree measured
+        commit = f"{record['code_commit'][:7]} (the device's checkout read {commit} + changes)"
+    text = f"**{record['device_name']}**, {record['date']}, commit {commit}: `{record['command']}`"
     load = record.get("load_average") or {}
     if record.get("measured_under_load"):
         text += (f"; measured under load (1-minute load average {load['mean']} mean, {load['max']} max, on "
