@@ -118,6 +118,10 @@ class KLController:
             self.coef *= 1.0 + error * n_sequences / self.horizon
 
 
+UpdatePlan = list[tuple[list[packing.MicroBatch], tuple[float, float]]]
+"""Per minibatch of phase 5: its micro-batches and its global (token, sequence) counts."""
+
+
 @dataclasses.dataclass
 class Experience:
     """One rollout as the update reads it: the batch and, per response token ([B, R] float32, 0
@@ -144,6 +148,11 @@ class Experience:
     """The rollout correction's metrics (0-dim tensors, read with the iteration's metrics)."""
     lengths: packing.Lengths | None = None
     """Real prompt and response tokens per row (host, read once in phase 3): the update plans from them."""
+    plan: UpdatePlan | None = None
+    """Phase 5's plan (plan_update), made in phase 3; None: ppo_update makes it."""
+    old_from_update: bool = False
+    """The first minibatch's old log-probs are not in old_logp yet: its own update forward forms them
+    (`old_from_first_update`)."""
 
 
 def global_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -179,9 +188,10 @@ def across_ranks(counts: list[tuple[int, int]], n_micro: list[int]) -> tuple[lis
     return pairs, [int(m) - n for m, n in zip(values[2 * len(counts):], n_micro)]
 
 
-def scoring_micro_batches(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig, device) -> list[packing.MicroBatch]:
-    """Phase 3's forwards: the whole rollout in one padded forward, or packs of micro_batch_tokens."""
-    rows = np.arange(batch.input_ids.shape[0])
+def scoring_micro_batches(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig, device,
+                          rows: np.ndarray | None = None) -> list[packing.MicroBatch]:
+    """Phase 3's forwards over `rows` (None: all): in one padded forward, or packs of micro_batch_tokens."""
+    rows = np.arange(batch.input_ids.shape[0]) if rows is None else rows
     packed = cfg.micro_batch_tokens > 0
     groups = [packing.partition(lengths.total, rows, cfg.micro_batch_tokens) if packed else [rows]]
     _, stand_ins = across_ranks([(0, 0)], [len(groups[0])]) if packed else (None, [])
@@ -189,27 +199,40 @@ def scoring_micro_batches(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig
                                  stand_ins=stand_ins)[0]
 
 
-def update_plan(exp: Experience, cfg: PPOConfig, device) -> list[tuple[list[packing.MicroBatch], tuple[float, float]]]:
-    """Phase 5's plan, made on the host from the rollout's lengths: ppo_epochs passes over this rank's
-    rows, each a fresh permutation cut into minibatches of mini_batch_size / ranks rows, each cut into
-    micro-batches of micro_batch_size / ranks rows or packed into micro_batch_tokens; with each
-    minibatch its global (token, sequence) counts, the losses' divisors. The indices reach the device
-    in one transfer; nothing is read from it (under torchrun: one all-reduce and one read)."""
-    B = exp.batch.input_ids.shape[0]
+def update_plan(exp: Experience, cfg: PPOConfig, device) -> UpdatePlan:
+    """Phase 5's plan for `exp` (`plan_update`)."""
+    return plan_update(exp.batch, exp.lengths, cfg, device)
+
+
+def update_groups(lengths: packing.Lengths, cfg: PPOConfig) -> list[list[np.ndarray]]:
+    """Phase 5's rows on the host, per minibatch the rows of its micro-batches: ppo_epochs passes over
+    this rank's rows, each a fresh permutation cut into minibatches of mini_batch_size / ranks rows,
+    each cut into micro-batches of micro_batch_size / ranks rows or packed into micro_batch_tokens."""
+    B = len(lengths.total)
     n = distributed.world_size()
     mini, micro = cfg.mini_batch_size // n, cfg.micro_batch_size // n
-    packed = cfg.micro_batch_tokens > 0
     groups = []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B).numpy()  # the CPU generator: host data
         for start in range(0, B, mini):
             rows = order[start:start + mini]
-            groups.append(packing.partition(exp.lengths.total, rows, cfg.micro_batch_tokens) if packed
+            groups.append(packing.partition(lengths.total, rows, cfg.micro_batch_tokens) if cfg.micro_batch_tokens > 0
                           else [rows[m:m + micro] for m in range(0, len(rows), micro)])
-    response = exp.lengths.response
+    return groups
+
+
+def plan_update(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig, device,
+                groups: list[list[np.ndarray]] | None = None) -> UpdatePlan:
+    """Phase 5's plan, made on the host from the rollout's lengths: the micro-batches of `groups`
+    (update_groups'; drawn here when None), with each minibatch its global (token, sequence) counts,
+    the losses' divisors. The indices reach the device in one transfer; nothing is read from it
+    (under torchrun: one all-reduce and one read)."""
+    groups = update_groups(lengths, cfg) if groups is None else groups
+    packed = cfg.micro_batch_tokens > 0
+    response = lengths.response
     counts = [(int(response[np.concatenate(g)].sum()), int((response[np.concatenate(g)] > 0).sum())) for g in groups]
     counts, stand_ins = across_ranks(counts, [len(g) for g in groups])
-    micro_batches = packing.micro_batches(exp.batch, groups, exp.lengths, packed=packed,
+    micro_batches = packing.micro_batches(batch, groups, lengths, packed=packed,
                                           flat=cfg.loss_agg in TOKEN_AGGS, device=device, stand_ins=stand_ins)
     return list(zip(micro_batches, counts))
 
@@ -234,6 +257,10 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
     the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
     b = pad_to_width_multiple(rollout.batch, width_multiple(cfg, device), pad_id=0)  # masked columns
     lengths = packing.read_lengths(b)
+    groups = update_groups(lengths, cfg)
+    from_update = old_from_first_update(cfg, ac)
+    rows = np.arange(b.input_ids.shape[0])
+    scored = np.setdiff1d(rows, np.concatenate(groups[0])) if from_update else rows  # the policy's rows
     head, ref_head = ac.lm_head, ac.reference_lm_head()
     dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32  # the ops' output dtype
     old_logp, ref_logp = (torch.zeros(b.response_mask.shape, dtype=dtype, device=device) for _ in range(2))
@@ -243,18 +270,32 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
         return ops.linear_logprobs(h, lm_head.weight.to(h.dtype), mb.take(b.labels), bias=lm_head.bias,
                                    temperature=cfg.temperature, ignore_index=IGNORE_INDEX)
 
-    for mb in scoring_micro_batches(b, lengths, cfg, device):
+    for mb in scoring_micro_batches(b, lengths, cfg, device, scored) if len(scored) else ():
         with autocast(device):
             hidden, v = packing.forward_responses(ac, b, mb)
             old = logprobs(hidden, mb, head)
+        if mb.live:
+            mb.put(old_logp, old)
+            if values is not None:
+                mb.put(values, v.float() * mb.response_mask(b))
+    for mb in scoring_micro_batches(b, lengths, cfg, device):
+        with autocast(device):
             ref_hidden, = packing.forward_responses(lambda *x, **kw: (ac.reference_hidden(*x, **kw),), b, mb)
             ref = logprobs(ref_hidden, mb, ref_head)
         if mb.live:
-            mb.put(old_logp, old)
             mb.put(ref_logp, ref)
-            if values is not None:
-                mb.put(values, v.float() * mb.response_mask(b))
-    return Experience(b, old_logp, ref_logp, values, sampler_logp=rollout.sampler_logp, lengths=lengths)
+    return Experience(b, old_logp, ref_logp, values, sampler_logp=rollout.sampler_logp, lengths=lengths,
+                      plan=plan_update(b, lengths, cfg, device, groups), old_from_update=from_update)
+
+
+def old_from_first_update(cfg: PPOConfig, ac: ActorCritic) -> bool:
+    """Whether phase 3 leaves the old log-probs of the update's first minibatch to that minibatch's own
+    forward: until the first optimizer step the policy is the one that sampled, so the log-probs of
+    that forward are the old ones (its ratios are 1, as in verl and TRL when the whole update is one
+    minibatch), and phase 3 saves the policy forward over those rows. Only where nothing reads them
+    before the update: no critic (GAE's rewards read values), the KL in the loss or none (a KL-shaped
+    reward reads them), no rollout correction (its weights do)."""
+    return ac.value_head is None and (cfg.kl_in_loss or cfg.kl_coef == 0) and cfg.rollout_correction == "none"
 
 
 # ---------------------------------------------------------------- 4. rewards, advantages, returns
@@ -328,17 +369,24 @@ def aggregation(cfg: PPOConfig, exp: Experience, counts: tuple[float, float]) ->
 
 
 def micro_batch_losses(ac: ActorCritic, exp: Experience, mb: packing.MicroBatch, cfg: PPOConfig, device,
-                       counts: tuple[float, float], kl_coef: float = 0.0):
+                       counts: tuple[float, float], kl_coef: float = 0.0, old_from_here: bool = False):
     """(loss, stats) of one micro-batch: the actor loss (+ kl_coef x k3 KL with kl_in_loss) plus vf_coef x
     the value loss (with a critic), each aggregated by loss_agg over the minibatch whose global
-    (token, sequence) `counts` are given, so the micro-batches' losses add up to the minibatch's."""
+    (token, sequence) `counts` are given, so the micro-batches' losses add up to the minibatch's.
+    `old_from_here`: this forward's log-probs are the micro-batch's old ones (old_from_first_update);
+    they are written to exp.old_logp first."""
     b = exp.batch
     mask = mb.response_mask(b)
     labels = torch.where(mask.bool(), mb.take(b.responses), IGNORE_INDEX)
     with autocast(device):
         hidden, values = packing.forward_responses(ac, b, mb)
-    agg = aggregation(cfg, exp, counts)
     head = ac.lm_head
+    if old_from_here and mb.live:
+        with torch.no_grad():
+            mb.put(exp.old_logp, ops.linear_logprobs(hidden.detach(), head.weight.to(hidden.dtype), labels,
+                                                     bias=head.bias, temperature=cfg.temperature,
+                                                     ignore_index=IGNORE_INDEX))
+    agg = aggregation(cfg, exp, counts)
     # Under torchrun each rank's loss is its share of the global one (global counts); ppo_update multiplies
     # only what it backpropagates by distributed.loss_scale() (FSDP averages gradients), so the logged losses
     # stay true shares that sum over ranks.
@@ -382,11 +430,13 @@ def ppo_update(ac, optimizer, exp: Experience, cfg: PPOConfig, device, step: int
     model = distributed.as_sharded(ac)
     params = [p for p in model.parameters() if p.requires_grad]
     sums, n_updates, skipped = {}, 0, 0
-    for micro_batches, counts in update_plan(exp, cfg, device):
+    plan = update_plan(exp, cfg, device) if exp.plan is None else exp.plan
+    for index, (micro_batches, counts) in enumerate(plan):
         optimizer.zero_grad(set_to_none=True)
         total, acc = 0.0, {}
+        old_from_here = exp.old_from_update and index == 0
         for mb in micro_batches:
-            loss, stats = model.run(micro_batch_losses, exp, mb, cfg, device, counts, kl_coef)
+            loss, stats = model.run(micro_batch_losses, exp, mb, cfg, device, counts, kl_coef, old_from_here)
             (loss * distributed.loss_scale()).backward()
             total = total + loss.detach().double()
             share = mb.n_tokens / max(1.0, counts[0])  # per-token means weigh by their token share of the minibatch

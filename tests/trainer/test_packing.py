@@ -258,3 +258,48 @@ def test_a_width_rounded_up_to_8_gives_the_same_experience_and_update(monkeypatc
     assert stats8["pg_loss"] == pytest.approx(stats1["pg_loss"], rel=1e-6)
     for a, b in zip(params8, params1):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("tokens", [0, 16])
+def test_the_first_minibatch_takes_its_old_logprobs_from_its_own_forward(monkeypatch, tokens):
+    """Critic-free with the KL in the loss: phase 3 scores the policy only on the rows outside the
+    update's first minibatch, whose forward forms their old log-probs (the policy has not moved yet).
+    Against phase 3 scoring every row: the same old log-probs once the update ran, the same losses and
+    stats, and the same parameters, padded and packed."""
+    cfg = PPOConfig(rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, ppo_epochs=2, advantage="grpo",
+                    num_generations=4, kl_in_loss=True, kl_coef=0.1, micro_batch_tokens=tokens)
+    out = {}
+    for skip in (False, True):
+        monkeypatch.setattr(ppo, "old_from_first_update", lambda cfg, ac, skip=skip: skip)
+        torch.manual_seed(0)
+        lm, tok = load_causal_lm("tiny", device=CPU, dtype=torch.float64)
+        ac = ActorCritic(lm, lora_rank=4, value_head=False)
+        rollout = _rollout(tok, [6, 1, 5, 2, 6, 6, 3, 4])
+        exp = ppo.experience(ac, rollout, cfg, CPU)
+        first = torch.cat([mb.rows for mb in exp.plan[0][0]]) if not tokens else None
+        if skip and first is not None:  # phase 3 left them to the update
+            assert not exp.old_logp[first].any() and exp.old_logp[np.setdiff1d(np.arange(8), first.numpy())].any()
+        exp = ppo.with_advantages(exp, torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 0], dtype=torch.float64), 0.1, cfg,
+                                  ppo.advantage_estimator(cfg))
+        optimizer = torch.optim.SGD([p for p in ac.parameters() if p.requires_grad], lr=1e-1)
+        stats = ppo.ppo_update(ac, optimizer, exp, cfg, CPU, step=0)
+        out[skip] = exp, stats, [p.detach().clone() for p in ac.parameters() if p.requires_grad]
+    (exp0, stats0, params0), (exp1, stats1, params1) = out[False], out[True]
+    torch.testing.assert_close(exp1.old_logp, exp0.old_logp, rtol=1e-12, atol=1e-12)
+    assert exp1.old_logp.abs().sum() > 1
+    assert stats1.keys() == stats0.keys()
+    for k in stats0:  # losses, clip fractions, approx_kl, entropy, k3 KL, gradient norm
+        assert stats1[k] == pytest.approx(stats0[k], rel=1e-9, abs=1e-12), k
+    for a, b in zip(params1, params0):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_old_logprobs_come_from_the_update_only_where_nothing_reads_them_before():
+    lm, _ = load_causal_lm("tiny", device=CPU)
+    critic_free, with_critic = ActorCritic(lm, lora_rank=0, value_head=False), ActorCritic(lm, lora_rank=0)
+    grpo = dict(advantage="grpo", num_generations=4, kl_in_loss=True)
+    assert ppo.old_from_first_update(PPOConfig(**grpo), critic_free)
+    assert ppo.old_from_first_update(PPOConfig(**dict(grpo, kl_in_loss=False, kl_coef=0.0)), critic_free)
+    assert not ppo.old_from_first_update(PPOConfig(**dict(grpo, kl_in_loss=False, kl_coef=0.05)), critic_free)
+    assert not ppo.old_from_first_update(PPOConfig(**dict(grpo, rollout_correction="token")), critic_free)
+    assert not ppo.old_from_first_update(PPOConfig(kl_in_loss=True), with_critic)
