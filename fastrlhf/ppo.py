@@ -6,8 +6,10 @@ Each iteration, top to bottom:
                  per prompt, a prompt's responses side by side
   2. reward      reward model at the last response token, or a rule `module:function`; every
                  score checked (count, type, finite: fastrlhf.rewards)
-  3. logprobs    one policy forward -> old log-probs (and values with a critic); reference log-probs:
-                 an `Experience`, the record the rest of the iteration reads
+  3. logprobs    one policy forward -> old log-probs (and values with a critic); reference log-probs;
+                 the update's plan: an `Experience`, the record the rest of the iteration reads
+                 (critic-free with the KL in the loss, the first minibatch's old log-probs come from
+                 its own forward in phase 5: `old_from_first_update`)
   4. advantages  KL-shaped rewards (ops.kl_shaped_rewards; no KL there with kl_in_loss), then the
                  estimator chosen once (`advantage_estimator`): GAE (ops.gae), or one score per
                  response -> ops.outcome_advantages over each prompt's group of responses
@@ -245,14 +247,16 @@ def width_multiple(cfg: PPOConfig, device: torch.device) -> int:
     compiled layers on CUDA, else 1. Inductor's lowering of SDPA with a mask on CUDA guards on whether
     the mask's width is a multiple of 8 (torch/_inductor/lowering.py, `sdpa_constraint`), so a rollout
     whose width fell on the other side of that compiled the training forward and backward again
-    mid-run: 2 graphs and 23 s of a 26 s iteration on an H100 (issue 27's e2e run at 2ee9464)."""
+    mid-run: 2 graphs and 23 s of a 26 s iteration on an H100 (issue 27's e2e run at 2ee9464; the
+    cause read from inductor's source, and the same run at 8fb0e79 compiled nothing while timed)."""
     return 8 if device.type == "cuda" and compile_wanted(cfg.compile, device) else 1
 
 
 @torch.no_grad()
 def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Experience:
-    """Phase 3: one actor-critic forward (old log-probs, values) and one reference forward, over the
-    rollout in one padded forward or in packs of micro_batch_tokens; the sampler's own log-probs
+    """Phase 3: one actor-critic forward (old log-probs, values; over the rows outside the update's first
+    minibatch where `old_from_first_update`) and one reference forward, each over its rows in one
+    padded forward or in packs of micro_batch_tokens; the update's plan; the sampler's own log-probs
     come along from the rollout (the graph engine's; None on the hf path). The Experience's batch is
     the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
     b = pad_to_width_multiple(rollout.batch, width_multiple(cfg, device), pad_id=0)  # masked columns
@@ -291,8 +295,9 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
 def old_from_first_update(cfg: PPOConfig, ac: ActorCritic) -> bool:
     """Whether phase 3 leaves the old log-probs of the update's first minibatch to that minibatch's own
     forward: until the first optimizer step the policy is the one that sampled, so the log-probs of
-    that forward are the old ones (its ratios are 1, as in verl and TRL when the whole update is one
-    minibatch), and phase 3 saves the policy forward over those rows. Only where nothing reads them
+    that forward are the old ones (its ratios are 1; TRL 1.16's GRPOTrainer takes per_token_logps.detach()
+    the same way where a generation feeds one optimizer step), and phase 3 saves the policy forward
+    over those rows. Only where nothing reads them
     before the update: no critic (GAE's rewards read values), the KL in the loss or none (a KL-shaped
     reward reads them), no rollout correction (its weights do)."""
     return ac.value_head is None and (cfg.kl_in_loss or cfg.kl_coef == 0) and cfg.rollout_correction == "none"
