@@ -263,8 +263,6 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
     lengths = packing.read_lengths(b)
     groups = update_groups(lengths, cfg)
     from_update = old_from_first_update(cfg, ac)
-    rows = np.arange(b.input_ids.shape[0])
-    scored = np.setdiff1d(rows, np.concatenate(groups[0])) if from_update else rows  # the policy's rows
     head, ref_head = ac.lm_head, ac.reference_lm_head()
     dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32  # the ops' output dtype
     old_logp, ref_logp = (torch.zeros(b.response_mask.shape, dtype=dtype, device=device) for _ in range(2))
@@ -274,7 +272,11 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
         return ops.linear_logprobs(h, lm_head.weight.to(h.dtype), mb.take(b.labels), bias=lm_head.bias,
                                    temperature=cfg.temperature, ignore_index=IGNORE_INDEX)
 
-    for mb in scoring_micro_batches(b, lengths, cfg, device, scored) if len(scored) else ():
+    every = policy = scoring_micro_batches(b, lengths, cfg, device)
+    if from_update:  # the policy scores the rows outside the first minibatch only
+        scored = np.setdiff1d(np.arange(b.input_ids.shape[0]), np.concatenate(groups[0]))
+        policy = scoring_micro_batches(b, lengths, cfg, device, scored) if len(scored) else []
+    for mb in policy:
         with autocast(device):
             hidden, v = packing.forward_responses(ac, b, mb)
             old = logprobs(hidden, mb, head)
@@ -282,7 +284,7 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
             mb.put(old_logp, old)
             if values is not None:
                 mb.put(values, v.float() * mb.response_mask(b))
-    for mb in scoring_micro_batches(b, lengths, cfg, device):
+    for mb in every:
         with autocast(device):
             ref_hidden, = packing.forward_responses(lambda *x, **kw: (ac.reference_hidden(*x, **kw),), b, mb)
             ref = logprobs(ref_hidden, mb, ref_head)
