@@ -210,7 +210,8 @@ class PPOConfig(RunConfig):
     row against the float64 running sum of the probabilities, instead of one random number per
     vocabulary entry: on one CPU thread ~11 ms per [64, 32000] draw against ~44 ms, ~1 s of a 64 x 32
     rollout of a 32000-token vocabulary). The same distribution from another random stream, so a seed's
-    samples differ: opt-in. The graph engine samples inside its own step and ignores it."""
+    samples differ: opt-in. The graph engine draws inside its own step, by inversion too with
+    inverse_cdf (one uniform per row; else the exponential race over one per vocabulary entry)."""
     rollout_engine: str = "hf"
     """Sampler of the rollouts: `hf` (transformers' generate with rollout_cache: the exact reference),
     `graph` (fastrlhf's own decode engine, fastrlhf/engine.py: the LoRA merged into a private bf16 copy
@@ -225,7 +226,8 @@ class PPOConfig(RunConfig):
     did (importance weights pi_train / pi_sampler from the sampler's own log-probs, ops.rollout_correction:
     verl's rollout_is, TRL's vllm_importance_sampling_correction): `none`, or the weight's unit, `token`,
     `sequence` (the row's product) or `geometric` (the row's geometric mean). Needs a sampler that reports
-    its log-probs: --rollout_engine graph. Logged as rollout_corr/* (verl's names)."""
+    its log-probs: --rollout_engine graph, or hf with --rollout_sampler inverse_cdf. Logged as
+    rollout_corr/* (verl's names)."""
     rollout_correction_mode: str = "truncate"
     """`truncate` (each weight clamped into [low, high]: TIS) or `mask` (a unit whose weight leaves [low, high]
     weighs 0: IcePop, TRL's *_mask)."""
@@ -233,6 +235,16 @@ class PPOConfig(RunConfig):
     """Lower bound of the weights (0 = none)."""
     rollout_correction_high: float = 2.0
     """Upper bound of the weights (verl's rollout_is_threshold, TRL's vllm_importance_sampling_cap)."""
+    old_logprobs: str = "recompute"
+    """Where the old log-probs (the ratio's denominator; the KL-shaped reward's policy term) come from:
+    `recompute` (a policy forward over the rollout in phase 3, as verl does by default), or `sampler`
+    (the sampler's own log-probs of the tokens it drew: verl's rollout_correction.bypass_mode, read in
+    verl 0.9.1's ray_trainer.py; phase 3 then runs the reference forward only, and with a critic the
+    policy's trunk for the values, without the lm_head). The same numbers up to the sampler's rounding
+    where it runs the trained weights in their own dtype (hf with --rollout_sampler inverse_cdf in fp32:
+    rollout/logp_gap_mean with recompute says how far); with a bf16 engine the ratio's first step
+    carries that gap. Needs a sampler that reports them: --rollout_sampler inverse_cdf or
+    --rollout_engine graph; not with --rollout_correction (its weights would all be 1)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's

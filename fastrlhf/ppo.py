@@ -9,7 +9,8 @@ Each iteration, top to bottom:
   3. logprobs    one policy forward -> old log-probs (and values with a critic); reference log-probs;
                  the update's plan: an `Experience`, the record the rest of the iteration reads
                  (critic-free with the KL in the loss, the first minibatch's old log-probs come from
-                 its own forward in phase 5: `old_from_first_update`)
+                 its own forward in phase 5: `old_from_first_update`; with --old_logprobs sampler
+                 they are the sampler's own, and the policy forward is for the values only)
   4. advantages  KL-shaped rewards (ops.kl_shaped_rewards; no KL there with kl_in_loss), then the
                  estimator chosen once (`advantage_estimator`): GAE (ops.gae), or one score per
                  response -> ops.outcome_advantages over each prompt's group of responses
@@ -44,7 +45,14 @@ from datasets import Dataset
 from fastrlhf import distributed, ops, packing, task
 from fastrlhf.checkpoint import check_run_dir
 from fastrlhf.config import PPOConfig, run_cli, to_dict
-from fastrlhf.constants import AGG_MODES, CORRECTION_LEVELS, CORRECTION_MODES, IGNORE_INDEX, PPO_PHASES
+from fastrlhf.constants import (
+    AGG_MODES,
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    IGNORE_INDEX,
+    OLD_LOGPROBS,
+    PPO_PHASES,
+)
 from fastrlhf.data import (
     BUILTIN,
     Batch,
@@ -255,10 +263,11 @@ def width_multiple(cfg: PPOConfig, device: torch.device) -> int:
 @torch.no_grad()
 def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Experience:
     """Phase 3: one actor-critic forward (old log-probs, values; over the rows outside the update's first
-    minibatch where `old_from_first_update`) and one reference forward, each over its rows in one
-    padded forward or in packs of micro_batch_tokens; the update's plan; the sampler's own log-probs
-    come along from the rollout (the graph engine's; None on the hf path). The Experience's batch is
-    the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
+    minibatch where `old_from_first_update`; the trunk for the values only, or none without a critic,
+    with --old_logprobs sampler: the old log-probs are the sampler's) and one reference forward, each over
+    its rows in one padded forward or in packs of micro_batch_tokens; the update's plan; the sampler's own
+    log-probs come along from the rollout (None where the sampler reports none). The Experience's batch
+    is the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
     b = pad_to_width_multiple(rollout.batch, width_multiple(cfg, device), pad_id=0)  # masked columns
     lengths = packing.read_lengths(b)
     groups = update_groups(lengths, cfg)
@@ -272,16 +281,22 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
         return ops.linear_logprobs(h, lm_head.weight.to(h.dtype), mb.take(b.labels), bias=lm_head.bias,
                                    temperature=cfg.temperature, ignore_index=IGNORE_INDEX)
 
+    from_sampler = cfg.old_logprobs == "sampler"
+    if from_sampler:
+        old_logp = rollout.sampler_logp.to(dtype)  # 0 past each response, as the ops' output
     every = policy = scoring_micro_batches(b, lengths, cfg, device)
-    if from_update:  # the policy scores the rows outside the first minibatch only
+    if from_sampler and values is None:
+        policy = []
+    elif from_update:  # the policy scores the rows outside the first minibatch only
         scored = np.setdiff1d(np.arange(b.input_ids.shape[0]), np.concatenate(groups[0]))
         policy = scoring_micro_batches(b, lengths, cfg, device, scored) if len(scored) else []
     for mb in policy:
         with autocast(device):
             hidden, v = packing.forward_responses(ac, b, mb)
-            old = logprobs(hidden, mb, head)
+            old = None if from_sampler else logprobs(hidden, mb, head)
         if mb.live:
-            mb.put(old_logp, old)
+            if old is not None:
+                mb.put(old_logp, old)
             if values is not None:
                 mb.put(values, v.float() * mb.response_mask(b))
     for mb in every:
@@ -301,8 +316,9 @@ def old_from_first_update(cfg: PPOConfig, ac: ActorCritic) -> bool:
     the same way where a generation feeds one optimizer step), and phase 3 saves the policy forward
     over those rows. Only where nothing reads them
     before the update: no critic (GAE's rewards read values), the KL in the loss or none (a KL-shaped
-    reward reads them), no rollout correction (its weights do)."""
-    return ac.value_head is None and (cfg.kl_in_loss or cfg.kl_coef == 0) and cfg.rollout_correction == "none"
+    reward reads them), no rollout correction (its weights do); and not where they are the sampler's."""
+    return (ac.value_head is None and (cfg.kl_in_loss or cfg.kl_coef == 0) and cfg.rollout_correction == "none"
+            and cfg.old_logprobs == "recompute")
 
 
 # ---------------------------------------------------------------- 4. rewards, advantages, returns
@@ -526,19 +542,35 @@ def check_update(cfg: PPOConfig, key_prefix: str = "") -> None:
                          f"got {cfg.micro_batch_tokens}")
 
 
+def sampler_logprobs_reader(cfg: PPOConfig, key_prefix: str = "") -> str | None:
+    """The option that reads the sampler's own log-probs (--rollout_correction, --old_logprobs sampler), or None."""
+    if cfg.rollout_correction != "none":
+        return f"--{key_prefix}rollout_correction {cfg.rollout_correction}"
+    if cfg.old_logprobs == "sampler":
+        return f"--{key_prefix}old_logprobs sampler"
+    return None
+
+
 def check_correction(cfg: PPOConfig, key_prefix: str = "") -> None:
-    """--rollout_correction's keys, and a sampler that reports its log-probs."""
+    """--rollout_correction's and --old_logprobs' keys, and a sampler that reports its log-probs where
+    one of them reads them."""
     k = f"--{key_prefix}rollout_correction"
-    for name, value, choices in (("", cfg.rollout_correction, ("none", *CORRECTION_LEVELS)),
-                                 ("_mode", cfg.rollout_correction_mode, CORRECTION_MODES)):
+    for name, value, choices in (("rollout_correction", cfg.rollout_correction, ("none", *CORRECTION_LEVELS)),
+                                 ("rollout_correction_mode", cfg.rollout_correction_mode, CORRECTION_MODES),
+                                 ("old_logprobs", cfg.old_logprobs, OLD_LOGPROBS)):
         if value not in choices:
-            raise ValueError(f"ppo: {k}{name} must be one of {', '.join(choices)}, got {value!r}")
+            raise ValueError(f"ppo: --{key_prefix}{name} must be one of {', '.join(choices)}, got {value!r}")
     if not 0 <= cfg.rollout_correction_low < cfg.rollout_correction_high:
         raise ValueError(f"ppo: {k}_low ({cfg.rollout_correction_low}) must be >= 0 and below {k}_high "
                          f"({cfg.rollout_correction_high})")
-    if cfg.rollout_correction != "none" and cfg.rollout_engine == "hf":
-        raise ValueError(f"ppo: {k} {cfg.rollout_correction} weighs by the sampler's own log-probs, which "
-                         f"transformers' generate does not report: pass --{key_prefix}rollout_engine graph")
+    if cfg.rollout_correction != "none" and cfg.old_logprobs == "sampler":
+        raise ValueError(f"ppo: {k} {cfg.rollout_correction} weighs by old / sampler log-probs, and "
+                         f"--{key_prefix}old_logprobs sampler makes them the same (every weight 1): drop one")
+    reader = sampler_logprobs_reader(cfg, key_prefix)
+    if reader and cfg.rollout_engine == "hf" and cfg.rollout_sampler != "inverse_cdf":
+        raise ValueError(f"ppo: {reader} reads the sampler's own log-probs, which transformers' torch.multinomial "
+                         f"draw does not report: pass --{key_prefix}rollout_sampler inverse_cdf or "
+                         f"--{key_prefix}rollout_engine graph")
 
 
 def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstream: ModelSource | None = None,
@@ -689,10 +721,11 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
     engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
                          batch=cfg.rollout_batch_size // distributed.world_size(),
                          prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                         device=device)  # None: the hf path
-    if engine is None and cfg.rollout_correction != "none":
-        raise ValueError(f"ppo: --rollout_correction {cfg.rollout_correction} needs the sampler's log-probs, and "
-                         f"the decode engine cannot run this model (the log says why): pass --rollout_correction none")
+                         device=device, sampler=cfg.rollout_sampler)  # None: the hf path
+    reader = sampler_logprobs_reader(cfg)
+    if engine is None and reader and cfg.rollout_sampler != "inverse_cdf":
+        raise ValueError(f"ppo: {reader} needs the sampler's log-probs, and the decode engine cannot run this "
+                         f"model (the log says why): pass --rollout_sampler inverse_cdf")
     reward_fn = load_reward(cfg.reward, device=device, policy_tokenizer=tokenizer, chat_template=cfg.chat_template,
                             clip_abs=cfg.reward_clip_abs, timeout_s=cfg.reward_timeout_s)
     optimizer = torch.optim.AdamW([p for p in ac.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
@@ -770,7 +803,8 @@ def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: di
              "response_width": mask.shape[1],  # the longest response: phases 2, 3 and 5 run over prompt + this
              "tokens_per_s": distributed.all_sum(mask.sum()).item() / seconds,
              "skipped_nonfinite": s.skipped, **update_stats, **s.timer.step_stats()}
-    if exp.sampler_logp is not None:  # how far the distribution sampled from is from the one trained
+    if exp.sampler_logp is not None and cfg.old_logprobs == "recompute":  # how far the sampled distribution
+        # is from the one trained (with --old_logprobs sampler they are the same tensor)
         stats.update(sampler_gap(exp.sampler_logp, exp.old_logp, mask))
     if exp.correction is not None:  # one read of the correction's metrics
         names = list(exp.correction)

@@ -8,7 +8,8 @@ and nothing else. Two samplers (`--rollout_engine`, `choose_engine`):
   top_p, min_p, ...) takes no part, as TRL's GRPO trainer builds its own. Processors asked for there
   are named once in the log. Its token draw (`--rollout_sampler`, `ROLLOUT_SAMPLERS`): `multinomial`
   (transformers' `torch.multinomial`) or `inverse_cdf` (`InverseCDF`: the same distribution from one
-  random number per row instead of one per vocabulary entry, another random stream).
+  random number per row instead of one per vocabulary entry, another random stream; it reports the
+  log-prob of each token it draws, `Rollout.sampler_logp`).
 - `graph`: fastrlhf's own decode engine (fastrlhf.engine: merged-LoRA rollout weights, its own KV
   cache, sampling inside one compiled, CUDA-graph captured step); `engine_generate`. Its rollouts
   also carry the sampler's log-probs (`Rollout.sampler_logp`; `sampler_gap` measures them against
@@ -41,7 +42,8 @@ class Rollout(NamedTuple):
     responses       list[str] of B decoded responses (special tokens dropped)
     scores          [B] float32 sequence scores (reward model or rule), on the batch's device
     sampler_logp    [B, R] float32 log-probs of the response tokens under the sampler itself (the
-                    graph engine's merged bf16 weights), 0 where response_mask is 0; None (hf path)
+                    graph engine's merged weights, or generate's logits with --rollout_sampler
+                    inverse_cdf), 0 where response_mask is 0; None (hf path with torch.multinomial)
     """
 
     batch: Batch
@@ -92,29 +94,42 @@ def sampling_config(tokenizer, *, temperature: float, max_new_tokens: int, cache
 
 class InverseCDF:
     """A logits processor whose argmax is a draw from softmax(scores / temperature) by inversion: one
-    uniform U per row, scaled to the float64 running sum of the float32 probabilities; the token is the
-    first whose running sum exceeds it, so token i with probability p_i (to float64 rounding), and one of
-    probability 0 (it adds nothing to the sum) never. U is kept below the total, so the last token with
-    p > 0 is as far as it goes. One random number per row instead of one per vocabulary entry: on one CPU
-    thread ~11 ms per [64, 32000] draw against ~29 ms for the exponential race over uniforms (argmax of
-    p / -log U) and ~44 ms for torch.multinomial, whose exponential_ is most of it."""
+    uniform U per row, scaled to the float64 running sum of the float32 exp(scores / temperature - max);
+    the token is the first whose running sum exceeds it, so token i with probability p_i (to float64
+    rounding), and one of probability 0 (it adds nothing to the sum) never. U is kept below the total,
+    so the last token with p > 0 is as far as it goes. One random number per row instead of one per
+    vocabulary entry: on one CPU thread ~11 ms per [64, 32000] draw against ~29 ms for the exponential
+    race over uniforms (argmax of p / -log U) and ~44 ms for torch.multinomial, whose exponential_ is
+    most of it. Each call also keeps the sampler's log-prob of every row's token, scores / temperature
+    - max - log(total), in `logps` (one [B] float32 tensor per generated token; `sampler_logprobs`)."""
 
     def __init__(self, temperature: float):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.temperature = temperature
+        self.logps: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        cdf = probs.double().cumsum_(-1)
+        x = scores.float() if self.temperature == 1.0 else scores.float() / self.temperature
+        top = x.amax(-1, keepdim=True)
+        cdf = (x - top).exp_().double().cumsum_(-1)  # unnormalised: the draw scales U to the total
         total = cdf[..., -1:]
-        # as torch.multinomial refuses them (on CUDA without a host sync: the assert is the kernel's)
+        # as torch.multinomial refuses them (on CUDA without a host sync: the assert is the kernel's); a NaN
+        # or +inf logit makes the row's max, and so its total, NaN
         torch._assert_async(torch.isfinite(total).all(),
                             "rollout: a row's logits are not finite (NaN or inf): no token can be drawn from them")
         u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device).mul_(total)
         u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # U * total may round up to it
         pick = torch.searchsorted(cdf, u, right=True)
-        return torch.full_like(probs, float("-inf")).scatter_(-1, pick, 0.0)
+        self.logps.append((x.gather(-1, pick) - top - total.log()).float().squeeze(-1))
+        return torch.full_like(x, float("-inf")).scatter_(-1, pick, 0.0)
+
+    def sampler_logprobs(self, new_tokens: int) -> torch.Tensor:
+        """[B, new_tokens] float32: the log-probs of the tokens drawn in this generate call, in order."""
+        if len(self.logps) != new_tokens:
+            raise RuntimeError(f"rollout: generate drew {new_tokens} tokens per row but called the sampler "
+                               f"{len(self.logps)} times")
+        return torch.stack(self.logps, dim=1)
 
 
 def token_sampler(sampler: str, temperature: float):
@@ -159,7 +174,8 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
     attention mask) from softmax(logits / temperature) alone (`sampling_config`; the model's own
     generation_config is ignored); tokens after the first EOS are replaced by padding and masked out.
     cache: `dynamic` or `static` (PPOConfig.rollout_cache); sampler: `multinomial` or `inverse_cdf`
-    (PPOConfig.rollout_sampler; the same distribution, another random stream)."""
+    (PPOConfig.rollout_sampler; the same distribution, another random stream; the Rollout then carries
+    the sampler's log-probs of its tokens)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if cache not in ROLLOUT_CACHES:
@@ -176,7 +192,9 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
         out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                           logits_processor=processors)
     lm.train(was_training)
-    return _rollout(input_ids, attention_mask, out[:, input_ids.shape[1]:], tokenizer, prompts)
+    responses = out[:, input_ids.shape[1]:]
+    logps = processors[0].sampler_logprobs(responses.shape[1]) if processors else None
+    return _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=logps)
 
 
 def _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=None) -> Rollout:
@@ -220,9 +238,10 @@ def choose_engine(name: str, lm, device: torch.device) -> tuple[str, str]:
 
 
 def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_tokens: int, temperature: float,
-                device: torch.device):
+                device: torch.device, sampler: str = "multinomial"):
     """The decode engine `--rollout_engine name` asks for, or None for the hf path; the choice and
-    its reason are logged. Under torchrun each rank builds its own for its share of the rows."""
+    its reason are logged. Under torchrun each rank builds its own for its share of the rows. `sampler`
+    (--rollout_sampler): `inverse_cdf` draws by inversion in the step, else by the exponential race."""
     from fastrlhf.engine import DecodeEngine
 
     engine, why = choose_engine(name, lm, device)
@@ -233,7 +252,7 @@ def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_to
     # a sharded policy's gathered tensors are freed after each rollout: the engine keeps copies
     return DecodeEngine(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature,
                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=device, compile=cuda,
-                        cuda_graph=cuda, share_frozen=not distributed.active())
+                        cuda_graph=cuda, share_frozen=not distributed.active(), inverse_cdf=sampler == "inverse_cdf")
 
 
 def engine_generate(engine, lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str]) -> Rollout:

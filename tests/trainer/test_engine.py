@@ -92,6 +92,21 @@ def test_fp32_engine_samples_the_hf_peft_distribution(name):
     assert (rollout.sampler_logp[b.response_mask == 0] == 0).all()
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied"])
+def test_fp32_engine_drawing_by_inversion_samples_the_hf_peft_distribution(name):
+    """inverse_cdf=True (--rollout_sampler inverse_cdf): the same check as the race's above, and another
+    random stream (the tokens differ from the race's of the same seed)."""
+    ac = _policy(name)
+    torch.manual_seed(0)
+    rollout = engine_generate(_engine(ac.policy, inverse_cdf=True), ac.policy, TOKENIZER, PROMPTS, [""] * ROWS)
+    b = rollout.batch
+    _assert_close(rollout.sampler_logp, _scored(ac.policy, rollout, 0.7) * b.response_mask)
+    assert (rollout.sampler_logp[b.response_mask == 0] == 0).all()
+    torch.manual_seed(0)
+    race = engine_generate(_engine(ac.policy), ac.policy, TOKENIZER, PROMPTS, [""] * ROWS)
+    assert not torch.equal(race.batch.input_ids, b.input_ids)
+
+
 def test_tokens_after_eos_are_padding_and_masked():
     ac = _policy("llama")
     rollout = engine_generate(_engine(ac.policy, new_tokens=16), ac.policy, TOKENIZER, PROMPTS[:3], ["a", "b", "c"])
@@ -110,9 +125,11 @@ def _chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
-def test_sampler_draws_softmax_of_logits_over_temperature():
-    """125k draws of `sample` (the step's own sampler, its counter advanced as a step does) against
-    softmax(logits / T): chi-square p >= 0.001 per token, and for pairs of consecutive draws of a row."""
+@pytest.mark.parametrize("inverse_cdf", [False, True])
+def test_sampler_draws_softmax_of_logits_over_temperature(inverse_cdf):
+    """125k draws of `sample` (the step's own sampler, its counter advanced as a step does; the exponential
+    race and the inversion) against softmax(logits / T): chi-square p >= 0.001 per token, and for pairs of
+    consecutive draws of a row."""
     V, B, steps, T = 40, 500, 250, 0.8
     logits = torch.linspace(-3.5, 2.0, V, dtype=torch.float64)[torch.randperm(V)]  # p from ~1e-4 to 0.1
     p = torch.softmax(logits / T, -1)
@@ -121,7 +138,7 @@ def test_sampler_draws_softmax_of_logits_over_temperature():
     rng = torch.tensor([12345, 0])
     draws = torch.empty(steps, B, dtype=torch.long)
     for t in range(steps):
-        draws[t], logp = sample(scores, rng)
+        draws[t], logp = sample(scores, rng, inverse_cdf)
         rng[1] += 1
     _assert_close(logp.double(), torch.log(p)[draws[-1]], atol=1e-5)
     counts = torch.bincount(draws.flatten(), minlength=V).double()

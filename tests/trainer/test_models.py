@@ -263,7 +263,8 @@ def test_inverse_cdf_picks_the_first_token_whose_running_sum_passes_its_uniform(
     x = torch.randn(5, 37) * 3
     x[:, [0, 5, 36]] = float("-inf")  # probability 0: the first, one inside, the last
     torch.manual_seed(3)
-    got = InverseCDF(0.7)(None, x.clone())
+    processor = InverseCDF(0.7)
+    got = processor(None, x.clone())
     torch.manual_seed(3)
     u = torch.rand(5, 1, dtype=torch.float64)
     cdf = torch.softmax(x.double() / 0.7, -1).cumsum(-1)
@@ -271,6 +272,11 @@ def test_inverse_cdf_picks_the_first_token_whose_running_sum_passes_its_uniform(
     pick = got.argmax(-1)
     assert torch.equal(pick, want)
     assert (got[torch.arange(5), pick] == 0).all() and torch.isneginf(got).sum() == 5 * 36
+    # and keeps the log-prob of each token it drew
+    want_logp = torch.log_softmax(x.double() / 0.7, -1)[torch.arange(5), pick]
+    torch.testing.assert_close(processor.sampler_logprobs(1)[:, 0].double(), want_logp, rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="generate drew 2 tokens per row but called the sampler 1 times"):
+        processor.sampler_logprobs(2)
     for value, expected in ((0.0, 1), (1.0, 35)):
         monkeypatch.setattr(torch, "rand", lambda shape, dtype, device, v=value: torch.full(shape, v, dtype=dtype))
         assert InverseCDF(1.0)(None, x.clone()).argmax(-1).tolist() == [expected] * 5, value
@@ -304,6 +310,31 @@ def test_rollout_sampler_draws_softmax_of_logits_over_temperature(tiny, sampler)
                  sampler=sampler)
     freq = torch.bincount(r.batch.responses[:, 0], minlength=len(p)).double() / n
     assert (freq - p).abs().le(5 * (p * (1 - p) / n).sqrt() + 1e-3).all()
+
+
+def test_inverse_cdf_rollout_carries_the_sampler_logprobs(tiny):
+    """generate with sampler=inverse_cdf: the Rollout's sampler_logp are the teacher-forced log-probs of its
+    tokens under the LoRA policy (fp32, T = 0.8: within 1e-5, KV cache against one forward), 0 past each
+    response's EOS; with torch.multinomial there are none."""
+    lm, tok = tiny
+    ac = ActorCritic(lm, lora_rank=4, lora_alpha=8.0, value_head=False)
+    with torch.no_grad():
+        for name, p in ac.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    prompt_ids = _random_seqs(6, 2, 7, len(tok))
+    torch.manual_seed(0)
+    r = generate(ac.policy, tok, prompt_ids, ["x"] * 6, max_new_tokens=9, temperature=0.8, device=CPU,
+                 sampler="inverse_cdf")
+    b = r.batch
+    with torch.no_grad():
+        h = hidden_states(ac.policy, b.input_ids, b.attention_mask, b.position_ids)
+        want = token_logprobs(ac.policy, b, h, temperature=0.8)
+    assert r.sampler_logp.shape == b.response_mask.shape and r.sampler_logp.dtype == torch.float32
+    torch.testing.assert_close(r.sampler_logp, want.float() * b.response_mask, rtol=0, atol=1e-5)
+    assert (r.sampler_logp[b.response_mask == 0] == 0).all() and r.sampler_logp.sum() < -1
+    assert generate(ac.policy, tok, prompt_ids, ["x"] * 6, max_new_tokens=9, temperature=0.8,
+                    device=CPU).sampler_logp is None
 
 
 def test_inverse_cdf_sampler_rollout_is_seeded_and_cache_independent(tiny):

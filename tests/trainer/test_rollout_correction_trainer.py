@@ -54,7 +54,11 @@ def test_the_weights_scale_the_policy_loss_and_their_metrics_are_logged(tmp_path
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(rollout_correction="token", rollout_engine="hf"), "--rollout_correction token weighs by the sampler's"),
+    (dict(rollout_correction="token", rollout_engine="hf"), "--rollout_correction token reads the sampler's own "
+                                                            "log-probs, which transformers' torch.multinomial draw"),
+    (dict(old_logprobs="sampler", rollout_engine="hf"), "--old_logprobs sampler reads the sampler's own log-probs"),
+    (dict(old_logprobs="rollout"), "--old_logprobs must be one of recompute, sampler, got 'rollout'"),
+    (dict(old_logprobs="sampler", rollout_correction="token"), "--old_logprobs sampler makes them the same"),
     (dict(rollout_correction="tokens"), "--rollout_correction must be one of none, token, sequence, geometric"),
     (dict(rollout_correction="token", rollout_correction_mode="clip"), "--rollout_correction_mode must be one of"),
     (dict(rollout_correction="token", rollout_correction_low=3.0), "--rollout_correction_low .3.0. must be >= 0 and"),
@@ -62,3 +66,18 @@ def test_the_weights_scale_the_policy_loss_and_their_metrics_are_logged(tmp_path
 def test_bad_settings_are_refused_before_a_model_loads(changes, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         ppo.prepare(PPOConfig(out=str(tmp_path), **dict(ONE_UPDATE, **changes)))
+
+
+@pytest.mark.parametrize("sampler", [dict(rollout_engine="graph"),
+                                     dict(rollout_engine="hf", rollout_sampler="inverse_cdf")])
+def test_old_logprobs_from_the_sampler_give_the_recomputed_update(tmp_path, sampler):
+    """--old_logprobs sampler (verl's bypass_mode) against recomputing them, one update from the same seed on
+    fp32: the same samples, and a loss and gradient within the sampler's rounding (its log-probs are the
+    trainer's within 1e-5); the hf path with inverse_cdf reports them too, and the recomputing run logs how
+    far they are (rollout/logp_gap_*), which the bypassing one cannot."""
+    recomputed = _first_row(tmp_path, "recomputed", **sampler)
+    bypassed = _first_row(tmp_path, "bypassed", old_logprobs="sampler", **sampler)
+    assert recomputed["rollout/logp_gap_max"] < 1e-4 and "rollout/logp_gap_max" not in bypassed
+    assert bypassed["reward"] == recomputed["reward"] and bypassed["response_length"] == recomputed["response_length"]
+    assert bypassed["grad_norm"] > 0 and bypassed["grad_norm"] == pytest.approx(recomputed["grad_norm"], rel=1e-3)
+    assert bypassed["kl"] == pytest.approx(recomputed["kl"], abs=1e-4)
