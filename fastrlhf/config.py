@@ -240,11 +240,13 @@ class PPOConfig(RunConfig):
     `recompute` (a policy forward over the rollout in phase 3, as verl does by default), or `sampler`
     (the sampler's own log-probs of the tokens it drew: verl's rollout_correction.bypass_mode, read in
     verl 0.9.1's ray_trainer.py; phase 3 then runs the reference forward only, and with a critic the
-    policy's trunk for the values, without the lm_head). The same numbers up to the sampler's rounding
-    where it runs the trained weights in their own dtype (hf with --rollout_sampler inverse_cdf in fp32:
-    rollout/logp_gap_mean with recompute says how far); with a bf16 engine the ratio's first step
-    carries that gap. Needs a sampler that reports them: --rollout_sampler inverse_cdf or
-    --rollout_engine graph; not with --rollout_correction (its weights would all be 1)."""
+    policy's trunk for the values, without the lm_head, unless the graph engine computed them too: on
+    one process it runs the value head on its trunk's states as it samples). The same numbers up to
+    the sampler's rounding where it runs the trained weights in their own dtype (hf with
+    --rollout_sampler inverse_cdf, or the graph engine, in fp32: rollout/logp_gap_mean with recompute
+    says how far); with a bf16 engine the ratio's first step carries that gap. Needs a sampler that
+    reports them: --rollout_sampler inverse_cdf or --rollout_engine graph; not with
+    --rollout_correction (its weights would all be 1)."""
     advantage: str = "gae"
     """Advantage estimator: `gae` (a value head on the policy's trunk, GAE over KL-shaped rewards, a
     value loss), or critic-free from one score per response (fastrlhf.outcome_advantages, verl's

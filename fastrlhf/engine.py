@@ -193,6 +193,8 @@ class Weights:
     head_bias: torch.Tensor | None
     inv_freq: torch.Tensor  # [D / 2] fp32
     layers: list[LayerWeights]
+    value: torch.Tensor | None = None  # [1, H] fp32: the critic's value head, read in place (`generate`)
+    value_bias: torch.Tensor | None = None
 
 
 def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, list]:
@@ -326,9 +328,17 @@ def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
     return x + F.linear(spec.act(gate) * up, w.down, w.down_bias)
 
 
+def heads_of(x: torch.Tensor, weights: Weights, spec: Spec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 [B, V] logits / temperature, fp32 [B] values or None) of the last layer's output x [B, H]:
+    the final norm, then the lm_head, and the critic's value head where the engine was given one (on
+    h.float(), as fastrlhf.heads.ActorCritic)."""
+    h = rms_norm(x, weights.norm, spec.eps)
+    values = None if weights.value is None else F.linear(h.float(), weights.value, weights.value_bias).squeeze(-1)
+    return logits_of(h, weights, spec), values
+
+
 def logits_of(h: torch.Tensor, weights: Weights, spec: Spec) -> torch.Tensor:
-    """fp32 [B, V] logits / temperature of the last hidden states h [B, H]."""
-    h = rms_norm(h, weights.norm, spec.eps)
+    """fp32 [B, V] logits / temperature of the final-normed hidden states h [B, H]."""
     if spec.fp32_out_mm:
         logits = torch.mm(h, weights.head.t(), out_dtype=torch.float32)
         if weights.head_bias is not None:
@@ -411,6 +421,7 @@ class State:
     prompt_mask: torch.Tensor  # [B, P] bool
     tokens: torch.Tensor  # [B, R] long: sampled tokens
     logps: torch.Tensor  # [B, R] fp32: their log-probs under the sampler
+    values: torch.Tensor  # [B, R] fp32: the value head's at the state before each token (with a value head)
     last: torch.Tensor  # [B] long: the token the next step reads
     position: torch.Tensor  # [B] long: its position id
     t: torch.Tensor  # [1] long: the column the next step writes (its K/V go to slot P + t - 1)
@@ -430,7 +441,8 @@ class State:
                    v_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
                    valid=zeros(B, T, dtype=torch.bool), prompt_ids=zeros(B, P),
                    prompt_mask=zeros(B, P, dtype=torch.bool),
-                   tokens=zeros(B, R), logps=zeros(B, R, dtype=torch.float32), last=zeros(B), position=zeros(B),
+                   tokens=zeros(B, R), logps=zeros(B, R, dtype=torch.float32),
+                   values=zeros(B, R, dtype=torch.float32), last=zeros(B), position=zeros(B),
                    t=zeros(1), done=zeros(B, dtype=torch.bool), all_done=zeros(1, dtype=torch.bool), rng=zeros(2))
 
     def tensors(self) -> list[torch.Tensor]:
@@ -469,11 +481,14 @@ def prefill(weights: Weights, state: State, spec: Spec) -> None:
             return k, v
 
         x = decoder_layer(x, w, spec, cos, sin, store, _window(allowed, slots[None, :], spec, i))
-    token, logp = sample(logits_of(x[:, -1], weights, spec), state.rng, spec.inverse_cdf)
+    logits, values = heads_of(x[:, -1], weights, spec)
+    token, logp = sample(logits, state.rng, spec.inverse_cdf)
     state.valid.zero_()
     state.valid[:, :P] = mask
     state.tokens[:, 0] = token
     state.logps[:, 0] = logp
+    if values is not None:
+        state.values[:, 0] = values
     state.last.copy_(token)
     state.position.copy_(mask.sum(-1))
     state.t.fill_(1)
@@ -498,9 +513,12 @@ def decode_step(weights: Weights, state: State, spec: Spec) -> None:
             return k_cache, v_cache
 
         x = decoder_layer(x, w, spec, cos, sin, store, _window(state.valid[:, None], slot.view(1, 1), spec, i))
-    token, logp = sample(logits_of(x[:, 0], weights, spec), state.rng, spec.inverse_cdf)
+    logits, values = heads_of(x[:, 0], weights, spec)
+    token, logp = sample(logits, state.rng, spec.inverse_cdf)
     state.tokens.index_copy_(1, t, token[:, None])
     state.logps.index_copy_(1, t, logp[:, None])
+    if values is not None:
+        state.values.index_copy_(1, t, values[:, None])
     state.last.copy_(token)
     state.position.add_(1)
     state.t.add_(1)
@@ -662,12 +680,14 @@ class DecodeEngine:
     # ------------------------------------------------------------ a rollout
 
     @torch.no_grad()
-    def generate(self, lm, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor]:
+    def generate(self, lm, prompt_ids: list[list[int]], value_head: torch.nn.Linear | None = None) -> tuple:
         """Sample for `prompt_ids` (at most `batch` rows of at most `prompt_len` tokens) with the
         weights of `lm`: (prompt ids [n, P'] and mask, left-padded to the longest prompt; sampled
-        tokens [n, R']; the sampler's log-probs [n, R'] fp32). R' is the number of columns decoded
-        (all rows had EOS, or new_tokens); nothing after a row's EOS is meaningful."""
+        tokens [n, R']; the sampler's log-probs [n, R'] fp32; the values [n, R'] fp32 of `value_head`
+        (a critic's [H -> 1] head on the same trunk, read in place: what its forward over the rollout
+        gives, up to rounding), or None). R' is the number of columns decoded (all rows had EOS, or
+        new_tokens); nothing after a row's EOS is meaningful. Whether a value head is given is fixed
+        by the first call (a captured step reads it)."""
         s = self.spec
         n = len(prompt_ids)
         if not 1 <= n <= s.batch:
@@ -676,6 +696,13 @@ class DecodeEngine:
         if longest > s.prompt_len:
             raise ValueError(f"rollout engine: a prompt of {longest} tokens, longer than prompt_len {s.prompt_len}")
         self.refresh(lm)
+        if self.graph is not None and (value_head is None) != (self.weights.value is None):
+            raise ValueError("rollout engine: the first rollout was captured " +
+                             ("without" if value_head is not None else "with") + " a value head")
+        if value_head is not None:
+            self.weights.value, self.weights.value_bias = value_head.weight, value_head.bias
+        else:
+            self.weights.value = self.weights.value_bias = None
         ids, mask = left_pad(list(prompt_ids) + [prompt_ids[0]] * (s.batch - n), self.pad_id)
         pad = s.prompt_len - ids.shape[1]
         ids, mask = F.pad(ids, (pad, 0), value=self.pad_id), F.pad(mask, (pad, 0))
@@ -691,7 +718,7 @@ class DecodeEngine:
         columns = self.decode()
         P = s.prompt_len - longest
         return (st.prompt_ids[:n, P:].clone(), st.prompt_mask[:n, P:].long(), st.tokens[:n, :columns].clone(),
-                st.logps[:n, :columns].clone())
+                st.logps[:n, :columns].clone(), None if value_head is None else st.values[:n, :columns].clone())
 
     @torch.no_grad()
     def prefill(self) -> None:

@@ -263,8 +263,9 @@ def width_multiple(cfg: PPOConfig, device: torch.device) -> int:
 @torch.no_grad()
 def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Experience:
     """Phase 3: one actor-critic forward (old log-probs, values; over the rows outside the update's first
-    minibatch where `old_from_first_update`; the trunk for the values only, or none without a critic,
-    with --old_logprobs sampler: the old log-probs are the sampler's) and one reference forward, each over
+    minibatch where `old_from_first_update`; with --old_logprobs sampler the old log-probs are the
+    sampler's, and the forward is the trunk's for the values only, or none: without a critic, or where
+    the graph engine gave the values too) and one reference forward, each over
     its rows in one padded forward or in packs of micro_batch_tokens; the update's plan; the sampler's own
     log-probs come along from the rollout (None where the sampler reports none). The Experience's batch
     is the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
@@ -284,8 +285,10 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
     from_sampler = cfg.old_logprobs == "sampler"
     if from_sampler:
         old_logp = rollout.sampler_logp.to(dtype)  # 0 past each response, as the ops' output
+        if values is not None and rollout.sampler_values is not None:  # the graph engine's, on one process
+            values = rollout.sampler_values
     every = policy = scoring_micro_batches(b, lengths, cfg, device)
-    if from_sampler and values is None:
+    if from_sampler and (values is None or rollout.sampler_values is not None):
         policy = []
     elif from_update:  # the policy scores the rows outside the first minibatch only
         scored = np.setdiff1d(np.arange(b.input_ids.shape[0]), np.concatenate(groups[0]))
@@ -494,8 +497,10 @@ def rollout_cache(cfg: PPOConfig, device: torch.device) -> str:
 def sample(ac: ActorCritic, tokenizer, rows: dict[str, list], cfg: PPOConfig, device, engine=None) -> Rollout:
     """Phase 1: one response per prompt of `rows` ({"prompt": texts, "prompt_ids": token ids}), by the
     decode engine when there is one (it re-forms its weights from the policy first), else by `generate`."""
-    if engine is not None:
-        return engine_generate(engine, ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"])
+    if engine is not None:  # with --old_logprobs sampler on one process, the critic's values come along
+        values_too = cfg.old_logprobs == "sampler" and not distributed.active()
+        return engine_generate(engine, ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"],
+                               value_head=ac.value_head if values_too else None)
     return generate(ac.policy, tokenizer, rows["prompt_ids"], rows["prompt"], max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, device=device, cache=rollout_cache(cfg, device),
                     sampler=cfg.rollout_sampler)

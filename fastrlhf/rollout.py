@@ -44,6 +44,8 @@ class Rollout(NamedTuple):
     sampler_logp    [B, R] float32 log-probs of the response tokens under the sampler itself (the
                     graph engine's merged weights, or generate's logits with --rollout_sampler
                     inverse_cdf), 0 where response_mask is 0; None (hf path with torch.multinomial)
+    sampler_values  [B, R] float32 values of a critic's head on the sampler's trunk (the graph engine
+                    given one), 0 where response_mask is 0; else None
     """
 
     batch: Batch
@@ -51,6 +53,7 @@ class Rollout(NamedTuple):
     responses: list[str]
     scores: torch.Tensor | None = None
     sampler_logp: torch.Tensor | None = None
+    sampler_values: torch.Tensor | None = None
 
 
 def response_mask_after_eos(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -197,7 +200,8 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
     return _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=logps)
 
 
-def _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=None) -> Rollout:
+def _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=None,
+             sampler_values=None) -> Rollout:
     """The Rollout of left-padded prompts [B, P] and sampled tokens [B, R']: tokens after the first EOS
     become padding and are masked out; columns past the longest response are dropped."""
     response_mask = response_mask_after_eos(responses, tokenizer.eos_token_id)
@@ -208,9 +212,9 @@ def _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_l
     batch = Batch(torch.cat([input_ids, responses], dim=1), full_mask, position_ids_from_mask(full_mask),
                   response_mask, input_ids.shape[1])
     texts = tokenizer.batch_decode(responses.tolist(), skip_special_tokens=True)
-    if sampler_logp is not None:
-        sampler_logp = sampler_logp[:, :R] * response_mask
-    return Rollout(batch, list(prompts), texts, sampler_logp=sampler_logp)
+    sampler_logp, sampler_values = (None if x is None else x[:, :R] * response_mask
+                                    for x in (sampler_logp, sampler_values))
+    return Rollout(batch, list(prompts), texts, sampler_logp=sampler_logp, sampler_values=sampler_values)
 
 
 # ---------------------------------------------------------------- the graph engine
@@ -255,11 +259,14 @@ def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_to
                         cuda_graph=cuda, share_frozen=not distributed.active(), inverse_cdf=sampler == "inverse_cdf")
 
 
-def engine_generate(engine, lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str]) -> Rollout:
+def engine_generate(engine, lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str],
+                    value_head=None) -> Rollout:
     """`generate`'s Rollout, sampled by the decode engine from the current weights of `lm` (re-formed
-    in place first: the rollout follows the last optimizer step), with the sampler's log-probs."""
-    input_ids, attention_mask, responses, logps = engine.generate(lm, prompt_ids)
-    return _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=logps)
+    in place first: the rollout follows the last optimizer step), with the sampler's log-probs, and
+    the values of `value_head` (a critic's head on `lm`'s trunk) where one is given."""
+    input_ids, attention_mask, responses, logps, values = engine.generate(lm, prompt_ids, value_head)
+    return _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=logps,
+                    sampler_values=values)
 
 
 def sampler_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

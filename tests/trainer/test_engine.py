@@ -107,6 +107,38 @@ def test_fp32_engine_drawing_by_inversion_samples_the_hf_peft_distribution(name)
     assert not torch.equal(race.batch.input_ids, b.input_ids)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied"])
+def test_engine_given_a_value_head_reports_the_critics_values(name):
+    """generate(..., value_head): the values of a critic's head on the policy's trunk at the state before
+    each sampled token equal the ActorCritic forward's over the rollout (fp32: |dv| <= 1e-5 |w| |h|, by
+    Cauchy-Schwarz what a relative error of 1e-5 in the hidden state allows; a value is not a log-softmax,
+    which cancels the error the logits share, and here |w| |h| ~ 5), 0 past EOS;
+    the tokens are those of a rollout without the head (the values take no random numbers); an engine
+    captured without a head refuses one later (checked on the flag the capture sets)."""
+    policy = _policy(name)
+    lm = policy.policy.base_model.model if hasattr(policy.policy, "base_model") else policy.policy
+    ac = ActorCritic(lm, lora_rank=0, value_head=True)  # the same LoRA model: its trunk under a critic's head
+    with torch.no_grad():
+        ac.value_head.bias.fill_(0.3)
+    engine = _engine(policy.policy, inverse_cdf=True)
+    torch.manual_seed(0)
+    rollout = engine_generate(engine, policy.policy, TOKENIZER, PROMPTS, [""] * ROWS, value_head=ac.value_head)
+    b = rollout.batch
+    with torch.no_grad():
+        h, values = ac(b.input_ids, b.attention_mask, b.position_ids)
+    want = values[:, b.prompt_len - 1:-1] * b.response_mask
+    scale = float(ac.value_head.weight.norm() * h.norm(dim=-1).max())
+    assert 2 < scale < 20
+    _assert_close(rollout.sampler_values, want, atol=1e-5 * scale)
+    assert (rollout.sampler_values[b.response_mask == 0] == 0).all() and rollout.sampler_values.abs().sum() > 1
+    torch.manual_seed(0)
+    plain = engine_generate(engine, policy.policy, TOKENIZER, PROMPTS, [""] * ROWS)
+    assert torch.equal(plain.batch.input_ids, b.input_ids) and plain.sampler_values is None
+    engine.graph = object()  # as after a capture without the head
+    with pytest.raises(ValueError, match="the first rollout was captured without a value head"):
+        engine.generate(policy.policy, PROMPTS, ac.value_head)
+
+
 def test_tokens_after_eos_are_padding_and_masked():
     ac = _policy("llama")
     rollout = engine_generate(_engine(ac.policy, new_tokens=16), ac.policy, TOKENIZER, PROMPTS[:3], ["a", "b", "c"])

@@ -294,29 +294,36 @@ def test_the_first_minibatch_takes_its_old_logprobs_from_its_own_forward(monkeyp
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("critic", [False, True])
+@pytest.mark.parametrize("critic", [False, True, "sampler"])
 def test_old_logprobs_from_the_sampler_leave_phase_3_the_reference_and_the_values(monkeypatch, critic):
     """--old_logprobs sampler: the Experience's old log-probs are the rollout's sampler_logp (here the
     recomputed ones + 0.01 on every response token, so that a mix-up shows), the only lm_head pass is the
-    reference's, and with a critic the values are those of the recomputing run's forward."""
+    reference's, and with a critic the values are those of the recomputing run's forward, or the rollout's
+    sampler_values where the engine gave them (+ 0.5), and then the reference's is the only forward."""
     base = dict(rollout_batch_size=8, mini_batch_size=4, micro_batch_size=2, kl_in_loss=True,
                 rollout_sampler="inverse_cdf", **({} if critic else dict(advantage="grpo", num_generations=4)))
     lm, tok = load_causal_lm("tiny", device=CPU, dtype=torch.float64)
-    ac = ActorCritic(lm, lora_rank=4, value_head=critic)
+    ac = ActorCritic(lm, lora_rank=4, value_head=bool(critic))
     rollout = _rollout(tok, [6, 1, 5, 2, 6, 6, 3, 4])
     monkeypatch.setattr(ppo, "old_from_first_update", lambda cfg, ac: False)
     recomputed = ppo.experience(ac, rollout, PPOConfig(**base), CPU)
     mask = rollout.batch.response_mask
     rollout = rollout._replace(sampler_logp=((recomputed.old_logp + 0.01) * mask).float())
-    calls = []
-    linear_logprobs = ppo.ops.linear_logprobs
+    if critic == "sampler":
+        rollout = rollout._replace(sampler_values=(recomputed.values + 0.5) * mask)
+    calls, forwards = [], []
+    linear_logprobs, forward_responses = ppo.ops.linear_logprobs, ppo.packing.forward_responses
     monkeypatch.setattr(ppo.ops, "linear_logprobs", lambda *a, **k: calls.append(1) or linear_logprobs(*a, **k))
+    monkeypatch.setattr(ppo.packing, "forward_responses", lambda *a: forwards.append(1) or forward_responses(*a))
     exp = ppo.experience(ac, rollout, PPOConfig(**base, old_logprobs="sampler"), CPU)
     assert len(calls) == 1  # the reference's one padded forward
+    assert len(forwards) == (2 if critic is True else 1)  # + the trunk's for the values
     assert exp.old_logp.dtype == torch.float64 and not exp.old_from_update
     torch.testing.assert_close(exp.old_logp, rollout.sampler_logp.double(), rtol=0, atol=0)
     torch.testing.assert_close(exp.ref_logp, recomputed.ref_logp, rtol=0, atol=0)
-    if critic:
+    if critic == "sampler":
+        torch.testing.assert_close(exp.values, rollout.sampler_values, rtol=0, atol=0)
+    elif critic:
         torch.testing.assert_close(exp.values, recomputed.values, rtol=0, atol=0)
     else:
         assert exp.values is None

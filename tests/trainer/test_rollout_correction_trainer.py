@@ -69,15 +69,20 @@ def test_bad_settings_are_refused_before_a_model_loads(changes, message, tmp_pat
 
 
 @pytest.mark.parametrize("sampler", [dict(rollout_engine="graph"),
-                                     dict(rollout_engine="hf", rollout_sampler="inverse_cdf")])
+                                     dict(rollout_engine="hf", rollout_sampler="inverse_cdf"),
+                                     dict(rollout_engine="graph", advantage="gae")])
 def test_old_logprobs_from_the_sampler_give_the_recomputed_update(tmp_path, sampler):
     """--old_logprobs sampler (verl's bypass_mode) against recomputing them, one update from the same seed on
     fp32: the same samples, and a loss and gradient within the sampler's rounding (its log-probs are the
     trainer's within 1e-5); the hf path with inverse_cdf reports them too, and the recomputing run logs how
-    far they are (rollout/logp_gap_*), which the bypassing one cannot."""
+    far they are (rollout/logp_gap_*), which the bypassing one cannot. With a critic (GAE) the graph engine
+    gives the values too: the same value loss and explained variance."""
     recomputed = _first_row(tmp_path, "recomputed", **sampler)
     bypassed = _first_row(tmp_path, "bypassed", old_logprobs="sampler", **sampler)
     assert recomputed["rollout/logp_gap_max"] < 1e-4 and "rollout/logp_gap_max" not in bypassed
     assert bypassed["reward"] == recomputed["reward"] and bypassed["response_length"] == recomputed["response_length"]
     assert bypassed["grad_norm"] > 0 and bypassed["grad_norm"] == pytest.approx(recomputed["grad_norm"], rel=1e-3)
     assert bypassed["kl"] == pytest.approx(recomputed["kl"], abs=1e-4)
+    if sampler.get("advantage") == "gae":
+        for key in ("value_loss", "explained_variance"):
+            assert bypassed[key] == pytest.approx(recomputed[key], rel=1e-3, abs=1e-5), key
