@@ -116,6 +116,10 @@ class Plan:
     ppo_configs: tuple[str, ...] = ("fastrlhf", "trl_shipped", "trl_matched")
     """The PPO timing runs (GRPO's are always all of CONFIGS)."""
     run_timeout_s: int = 1200
+    compiled_models: tuple[str, ...] = ()
+    """Timing models fastrlhf runs with --compile on (on CUDA it compiles by default; the CPU build of a layer
+    takes the warm-up iteration, and the tiny default gains nothing from it). Learning runs never: their
+    seconds count from the start."""
 
 
 LEARN_GRPO = Work(prompts=8, generations=8, response_len=12, mini_batch=32, micro_batch=16)
@@ -124,7 +128,7 @@ PLANS = {
     "cpu": Plan(grpo_models=("tiny", "llama-10m", "llama-10m-v32k"), ppo_models=("llama-10m-v32k",),
                 grpo=Work(prompts=8, generations=8, response_len=32, mini_batch=32, micro_batch=16),
                 ppo=Work(prompts=64, generations=1, response_len=32, mini_batch=32, micro_batch=16),
-                learning_grpo=LEARN_GRPO, learning_ppo=LEARN_PPO),
+                learning_grpo=LEARN_GRPO, learning_ppo=LEARN_PPO, compiled_models=("llama-10m", "llama-10m-v32k")),
     "cuda": Plan(grpo_models=("qwen2-0.5b",), ppo_models=("qwen2-0.5b",),
                  grpo=Work(prompts=8, generations=8, response_len=256, mini_batch=32, micro_batch=16),
                  ppo=Work(prompts=64, generations=1, response_len=256, mini_batch=32, micro_batch=16),
@@ -329,7 +333,7 @@ def tail(path: Path, n: int = 40) -> str:
 
 
 def spec_for(bench: Bench, config: str, algo: str, work: Work, model_dir: Path, *, data: str, iterations: int,
-             warmup: int, seed: int, eos_unreachable: bool) -> dict:
+             warmup: int, seed: int, eos_unreachable: bool, compile: bool = False) -> dict:
     plan, args = bench.plan, bench.args
     trainer, _, trl_config = config.partition("_")
     generation = None
@@ -340,6 +344,7 @@ def spec_for(bench: Bench, config: str, algo: str, work: Work, model_dir: Path, 
             "iterations": iterations, "warmup": warmup, "rollout_batch": work.rollout_batch,
             "generations": work.generations, "seed": seed, "eos_unreachable": eos_unreachable,
             "trl_generation": generation, "trl_ppo_wheel": str(args.trl_ppo_wheel),
+            "compile": compile and trainer == "fastrlhf",
             "eval_prompts": plan.eval_prompts, **{f.name: getattr(work, f.name) for f in dataclasses.fields(Work)
                                                   if f.name not in ("prompts", "generations")}}
 
@@ -449,7 +454,7 @@ def timing_part(bench: Bench, algo: str) -> list[dict]:
             for config in rotated(configs, rep):
                 spec = spec_for(bench, config, algo, work, model_dir, data=str(bench.prompts),
                                 iterations=plan.warmup + plan.iterations, warmup=plan.warmup, seed=rep,
-                                eos_unreachable=True)
+                                eos_unreachable=True, compile=model_name in plan.compiled_models)
                 results[config].append(bench.run(f"{algo}-{model_name}-{config}-rep{rep}", spec))
                 section["trainers"] = {c: summarize(r, plan.warmup) for c, r in results.items() if r}
                 section["ratios"] = ratios(section["trainers"])
@@ -634,7 +639,12 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
             "fastrlhf": "fastrlhf.ppo.train (`fastrlhf ppo`): GRPO with --kl_in_loss, or PPO with GAE and a value "
                         "head on the policy's LoRA trunk; rollout_cache auto (static on one CUDA process); "
                         "on CPU --rollout_sampler inverse_cdf (softmax(logits / T) drawn by inversion, one "
-                        "uniform per row: the distribution torch.multinomial draws, from fewer random numbers)",
+                        "uniform per row: the distribution torch.multinomial draws, from fewer random numbers), "
+                        "--rollout_engine graph (fastrlhf's decode step over merged-LoRA fp32 weights, run "
+                        "eagerly) and --old_logprobs sampler (verl's rollout_correction.bypass_mode: the engine's "
+                        "fp32 log-probs of its tokens, and PPO's values, are the old ones, within 1e-5 of a "
+                        "forward's (tests/trainer/test_engine.py); phase 3 scores the reference only); --compile on "
+                        "for the plan's compiled_models (the decoder layers; the build is in the warm-up iteration)",
             "trl_shipped": "TRL's defaults for how the work is done: gradient checkpointing, adamw_torch_fused with "
                            "a linear decay, bf16 autocast (bf16=True, on CPU too), GRPO use_bias_correction_kl=True, "
                            "generate with the dynamic cache; PPO: a separate AutoModelForSequenceClassification "

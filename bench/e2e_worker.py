@@ -158,10 +158,18 @@ def versions(names) -> dict:
 # ---------------------------------------------------------------- fastrlhf
 
 
-def fastrlhf_sampler(device: str) -> str:
-    """fastrlhf's --rollout_sampler here: `inverse_cdf` on CPU (the same distribution as torch.multinomial,
-    whose exponential_ costs ~4x the draw there), transformers' `multinomial` on CUDA."""
-    return "inverse_cdf" if device == "cpu" else "multinomial"
+def fastrlhf_settings(spec: dict) -> dict:
+    """fastrlhf's PPOConfig keys here beyond the shared work. On CPU: --rollout_sampler inverse_cdf (the
+    same distribution as torch.multinomial, whose exponential_ costs ~4x the draw there), --rollout_engine
+    graph (fastrlhf's decode step over merged-LoRA fp32 weights, run eagerly, drawing by inversion) and
+    --old_logprobs sampler (verl's bypass_mode: the engine's fp32 log-probs of its tokens, and with a
+    critic its values, are the old ones; phase 3 scores the reference only); with spec["compile"], --compile
+    on (inductor's C++ build of one decoder layer in the warm-up iteration). On CUDA the defaults (HF
+    generate with the static cache, torch.multinomial, compiled layers)."""
+    if spec["device"] != "cpu":
+        return {"rollout_sampler": "multinomial"}
+    return {"rollout_sampler": "inverse_cdf", "rollout_engine": "graph", "old_logprobs": "sampler",
+            **({"compile": "on"} if spec.get("compile") else {})}
 
 
 def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
@@ -193,7 +201,7 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
         advantage="grpo" if grpo else "gae", num_generations=spec["generations"], kl_in_loss=grpo,
         kl_coef=spec["kl_coef"], vf_coef=spec["vf_coef"], eval_prompts=spec["eval_prompts"], seed=spec["seed"],
         save_every=spec["iterations"] + 1, device=spec["device"], dtype="auto", rollout_cache="auto",
-        rollout_sampler=fastrlhf_sampler(spec["device"]), overwrite=True)
+        overwrite=True, **fastrlhf_settings(spec))
     ppo.PhaseTimer = NotedPhases
     summary = ppo.train(cfg)
     defaults = PPOConfig()
@@ -209,7 +217,8 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
             "peak_memory_kind": "max over phases of " + ("CUDA max allocated" if rec.device.type == "cuda"
                                                          else "the process's peak RSS (fastrlhf's phase timer)"),
             "settings": {"rollout_cache": summary.get("rollout_cache"), "rollout_sampler": cfg.rollout_sampler,
-                         "dtype": cfg.dtype,
+                         "rollout_engine": cfg.rollout_engine, "old_logprobs": cfg.old_logprobs,
+                         "compile": cfg.compile, "dtype": cfg.dtype,
                          "gradient_checkpointing": cfg.gradient_checkpointing, "optimizer": "torch.optim.AdamW",
                          "max_grad_norm": cfg.max_grad_norm},
             "versions": versions(("fastrlhf", "torch", "transformers", "peft")), "command": shlex.join(command)}

@@ -218,6 +218,9 @@ def test_quick_record(tmp_path):
         ours = section["trainers"]["fastrlhf"]
         assert ours["command"].startswith("fastrlhf ppo ") and "--rollout_sampler=inverse_cdf" in ours["command"]
         assert ours["settings"]["rollout_sampler"] == "inverse_cdf"  # on CPU: torch.multinomial's draw, cheaper
+        # on CPU: fastrlhf's own decode step, whose fp32 log-probs (and values) are the old ones
+        assert ours["settings"]["rollout_engine"] == "graph" and ours["settings"]["old_logprobs"] == "sampler"
+        assert ours["settings"]["compile"] == "auto"  # quick: nothing compiled (the plan compiles llama-10m*)
         assert set(section["ratios"]) == {f"fastrlhf / {name}" for name in section["trainers"] if name != "fastrlhf"}
         for name, r in section["ratios"].items():
             theirs = section["trainers"][name.split(" / ")[1]]
