@@ -127,7 +127,7 @@ def test_engine_given_a_value_head_reports_the_critics_values(name):
     with torch.no_grad():
         h, values = ac(b.input_ids, b.attention_mask, b.position_ids)
     want = values[:, b.prompt_len - 1:-1] * b.response_mask
-    scale = float(ac.value_head.weight.norm() * h.norm(dim=-1).max())
+    scale = float(ac.value_head.weight.detach().norm() * h.norm(dim=-1).max())
     assert 2 < scale < 20
     _assert_close(rollout.sampler_values, want, atol=1e-5 * scale)
     assert (rollout.sampler_values[b.response_mask == 0] == 0).all() and rollout.sampler_values.abs().sum() > 1
