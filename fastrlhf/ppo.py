@@ -265,10 +265,10 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
     """Phase 3: one actor-critic forward (old log-probs, values; over the rows outside the update's first
     minibatch where `old_from_first_update`; with --old_logprobs sampler the old log-probs are the
     sampler's, and the forward is the trunk's for the values only, or none: without a critic, or where
-    the graph engine gave the values too) and one reference forward, each over
-    its rows in one padded forward or in packs of micro_batch_tokens; the update's plan; the sampler's own
-    log-probs come along from the rollout (None where the sampler reports none). The Experience's batch
-    is the rollout's, its width rounded up by `width_multiple` (phase 5 runs over it too)."""
+    the graph engine gave the values too) and one reference forward, each over its rows in one padded
+    forward or in packs of micro_batch_tokens; the update's plan; the sampler's own log-probs come along
+    from the rollout (None where the sampler reports none). The Experience's batch is the rollout's, its
+    width rounded up by `width_multiple` (phase 5 runs over it too)."""
     b = pad_to_width_multiple(rollout.batch, width_multiple(cfg, device), pad_id=0)  # masked columns
     lengths = packing.read_lengths(b)
     groups = update_groups(lengths, cfg)
