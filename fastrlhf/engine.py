@@ -387,23 +387,30 @@ def uniform64(rng: torch.Tensor, rows: int) -> torch.Tensor:
     return (h[:, :1] * 2.0 ** 32 + h[:, 1:]) * 2.0 ** -64
 
 
+def draw_by_inversion(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B, 1] long, its log-prob [B, 1] fp32) drawn from softmax(x) [B, V] (fp32) by inversion with
+    u [B, 1] float64 uniforms in [0, 1]: the first token whose float64 running sum of exp(x - max) passes
+    u x the total, kept below the total (so a token of probability 0, which adds nothing to the sum, is
+    never drawn); log-prob x[token] - max - log(total). A row with a NaN or +inf logit gets a NaN log-prob.
+    Shared by the graph engine's step and generate's logits processor (fastrlhf.rollout.InverseCDF)."""
+    top = x.amax(-1, keepdim=True)
+    cdf = (x - top).exp_().double().cumsum_(-1)  # unnormalised: u is scaled to the total
+    total = cdf[:, -1:]
+    token = torch.searchsorted(cdf, torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total))),
+                               right=True).clamp_(max=x.shape[-1] - 1)  # a NaN row searches past the end
+    return token, (x.gather(-1, token) - top - total.log()).float()
+
+
 def sample(scores: torch.Tensor, rng: torch.Tensor, inverse_cdf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], its log-prob [B]) drawn from softmax(scores) [B, V] (fp32, temperature applied).
     The exponential race: argmax(scores - log E), E = -log1p(-u) ~ Exp(1), i.e. argmax(p / E), one
-    uniform per vocabulary entry. `inverse_cdf`: by inversion, as fastrlhf.rollout.InverseCDF, one
-    uniform per row: the first token whose float64 running sum of exp(scores - max) passes U x the total
-    (kept below it); ~5x less arithmetic per step on one CPU thread, where the hash of B x V words is
-    most of a small model's step."""
+    uniform per vocabulary entry. `inverse_cdf`: `draw_by_inversion`, one uniform per row; ~5x less
+    arithmetic per step on one CPU thread, where the hash of B x V words is most of a small model's step."""
     if not inverse_cdf:
         noise = -torch.log(-torch.log1p(-uniform(rng, scores.shape)))
         token = torch.argmax(scores + noise, dim=-1)
         return token, scores.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
-    top = scores.amax(-1, keepdim=True)
-    cdf = (scores - top).exp_().double().cumsum_(-1)
-    total = cdf[:, -1:]
-    u = torch.minimum(uniform64(rng, scores.shape[0]) * total, torch.nextafter(total, torch.zeros_like(total)))
-    token = torch.searchsorted(cdf, u, right=True)
-    logp = (scores.gather(-1, token) - top - total.log()).float()
+    token, logp = draw_by_inversion(scores, uniform64(rng, scores.shape[0]))
     return token.squeeze(-1), logp.squeeze(-1)
 
 

@@ -288,7 +288,7 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
         if values is not None and rollout.sampler_values is not None:  # the graph engine's, on one process
             values = rollout.sampler_values
     every = policy = scoring_micro_batches(b, lengths, cfg, device)
-    if from_sampler and (values is None or rollout.sampler_values is not None):
+    if from_sampler and (values is None or values is rollout.sampler_values):  # nothing left to score
         policy = []
     elif from_update:  # the policy scores the rows outside the first minibatch only
         scored = np.setdiff1d(np.arange(b.input_ids.shape[0]), np.concatenate(groups[0]))

@@ -28,6 +28,7 @@ from fastrlhf import distributed, ops
 from fastrlhf.constants import IGNORE_INDEX
 from fastrlhf.data import Batch, left_pad, position_ids_from_mask
 from fastrlhf.devices import autocast
+from fastrlhf.engine import draw_by_inversion
 from fastrlhf.models import lm_head, unwrap
 
 log = logging.getLogger("fastrlhf")
@@ -114,17 +115,12 @@ class InverseCDF:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         x = scores.float() if self.temperature == 1.0 else scores.float() / self.temperature
-        top = x.amax(-1, keepdim=True)
-        cdf = (x - top).exp_().double().cumsum_(-1)  # unnormalised: the draw scales U to the total
-        total = cdf[..., -1:]
+        pick, logp = draw_by_inversion(x, torch.rand((x.shape[0], 1), dtype=torch.float64, device=x.device))
         # as torch.multinomial refuses them (on CUDA without a host sync: the assert is the kernel's); a NaN
-        # or +inf logit makes the row's max, and so its total, NaN
-        torch._assert_async(torch.isfinite(total).all(),
+        # or +inf logit makes the row's log-prob NaN
+        torch._assert_async(torch.isfinite(logp).all(),
                             "rollout: a row's logits are not finite (NaN or inf): no token can be drawn from them")
-        u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device).mul_(total)
-        u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # U * total may round up to it
-        pick = torch.searchsorted(cdf, u, right=True)
-        self.logps.append((x.gather(-1, pick) - top - total.log()).float().squeeze(-1))
+        self.logps.append(logp.squeeze(-1))
         return torch.full_like(x, float("-inf")).scatter_(-1, pick, 0.0)
 
     def sampler_logprobs(self, new_tokens: int) -> torch.Tensor:
