@@ -212,14 +212,19 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
     # width where the record has it, else max_new_tokens (the widest it can be)
     width = record.mean_response_width()
     gen_len = int(c["max_new_tokens"]) if width is None else max(1, min(int(c["max_new_tokens"]), round(width)))
-    return Spec(model=arch_from_config(record.model_config, record.config.get("model") or "policy"), stage="ppo",
-                gpus=1, engine="fsdp2", zero=0, dtype=dtype, lora_rank=int(c["lora_rank"]),
-                gradient_checkpointing=bool(c.get("gradient_checkpointing")), logits="linear",
-                micro_batch=int(c["micro_batch_size"]), seq_len=record.prompt_len, gen_len=gen_len,
+    # critic-free advantages (grpo, rloo, ...) train no value head: the planner's grpo stage, G samples per prompt
+    critic_free = c.get("advantage", "gae") != "gae"
+    generations = int(c.get("num_generations") or 1) if critic_free else 1
+    return Spec(model=arch_from_config(record.model_config, record.config.get("model") or "policy"),
+                stage="grpo" if critic_free else "ppo", gpus=1, engine="fsdp2", zero=0, dtype=dtype,
+                lora_rank=int(c["lora_rank"]), gradient_checkpointing=bool(c.get("gradient_checkpointing")),
+                logits="linear", micro_batch=int(c["micro_batch_size"]), seq_len=record.prompt_len, gen_len=gen_len,
                 mean_gen_len=max(1, min(gen_len, round(record.mean_response_length()))),
-                rollout_batch=int(c["rollout_batch_size"]), mini_batch=int(c["mini_batch_size"]),
-                ppo_epochs=int(c["ppo_epochs"]), critic="shared", reward=reward, gen_engine="hf",
-                rollout_cache=c.get("rollout_cache") or "dynamic", gpu=dev,
+                rollout_batch=int(c["rollout_batch_size"]) // generations, num_generations=generations,
+                mini_batch=int(c["mini_batch_size"]), ppo_epochs=int(c["ppo_epochs"]), critic="shared",
+                reward=reward, gen_engine="hf", rollout_cache=c.get("rollout_cache") or "dynamic",
+                old_logprobs=c.get("old_logprobs") or "recompute",
+                kl_in_loss=bool(c.get("kl_in_loss")) or c.get("kl_coef") == 0, gpu=dev,
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 
 
@@ -229,7 +234,7 @@ def compare(record: RunRecord, spec=None, stat: str = "median", key: str = "time
     from fastrlhf.estimate.plan import estimate
 
     spec = spec or spec_from_run(record)
-    result = estimate(spec)["stages"]["ppo"]
+    result = estimate(spec)["stages"][spec.stage]
     medians, mins = record.phase_seconds("median"), record.phase_seconds("min")
     measured_t = record.phase_seconds(stat, key)
     cpu = record.phase_seconds("median", "cpu") if record.has_cpu_time() else {}

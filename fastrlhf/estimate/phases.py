@@ -366,14 +366,17 @@ def rollout(ctx: Context, sampler: str = "actor") -> Phase:
     return Phase("rollout", {gen_pool: mem}, {gen_pool: work}, flops, engines=engines)
 
 
-def _forward_of(ctx: Context, m: ModelState) -> Work:
-    """One model's no-grad forward over its share of the rollout, with ZeRO-3's per-call gathers."""
-    mb = ctx.micro_forward(m)
-    work = W.forward_work(ctx.work(m.arch), m.arch, ctx.share(m), ctx.seq, micro=mb, db=ctx.db, lm_head=m.lm_head,
-                          adapters=ctx.adapters(m), head_tokens=ctx.head_tokens(ctx.share(m)) if m.lm_head else None,
+def _forward_of(ctx: Context, m: ModelState, rows: float | None = None, lm_head: bool | None = None) -> Work:
+    """One model's no-grad forward over `rows` sequences per GPU (its share of the rollout), with its lm_head
+    (`lm_head`: the model's own), with ZeRO-3's per-call gathers."""
+    rows = ctx.share(m) if rows is None else rows
+    lm_head = m.lm_head if lm_head is None else lm_head
+    mb = min(rows, ctx.micro_forward(m))
+    work = W.forward_work(ctx.work(m.arch), m.arch, rows, ctx.seq, micro=mb, db=ctx.db, lm_head=lm_head,
+                          adapters=ctx.adapters(m), head_tokens=ctx.head_tokens(rows) if lm_head else None,
                           host_bytes=m.host_bytes if m.offloaded else 0.0, pcie=ctx.dev.pcie)
     if m.zero == 3:
-        work.comm += W.collective(ctx.dev, ctx.gather_bytes(m), m.gpus, math.ceil(ctx.share(m) / mb))
+        work.comm += W.collective(ctx.dev, ctx.gather_bytes(m), m.gpus, math.ceil(rows / mb))
     return work
 
 
@@ -393,6 +396,20 @@ def reward(ctx: Context) -> Phase:
     return Phase("forward", {rm.pool: mem}, {rm.pool: _forward_of(ctx, rm)}, flops)
 
 
+def actor_scoring(ctx: Context, m: ModelState) -> tuple[float, bool]:
+    """What phase 3's actor forward scores, as `fastrlhf.ppo.experience` does: (sequences per GPU, whether it runs
+    the lm_head). With old_logprobs sampler the old log-probs are the sampler's: the actor runs its trunk only
+    where PPO's shared value head needs the values. GRPO with kl_in_loss: the update's first minibatch forms its
+    own old log-probs, and the forward scores the other rows (`fastrlhf.ppo.old_from_first_update`)."""
+    spec, share = ctx.spec, ctx.share(m)
+    if spec.old_logprobs == "sampler":
+        return (share if ctx.stage == "ppo" and spec.critic == "shared" else 0.0), False
+    if ctx.stage == "grpo" and spec.kl_in_loss:
+        first = min(spec.mini_batch or ctx.total_seqs, ctx.total_seqs)
+        return share * (1 - first / ctx.total_seqs), m.lm_head
+    return share, m.lm_head
+
+
 @register_phase(("ppo", "grpo"), "logprobs")
 def logprobs(ctx: Context) -> Phase:
     """Old log-probs and values (the actor, or the actor and a critic) and the reference's log-probs."""
@@ -401,17 +418,22 @@ def logprobs(ctx: Context) -> Phase:
         m = ctx.by.get(name)
         if m is None:
             continue
-        w = _forward_of(ctx, m)
+        rows, lm_head = actor_scoring(ctx, m) if name == "actor" else (ctx.share(m), m.lm_head)
+        if rows <= 0:
+            continue
+        w = _forward_of(ctx, m, rows, lm_head)
         by_model[name] = w
         work.setdefault(m.pool, ctx.work(m.arch)).add(w)
-        tokens = ctx.micro_forward(m) * ctx.seq
+        tokens = min(rows, ctx.micro_forward(m)) * ctx.seq
         mem = memory.setdefault(m.pool, ctx.base(m.pool)).at_least(buffers=m.gathered)
         mem.at_least(activations=forward_working_bytes(m.arch, tokens=tokens, seq=ctx.seq, dtype=spec.dtype,
                                                         flash_attention=spec.flash_attention))
-        if m.lm_head:
+        if lm_head:
             mem.at_least(logits=logit_bytes(m.arch, tokens=tokens, dtype=spec.dtype, mode=spec.logits,
                                             backward=False))
-        flops += W.forward_flops(m.arch, ctx.total_seqs * ctx.seq, ctx.seq / 2, m.lm_head)
+        sequences = rows * m.gpus
+        flops += W.forward_flops(m.arch, sequences * ctx.seq, ctx.seq / 2, lm_head,
+                                 head_tokens=ctx.head_tokens(sequences) if lm_head else None)
     return Phase("forward", memory, work, flops, work_by_model=by_model)
 
 

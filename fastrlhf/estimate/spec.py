@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fastrlhf.constants import OLD_LOGPROBS
 from fastrlhf.estimate.arch import LINEARS, Arch, parse_params, resolve_model, scaled
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import DTYPE_BYTES, ENGINES, OFFLOADS
@@ -104,6 +105,14 @@ class Spec:
     rollout_cache: str = "dynamic"
     """hf generate's KV cache (`fastrlhf ppo --rollout_cache`): dynamic (eager decode step), static (the decode
     step compiled by transformers), auto = static on one CUDA process, else dynamic."""
+    old_logprobs: str = "recompute"
+    """PPO / GRPO's old log-probs (`fastrlhf ppo --old_logprobs`): recompute (phase 3's actor forward), or sampler
+    (the sampler's own, verl's rollout_correction bypass mode: phase 3 runs the actor's trunk only where PPO's shared
+    value head needs its values, and no actor forward otherwise)."""
+    kl_in_loss: bool = False
+    """--stage grpo: the KL to the reference in the loss, or no KL penalty (`fastrlhf ppo --kl_in_loss` or
+    --kl_coef 0). The update's first minibatch then forms its own old log-probs, so phase 3's actor forward scores
+    the other rows only (`fastrlhf.ppo.old_from_first_update`, with old_logprobs recompute)."""
     offload: str = "none"
     """none; optimizer: DeepSpeed ZeRO-Offload (optimizer states and fp32 gradient partitions on the host, stage
     1-3); params: the weights too (ZeRO-3 / FSDP2 CPUOffloadPolicy)."""
@@ -248,8 +257,8 @@ def zero_of(spec: Spec, name: str) -> int:
 
 
 CHOICES = {"stage": (*STAGES, "all"), "engine": ENGINES, "dtype": tuple(DTYPE_BYTES), "placement": PLACEMENTS,
-           "gen_engine": GEN_ENGINES, "rollout_cache": ROLLOUT_CACHES, "offload": OFFLOADS, "logits": LOGITS,
-           "serve_weights": SERVE_WEIGHTS}
+           "gen_engine": GEN_ENGINES, "rollout_cache": ROLLOUT_CACHES, "old_logprobs": OLD_LOGPROBS,
+           "offload": OFFLOADS, "logits": LOGITS, "serve_weights": SERVE_WEIGHTS}
 POSITIVE = ("gpus", "micro_batch", "seq_len", "rollout_batch", "ppo_epochs", "steps", "num_generations", "gen_tp")
 NON_NEGATIVE = ("gen_len", "lora_rank")
 POSITIVE_OR_NONE = ("mean_gen_len", "micro_rollout_batch", "mini_batch", "cpu_threads", "concurrency")

@@ -446,6 +446,31 @@ def test_grpo_is_critic_free_with_g_samples_per_prompt():
         8 * ppo["phases"]["rollout"]["memory_per_gpu_bytes"]["kv_cache"]
 
 
+def test_phase_3_scores_what_the_trainer_scores():
+    """The logprobs phase runs the forwards `fastrlhf.ppo.experience` runs: with old_logprobs sampler the actor's
+    trunk only where PPO's shared value head needs values (no lm_head), none for GRPO; GRPO with the KL in the loss
+    leaves the first minibatch's rows to the update (`ppo.old_from_first_update`)."""
+    base = dict(model="qwen2-0.5b", gpu="h100", lora_rank=16, reward="rule", seq_len=64, gen_len=256,
+                rollout_batch=16, micro_batch=16)
+
+    def phase(**kw):
+        stage = kw.get("stage", "ppo")
+        return est.estimate(**base, **kw)["stages"][stage]["phases"]["logprobs"]
+
+    from fastrlhf.estimate.arch import resolve_model
+
+    ppo, ppo_sampler = phase(), phase(old_logprobs="sampler")
+    head = 2 * resolve_model("qwen2-0.5b").head_params() * 16 * 256  # the lm_head over the 16 x 256 response tokens
+    assert ppo_sampler["flops"] == pytest.approx(ppo["flops"] - head, rel=1e-9)  # the actor's trunk, for the values
+    grpo = dict(stage="grpo", num_generations=4, mini_batch=16)  # 64 sequences, a minibatch of 16
+    full, sampler, kl_loss = phase(**grpo), phase(**grpo, old_logprobs="sampler"), phase(**grpo, kl_in_loss=True)
+    assert sampler["flops"] == pytest.approx(full["flops"] / 2, rel=1e-9)  # the reference only
+    assert kl_loss["flops"] == pytest.approx(full["flops"] / 2 * (1 + 3 / 4), rel=1e-9)  # 48 of 64 rows scored
+    assert kl_loss["seconds"] < full["seconds"] and sampler["seconds"] < kl_loss["seconds"]
+    whole = phase(stage="grpo", num_generations=4, kl_in_loss=True)  # one minibatch: the update scores every row
+    assert whole["flops"] == pytest.approx(sampler["flops"], rel=1e-9)
+
+
 def test_dpo_holds_policy_and_reference_and_pairs():
     dpo = est.estimate(model="llama-2-7b", stage="dpo", lora_rank=16, micro_batch=2)["stages"]["dpo"]
     assert set(dpo["models"]) == {"actor", "reference"} and set(dpo["phases"]) == {"logprobs", "update"}
@@ -540,6 +565,7 @@ def test_cli_table_and_plot(tmp_path, capsys):
     (dict(gpu="tpu"), "gpu"),
     (dict(gen_engine="trt"), "gen_engine"),
     (dict(offload="disk"), "offload"),
+    (dict(old_logprobs="rollout"), "old_logprobs"),
     (dict(offload="optimizer"), "fsdp2 offloads"),
     (dict(critic="gpt-5"), "critic"),
     (dict(params="lots"), "params"),
