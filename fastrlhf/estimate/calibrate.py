@@ -28,7 +28,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -454,24 +457,52 @@ def check_heldout() -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def probe_cpu_into_devices() -> dict:
-    import os
+PROBE_NOTE = ("fp32 1024^3 matmuls and 64 MiB copies (the best of five one-second probes each), the eager torch.add "
+              "of two 64-element tensors (op_latency) and the bare tensor expressions of hardware.bare_round "
+              "(bare_op_latency) (the median of five each), one thread in process time (hardware.probe_cpu); on a "
+              "machine shared with other jobs the 2-thread figure can fall below the 1-thread one (the threads wait "
+              "on each other), which is why the recorded runs use one thread. bench/record_cpu.sh probes before "
+              "and again after the CPU records (`probes`); the one-thread figures are the best rates and the mean "
+              "latencies of those probes, since the machine's speed drifts while it records")
 
+
+def _one_thread(probe: dict) -> dict:
+    return {"peak_flops": probe["peak_flops"], "bandwidth": probe["bandwidth"], "op_latency": probe["op_latency"],
+            "bare_op_latency": probe["bare_op_latency"], "load_avg": list(os.getloadavg()),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def merged_probes(entry: dict) -> dict:
+    """The entry's one-thread figures from its `probes`: the best matmul and copy rates (a peak: a slower moment
+    of a shared machine only lowers it) and the mean op latencies."""
+    probes = entry["probes"]
+    return dict(entry, peak_flops_1_thread=max(p["peak_flops"] for p in probes),
+                bandwidth=max(p["bandwidth"] for p in probes),
+                op_latency_1_thread=statistics.mean(p["op_latency"] for p in probes),
+                bare_op_latency_1_thread=statistics.mean(p["bare_op_latency"] for p in probes))
+
+
+def probe_cpu_into_devices(again: bool = False) -> dict:
+    """Measure this CPU into data/devices.json; `again`: one more one-thread probe of the same CPU, merged with
+    the earlier ones (merged_probes)."""
     from fastrlhf.estimate.hardware import probe_cpu
     from fastrlhf.estimate.record import cpu_model
 
-    one = probe_cpu(threads=1)
-    every = probe_cpu(threads=os.cpu_count() or 1)
-    spec = {"name": f"{cpu_model()}, {os.cpu_count()} cores",
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "bandwidth": one["bandwidth"], "bandwidth_all_threads": every["bandwidth"],
-            "peak_flops": every["peak_flops"], "threads": every["threads"], "peak_flops_1_thread": one["peak_flops"],
-            "op_latency_1_thread": one["op_latency"], "bare_op_latency_1_thread": one["bare_op_latency"],
-            "load_avg": os.getloadavg(),
-            "command": "python -m fastrlhf.estimate.calibrate --probe-cpu",
-            "note": "fp32 1024^3 matmuls, 64 MiB copies and 64-element adds (hardware.probe_cpu); on a machine shared "
-                    "with other jobs the 2-thread figure can fall below the 1-thread one (the threads wait on each "
-                    "other), which is why the recorded runs use one thread"}
+    name = f"{cpu_model()}, {os.cpu_count()} cores"
+    if again:
+        entry = json.loads((DATA / "devices.json").read_text())["cpu"]
+        if entry.get("name") != name or "probes" not in entry:
+            raise SystemExit(f"--probe-cpu --again: data/devices.json holds {entry.get('name')!r}, not a probe of "
+                             f"this {name!r}: run --probe-cpu first")
+        spec = merged_probes(dict(entry, probes=[*entry["probes"], _one_thread(probe_cpu(threads=1))]))
+    else:
+        one = probe_cpu(threads=1)
+        every = probe_cpu(threads=os.cpu_count() or 1)
+        spec = merged_probes({
+            "name": name, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "bandwidth_all_threads": every["bandwidth"], "peak_flops": every["peak_flops"], "threads": every["threads"],
+            "command": "python -m fastrlhf.estimate.calibrate --probe-cpu [--again]", "note": PROBE_NOTE,
+            "probes": [_one_thread(one)]})
     (DATA / "devices.json").write_text(json.dumps({"cpu": spec}, indent=1) + "\n")
     return spec
 
@@ -547,11 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="refit, cross-validate, write data/efficiency.json")
     p.add_argument("--heldout", action="store_true", help="also predict OpenRLHF's published benchmark")
     p.add_argument("--probe-cpu", action="store_true", help="measure this CPU into data/devices.json")
+    p.add_argument("--again", action="store_true",
+                   help="with --probe-cpu: probe the same CPU once more and merge (after recording its runs)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the README / docs tables")
     args = p.parse_args(argv)
     if args.probe_cpu:
-        print(json.dumps(probe_cpu_into_devices(), indent=1))
+        print(json.dumps(probe_cpu_into_devices(again=args.again), indent=1))
     if args.write:
         write(fit_all())
     if args.markdown:

@@ -20,6 +20,7 @@ on what else runs on it. `python -m fastrlhf.estimate.calibrate --probe-cpu` mea
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -82,9 +83,23 @@ def device_names() -> tuple[str, ...]:
     return (*GPUS, "cpu")
 
 
+PROBES = 5  # each probe runs this many times: the best rate (a peak: noise only lowers it), the median latency
+
+
+def _rate(fn, seconds: float, clock) -> float:
+    """Calls of `fn` per second of `clock`, over `seconds`."""
+    n, start = 0, clock()
+    while clock() - start < seconds:
+        fn()
+        n += 1
+    return n / (clock() - start)
+
+
 def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
-    """Measure this CPU: fp32 matmul FLOP/s (1024^3 GEMMs) and copy bandwidth (64 MiB tensors). On one
-    thread the rates are per second of the process's CPU time (other jobs' load does not enter)."""
+    """Measure this CPU: fp32 matmul FLOP/s (1024^3 GEMMs) and copy bandwidth (64 MiB tensors), each the best of
+    PROBES one-second probes, and the op latencies, each their median (one-second probes on a shared 2-core VM
+    ranged 77-88 GFLOP/s and 1.30-2.15 us per torch.add within an hour). On one thread the rates are per second
+    of the process's CPU time (other jobs' load does not enter)."""
     import time
 
     import torch
@@ -93,24 +108,16 @@ def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
         torch.set_num_threads(threads)
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    for _ in range(3):
-        a @ b
-    n, start = 0, clock()
-    while clock() - start < seconds:
-        a @ b
-        n += 1
-    flops = 2 * 1024**3 * n / (clock() - start)
     src = torch.empty(16 * 1024**2)  # 64 MiB
     dst = torch.empty_like(src)
     for _ in range(3):
+        a @ b
         dst.copy_(src)
-    n, start = 0, clock()
-    while clock() - start < seconds:
-        dst.copy_(src)
-        n += 1
-    bandwidth = 2 * src.numel() * 4 * n / (clock() - start)  # read + write
-    return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads(),
-            "op_latency": probe_op_latency(seconds, clock), "bare_op_latency": probe_bare_op_latency(seconds, clock)}
+    flops = 2 * 1024**3 * max(_rate(lambda: a @ b, seconds, clock) for _ in range(PROBES))
+    bandwidth = 2 * src.numel() * 4 * max(_rate(lambda: dst.copy_(src), seconds, clock) for _ in range(PROBES))
+    return {"peak_flops": flops, "bandwidth": bandwidth, "threads": torch.get_num_threads(),  # read + write
+            "op_latency": statistics.median(probe_op_latency(seconds, clock) for _ in range(PROBES)),
+            "bare_op_latency": statistics.median(probe_bare_op_latency(seconds, clock) for _ in range(PROBES))}
 
 
 def probe_op_latency(seconds: float = 1.0, clock=None) -> float:

@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-name", default="", help="--from-steps: the GPU's name (torch.cuda.get_device_name)")
     p.add_argument("--rollout-cache", choices=("dynamic", "static"),
                    help="--from-steps: the rollout's KV cache, when the run's command does not name it")
+    p.add_argument("--keep-faster", action="store_true",
+                   help="where --json already holds a record of the same command on this CPU, keep the faster of "
+                        "the two (their medians' sum, CPU seconds with --cpu-time) and list each round's medians "
+                        "under `rounds`: a shared machine's speed drifts, and it only ever makes a run slower")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- fastrlhf ppo|pipeline ... --out DIR")
     args = p.parse_args(argv)
     if args.from_steps:
@@ -170,12 +174,39 @@ def main(argv: list[str] | None = None) -> int:
                     "load_avg_after": load_after, "torch": torch.__version__, "python": platform.python_version(),
                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "git_commit": _git_commit(),
+        "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
         **run.to_json(),
     }
+    if args.keep_faster:
+        record = faster(record, Path(args.json))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _round(record: dict) -> dict:
+    from fastrlhf.estimate.compare import RunRecord
+
+    run = RunRecord.from_json(record)
+    key = "cpu" if run.has_cpu_time() else "time"
+    seconds = run.phase_seconds("median", key)
+    return {"recorded": record.get("recorded"), "key": key, "median_phase_seconds": seconds,
+            "total": sum(seconds.values()), "load_avg_before": record["machine"]["load_avg_before"]}
+
+
+def faster(record: dict, path: Path) -> dict:
+    """`record` or the one at `path` (the same command on the same CPU), whichever took less in total; the kept
+    one lists every round's medians under `rounds`."""
+    if not path.exists():
+        return dict(record, rounds=[_round(record)])
+    old = json.loads(path.read_text())
+    if old.get("command") != record["command"] or old.get("machine", {}).get("cpu") != record["machine"]["cpu"]:
+        raise SystemExit(f"record --keep-faster: {path} holds another command or CPU ({old.get('command')!r} on "
+                         f"{old.get('machine', {}).get('cpu')!r}); remove it or write elsewhere")
+    rounds = [*old.get("rounds", [_round(old)]), _round(record)]
+    kept = record if rounds[-1]["total"] < min(r["total"] for r in rounds[:-1]) else old
+    return dict(kept, rounds=rounds)
 
 
 if __name__ == "__main__":

@@ -198,8 +198,8 @@ def cpu_priors() -> dict[str, Prior]:
                         "reaches 20-90% of the probed 1024^3 one)"),
         "bw": Prior(0.5, 0.15, 1.0, "fraction of the probed copy bandwidth elementwise ops stream at"),
         "op": Prior(4 * op, op, 12 * op, "seconds per eager op of an HF layer: the probed bare op "
-                    f"({op * 1e6:.2f} us) plus the nn.Module and Python around it (PERF.md, this CPU: a Python "
-                    "call 1.8 us, a torch.library custom op 10 us)"),
+                    f"({op * 1e6:.2f} us) plus the nn.Module and Python around it (PERF.md, on a 2-core Xeon: a "
+                    "Python call 1.8 us, a torch.library custom op 10 us)"),
         "gap": Prior(1e-12, 5e-13, 2e-12, "no launch gap on a CPU (the host runs the kernels)"),
         "net": Prior(0.7, 0.3, 0.9, "gloo collectives (not calibrated)"),
         "adam": Prior(2e-9, 5e-10, 1e-8, "(no host optimizer on a CPU run)"),

@@ -148,6 +148,19 @@ def test_compare_run_takes_the_logged_response_width(tmp_path):
         assert narrower[phase]["predicted_seconds"] < wider[phase]["predicted_seconds"], phase
 
 
+def test_compare_run_reads_how_phase_3_ran(tmp_path):
+    """A critic-free run is the planner's grpo stage (G samples per prompt, rollout_batch_size / G prompts), with
+    the run's --old_logprobs and whether its KL sits in the loss (or is off), which decide the forwards of phase 3."""
+    record = read_run(_fake_run(tmp_path))
+    spec = spec_from_run(record)
+    assert (spec.stage, spec.num_generations, spec.old_logprobs, spec.kl_in_loss) == ("ppo", 1, "recompute", False)
+    record.config.update(advantage="grpo", num_generations=4, kl_coef=0.0, old_logprobs="sampler")
+    spec = spec_from_run(record)
+    assert (spec.stage, spec.num_generations, spec.old_logprobs, spec.kl_in_loss) == ("grpo", 4, "sampler", True)
+    assert spec.rollout_batch * spec.num_generations == record.config["rollout_batch_size"]
+    assert set(compare(record)["phases"]) == set(est.PPO_PHASES)
+
+
 def test_compare_run_errors(tmp_path, capsys):
     assert est.main(["--compare-run", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
@@ -200,3 +213,35 @@ def test_record_from_steps_keeps_the_steady_state_steps(tmp_path):
     assert out["config"]["rollout_cache"] == "dynamic" and out["source"] == str(source)
     committed = json.loads((calibrate.DATA / "recorded" / "h100_ppo_qwen2-0.5b_dynamic.json").read_text())
     assert committed["median_phase_seconds"] == out["median_phase_seconds"]
+
+
+def test_a_cpu_record_keeps_the_faster_round_and_the_probe_its_best_rates(tmp_path):
+    """bench/record_cpu.sh on a machine whose speed drifts: `record --keep-faster` keeps the round whose medians
+    sum to less and lists every round; `calibrate.merged_probes` takes the best matmul and copy rates of the
+    probes and the mean of their latencies."""
+    from fastrlhf.estimate.record import faster
+
+    def record(scale: float, when: str) -> dict:
+        rows = [{"step": s, **{f"cpu/{ph}": scale * (i + 1) for i, ph in enumerate(est.PPO_PHASES)},
+                 **{f"time/{ph}": 2 * scale for ph in est.PPO_PHASES}} for s in range(1, 5)]
+        return {"command": "fastrlhf ppo --out x", "recorded": when, "machine": {"cpu": "C", "load_avg_before": [1]},
+                "out": "x", "config": {}, "device": "cpu", "prompt_len": 8, "rows": rows, "model_config": {}}
+
+    path = tmp_path / "r.json"
+    first = faster(record(1.5, "t1"), path)
+    assert [r["recorded"] for r in first["rounds"]] == ["t1"] and first["rounds"][0]["key"] == "cpu"
+    path.write_text(json.dumps(first))
+    kept = faster(record(1.0, "t2"), path)
+    assert kept["recorded"] == "t2" and [r["total"] for r in kept["rounds"]] == [1.5 * 15, 15.0]
+    path.write_text(json.dumps(kept))
+    assert faster(record(1.2, "t3"), path)["recorded"] == "t2"
+    other = dict(record(1.0, "t4"), command="fastrlhf ppo --out y")
+    with pytest.raises(SystemExit, match="another command"):
+        faster(other, path)
+
+    probes = [{"peak_flops": 74e9, "bandwidth": 27e9, "op_latency": 2.0e-6, "bare_op_latency": 3.0e-6},
+              {"peak_flops": 93e9, "bandwidth": 26e9, "op_latency": 1.2e-6, "bare_op_latency": 2.0e-6}]
+    merged = calibrate.merged_probes({"name": "C", "probes": probes})
+    assert (merged["peak_flops_1_thread"], merged["bandwidth"]) == (93e9, 27e9)
+    assert merged["op_latency_1_thread"] == pytest.approx(1.6e-6)
+    assert merged["bare_op_latency_1_thread"] == pytest.approx(2.5e-6)

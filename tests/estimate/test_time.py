@@ -13,14 +13,7 @@ from fastrlhf.estimate.measure import count_advantage_ops, count_layer_ops
 
 # Sources outside their band when left out of the fit, each with its reason (test_every_source_within_its_band
 # fails if one of them comes inside: the list is updated, never silently kept)
-OUTSIDE = {
-    "cpu_pipeline_tiny": "its reward model's forward (a plain 4-layer trunk and its score head, 25 ms; the only "
-                         "reward-model forward among the runs) is predicted at 1.57x out of sample. Up to 15% of it is "
-                         "likely the batch's width: phase 2 and 3 run over the prompt + the longest response "
-                         "(rollout._rollout drops the columns past it), this run's responses average 9.0 of "
-                         "--max_new_tokens 12, and the record keeps the mean, not the longest; the rest is not "
-                         "explained (the same run's logprobs, two forwards of the same shape, come out at 1.22x)",
-}
+OUTSIDE: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
