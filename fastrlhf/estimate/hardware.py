@@ -98,7 +98,7 @@ def _rate(fn, seconds: float, clock) -> float:
 def probe_cpu(threads: int | None = None, seconds: float = 1.0) -> dict:
     """Measure this CPU: fp32 matmul FLOP/s (1024^3 GEMMs) and copy bandwidth (64 MiB tensors), each the best of
     PROBES one-second probes, and the op latencies, each their median (one-second probes on a shared 2-core VM
-    ranged 77-88 GFLOP/s and 1.30-2.15 us per torch.add within an hour). On one thread the rates are per second
+    ranged 71-93 GFLOP/s and 1.30-2.15 us per torch.add within an hour). On one thread the rates are per second
     of the process's CPU time (other jobs' load does not enter)."""
     import time
 
