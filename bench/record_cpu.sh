@@ -44,12 +44,10 @@ record() {  # NAME NOTE OUT -- COMMAND...: a fresh run; from the second round on
   shift 4
   echo "== round $round: $name: $*" >&2
   rm -rf "$out"
+  if [ "$round" = 1 ]; then rm -f "$RES/$name.json"; fi  # this session's rounds only
   $PY -m fastrlhf.estimate.record --cpu-time --keep-faster --json "$RES/$name.json" --note "$note" -- "$@"
 }
 RULE="--data builtin --reward fastrlhf.task:true_score --steps 6 --save_every 100"
-NAMES="cpu_pipeline_tiny cpu_ppo_tiny_full_b16_g48 cpu_ppo_mid30m_full_b16_g16 cpu_ppo_mid30m_lora_b32_g24
-cpu_ppo_llama-0.5b_b8_g16 cpu_ppo_qwen2-0.5b_b8_g12"
-for name in $NAMES; do rm -f "$RES/$name.json"; done
 for round in $(seq "${ROUNDS:-2}"); do
   record cpu_pipeline_tiny "embedded default pipeline (SFT -> RM -> PPO); PPO phases of its 60 iterations" \
     runs/cpu_tiny -- fastrlhf pipeline --out runs/cpu_tiny
