@@ -1,4 +1,4 @@
-from fastrlhf.cli import main
+from fastrlhf.cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

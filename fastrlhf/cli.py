@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 COMMANDS = {
     "sft": ("fastrlhf.sft", "supervised fine-tuning on prompt/response pairs"),
@@ -48,5 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(rest) or 0)
 
 
+def run() -> NoReturn:
+    """The `fastrlhf` command and `python -m fastrlhf`: `main()`, then the process's end. A stage
+    under torchrun ends through `distributed.exit_process` (no interpreter teardown for gloo's threads
+    to abort in); a command that never imported it (help, estimate) exits as usual."""
+    code = main()
+    distributed = sys.modules.get("fastrlhf.distributed")
+    if distributed is not None:
+        distributed.exit_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -34,13 +34,16 @@ OUT must be on a file system every node sees (checkpoints are written by all ran
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -175,6 +178,28 @@ def shutdown() -> None:
     if active():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process that torchrun started: the atexit handlers (logging's flush among them), then
+    `os._exit(code)`, without tearing the interpreter down. One process: `sys.exit(code)`.
+
+    Why: gloo's worker threads (pt_gloo_runloop) outlive `destroy_process_group`, since FSDP2's device
+    mesh, which DTensor's caches keep, holds the group. A worker that drops the last reference to a
+    tensor with a Python object (its work's inputs and outputs) takes the GIL; once the interpreter
+    is finalizing, CPython (3.11 here) ends such a thread with `pthread_exit`, whose unwind through a
+    noexcept frame is `std::terminate`: "terminate called without an active exception" and SIGABRT
+    after a run that had finished. CI saw that abort on rank 1 of finished 2-rank runs; here a plain
+    exit after gloo all-gathers reproduces it, with the backtrace ProcessGroupGloo::runLoop ->
+    TensorImpl::decref_pyobject -> PyEval_AcquireThread -> pthread_exit (pytorch/pytorch#190489).
+    No thread outlives os._exit."""
+    if not launched():
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what a normal exit runs before it finalizes; the finalization is what is skipped
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:

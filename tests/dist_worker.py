@@ -205,3 +205,4 @@ def configured_differently(out: Path) -> list:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    distributed.exit_process(0)  # under torchrun: no interpreter teardown for gloo's threads to abort in

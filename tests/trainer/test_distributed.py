@@ -285,6 +285,38 @@ def test_killed_2_rank_run_resumes_with_the_same_metrics(pipeline_2, tmp_path):
         assert metric_rows(out, stage, timing=False) == metric_rows(reference, stage, timing=False), stage
 
 
+# ---------------------------------------------------------------- the end of a rank's process
+
+EXIT_SCRIPT = """
+import atexit, sys
+from fastrlhf import distributed
+
+class Teardown:  # a global's finalizer runs only when the interpreter is torn down
+    def __del__(self, write=sys.__stderr__.write):
+        write("torn down")
+
+keep = Teardown()
+atexit.register(print, "atexit ran")
+print("buffered", end="")  # a pipe: block-buffered, written only by a flush
+distributed.exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_rank_exits_without_interpreter_teardown(launched):
+    """Under torchrun `exit_process` runs the atexit handlers, flushes stdout and stderr and ends the
+    process with its code before the interpreter is torn down (where a gloo worker that takes the GIL
+    aborts the process); one process exits as usual."""
+    env = {k: v for k, v in _env().items() if k != "WORLD_SIZE"}
+    if launched:
+        env["WORLD_SIZE"] = "2"  # what distributed.launched() reads; no process group is needed
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert r.stdout.startswith("buffered") and "atexit ran" in r.stdout, r.stdout
+    assert ("torn down" in r.stderr) is not launched, r.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- bad setups fail fast
 
 
