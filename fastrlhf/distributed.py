@@ -28,6 +28,9 @@ before: every function here is then the identity or a no-op. Under torchrun:
 - **Output**: rank 0 alone writes logs, metrics, plots, summaries and the final model; the
   metrics it writes are reduced over ranks (`reduce_metrics`: per-rank time and memory as
   max and mean).
+- **The end**: after a normal finish every rank meets the others, destroys the process group
+  (`shutdown`) and leaves through `exit_process`: atexit handlers, a flush, `os._exit`, no
+  interpreter teardown for gloo's worker threads to abort in.
 
 OUT must be on a file system every node sees (checkpoints are written by all ranks).
 """
