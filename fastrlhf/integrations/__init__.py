@@ -22,6 +22,7 @@ The peers are never dependencies of fastrlhf: each module imports its peer insid
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import sys
@@ -53,9 +54,11 @@ def peer_version(dist: str, *, supported: str, minimum: str, maximum: str | None
 class Patcher:
     """Swaps a peer's objects for adapters and puts them back.
 
-    `function(module, name, adapter)` rebinds every reference to the original object inside
-    the peer's loaded modules (found by identity, so `from x import f as g` is covered);
-    `item(mapping, key, adapter)` and `attribute(owner, name, adapter)` replace one slot.
+    Inside `with patcher.patching():`, `function(module, name, adapter)` binds the adapter in `module` at once
+    and, when the block ends, every other reference to the original inside the peer's loaded modules (found by
+    identity, so `from x import f as g` is covered): one pass over those modules for all the functions, not one
+    per function. `item(mapping, key, adapter)` and `attribute(owner, name, adapter)` replace one slot. A block
+    that raises leaves nothing patched; `undo()` puts every original back, also in one pass.
     """
 
     def __init__(self, peer: str, package: str):
@@ -63,31 +66,52 @@ class Patcher:
         self.package = package
         self._functions: list[tuple[object, object]] = []  # (original, adapter)
         self._slots: list[tuple[object, str, object, object]] = []  # (owner, key, original, adapter)
+        self._pending: list[tuple[object, object, str]] | None = None  # functions not yet rebound everywhere
 
     @property
     def active(self) -> bool:
         return bool(self._functions or self._slots)
 
-    def _peer_modules(self):
-        prefix = self.package + "."
-        return [m for name, m in list(sys.modules.items())
-                if m is not None and (name == self.package or name.startswith(prefix))]
+    @contextlib.contextmanager
+    def patching(self):
+        """The block's function(), item() and attribute() calls; the rebinding pass at its end, or undo() if it
+        raises (never a half-patched peer)."""
+        self._pending = []
+        try:
+            yield self
+            where = self._rebind({id(new): (old, new) for old, new, _ in self._pending})
+        except BaseException:
+            self._pending = None
+            self.undo()
+            raise
+        for _old, new, label in self._pending:
+            logger.info("fastrlhf patched %s: %s", self.peer, ", ".join([label] + where[id(new)]))
+        self._pending = None
 
-    def _rebind(self, old, new) -> list[str]:
-        where = []
-        for module in self._peer_modules():
+    def _rebind(self, swaps: dict[int, tuple[object, object]]) -> dict[int, list[str]]:
+        """Every reference inside the peer's loaded modules to an object x with swaps[id(y)] == (x, y) rebound
+        to y; {id(y): the module.attribute names rebound}."""
+        by_old = {id(old): (old, new) for old, new in swaps.values()}
+        where = {key: [] for key in swaps}
+        prefix = self.package + "."
+        modules = [m for name, m in list(sys.modules.items())
+                   if m is not None and (name == self.package or name.startswith(prefix))]
+        for module in modules:
             for attr, value in list(vars(module).items()):
-                if value is old:
-                    setattr(module, attr, new)
-                    where.append(f"{module.__name__}.{attr}")
+                swap = by_old.get(id(value))
+                if swap is not None and swap[0] is value:
+                    setattr(module, attr, swap[1])
+                    where[id(swap[1])].append(f"{module.__name__}.{attr}")
         return where
 
     def function(self, module, name: str, adapter) -> None:
+        if self._pending is None:
+            raise RuntimeError("Patcher.function() runs inside `with patcher.patching():`")
         original = getattr(module, name)
         adapter.__wrapped__ = original
-        where = self._rebind(original, adapter)
+        setattr(module, name, adapter)
         self._functions.append((original, adapter))
-        logger.info("fastrlhf patched %s: %s", self.peer, ", ".join(where))
+        self._pending.append((original, adapter, f"{module.__name__}.{name}"))
 
     def item(self, mapping: dict, key: str, adapter, label: str) -> None:
         original = mapping[key]
@@ -109,8 +133,7 @@ class Patcher:
                     owner[key] = original
             elif owner.__dict__.get(key) is adapter:
                 setattr(owner, key, original)
-        for original, adapter in reversed(self._functions):
-            self._rebind(adapter, original)
+        self._rebind({id(original): (adapter, original) for original, adapter in self._functions})
         self._slots.clear()
         self._functions.clear()
         logger.info("fastrlhf unpatched %s", self.peer)

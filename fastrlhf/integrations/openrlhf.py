@@ -95,8 +95,7 @@ def patch() -> None:
     import openrlhf.models.utils as utils
 
     aggregate_loss = loss.aggregate_loss
-    try:
-        p = _PATCHER
+    with _PATCHER.patching() as p:  # undone if any of it raises: never a half-patched peer
         p.function(utils, "log_probs_from_logits", _log_probs_from_logits(utils.log_probs_from_logits,
                                                                           _flash_ce_available()))
         p.function(utils, "compute_entropy", _compute_entropy(utils.compute_entropy))
@@ -113,9 +112,6 @@ def patch() -> None:
         else:
             p.attribute(RemoteExperienceMaker, "get_advantages_and_returns",
                         _get_advantages_and_returns(RemoteExperienceMaker.get_advantages_and_returns))
-    except BaseException:  # never leave a half-patched peer behind
-        _PATCHER.undo()
-        raise
 
 
 def unpatch() -> None:

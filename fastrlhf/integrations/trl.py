@@ -104,8 +104,7 @@ def patch() -> None:
     import trl.trainer.utils as utils
 
     out_dtype = _output_dtype(utils)
-    try:
-        p = _PATCHER
+    with _PATCHER.patching() as p:  # undone if any of it raises: never a half-patched peer
         p.function(utils, "selective_log_softmax", _selective_log_softmax(utils.selective_log_softmax, out_dtype))
         p.function(utils, "entropy_from_logits", _entropy_from_logits(utils.entropy_from_logits, out_dtype))
         if hasattr(utils, "selective_log_softmax_and_entropy"):
@@ -122,9 +121,6 @@ def patch() -> None:
             original = gkd.GKDTrainer.generalized_jsd_loss
             p.attribute(gkd.GKDTrainer, "generalized_jsd_loss", _Unbound(_generalized_jsd_loss(original)))
         _patch_grpo_loss(p)
-    except BaseException:  # never leave a half-patched peer behind
-        _PATCHER.undo()
-        raise
 
 
 def unpatch() -> None:

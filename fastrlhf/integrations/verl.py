@@ -107,8 +107,7 @@ def patch() -> None:
     import verl.utils.torch_functional as verl_F
 
     agg_loss = core_algos.agg_loss
-    try:
-        p = _PATCHER
+    with _PATCHER.patching() as p:  # undone if any of it raises: never a half-patched peer
         p.function(verl_F, "logprobs_from_logits", _logprobs_from_logits(verl_F.logprobs_from_logits, verl_F))
         p.function(verl_F, "entropy_from_logits", _entropy_from_logits(verl_F.entropy_from_logits))
         p.function(core_algos, "kl_penalty", _kl_penalty(core_algos.kl_penalty))
@@ -120,9 +119,6 @@ def patch() -> None:
         _patch_policy_losses(p, core_algos, agg_loss)
         p.function(core_algos, "compute_value_loss", _value_loss(core_algos.compute_value_loss, agg_loss, verl_F))
         _patch_rollout_correction(p)
-    except BaseException:  # never leave a half-patched peer behind
-        _PATCHER.undo()
-        raise
 
 
 def _patch_policy_losses(p: Patcher, core_algos, agg_loss) -> None:
