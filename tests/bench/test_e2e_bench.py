@@ -136,13 +136,16 @@ def test_readme_block(tmp_path):
     assert text.count("| grpo |") == 2
 
 
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(tmp_path, capsys):
+    """Each refused before any run starts: exit 2 and the reason (in this process: argparse exits the same way
+    from the command line)."""
     for args, says in ((["--only", "grpo,nope"], "unknown part"),
                        (["--only", "ppo", "--trl-ppo-wheel", str(tmp_path / "missing.whl")], "wheel is not at"),
                        (["--only", "grpo", "--resume"], "--resume needs --work")):
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "e2e.py"), *args], capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr[-500:])
+        with pytest.raises(SystemExit) as exit_:
+            e2e.main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and says in err, (args, err[-500:])
 
 
 def test_resume_reuses_only_a_finished_run_of_the_same_spec(tmp_path):
