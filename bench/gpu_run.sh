@@ -139,12 +139,15 @@ environment() {
   else
     echo "nvidia-smi: not found"
   fi
-  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| triton', triton.__version__, '| cuda', torch.version.cuda, '| cuda available', torch.cuda.is_available())"
   echo "commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo 'unknown (no git)'), kernels tree $(git -C "$REPO" rev-parse HEAD:kernels 2>/dev/null || echo 'unknown (no git)')"
-  "$PY" -c "from fastrlhf.bench.environment import main; main()" > "$WORK/env.json" || return
   "$PY" -c "
-import json; e = json.load(open('$WORK/env.json')); g = e.get('gpu') or {}; s = g.get('state_at_start') or {}
+import json, sys, torch, triton
+print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda',
+      torch.version.cuda, '| cuda available', torch.cuda.is_available())
+from fastrlhf.bench.environment import environment
+e = environment(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))
+open('$WORK/env.json', 'w').write(json.dumps(e, indent=1) + '\\n')
+g = e.get('gpu') or {}; s = g.get('state_at_start') or {}
 print('device', e['device'], '| kernels_tree_files', e['kernels_tree_files'], '| dirty', e['dirty'])
 print('SM clock', s.get('clocks.sm'), 'of', s.get('clocks.max.sm'), 'MHz | memory clock', s.get('clocks.mem'), 'of',
       s.get('clocks.max.mem'), 'MHz | nominal bandwidth', (g.get('nominal_bandwidth') or {}).get('gbps'), 'GB/s')"
