@@ -50,6 +50,7 @@ def test_dry_run(tmp_path):
     bench = json.loads((out / "bench.json").read_text())
     assert bench["finished"] is True and bench["cases"] == "tiny" and bench["errors"] == []
     assert {r["op"] for r in bench["results"]} >= {"logprobs", "linear_ppo_actor_loss", "gae"}
+    assert all({"host_us", "wall_ms"} <= row.keys() for row in bench["results"])  # host and GPU apart
     assert bench["kernels_tree_files"] == status["kernels_tree_files"]
     if importlib.util.find_spec("verl") is not None:  # its unused ray import stood in for by the tests' peer_stubs
         assert any(r["op"] == "gae" and r["provider"] == "verl" for r in bench["results"]), bench["skipped"]
@@ -112,20 +113,6 @@ def test_records_of_a_stopped_run(tmp_path):
     status = gpu_record.status_record(tmp_path / "steps.tsv", tmp_path / "missing.json", dry_run=False)
     assert status["ok"] is False and status["environment"] is None
     assert [(s["timed_out"], s["skipped"]) for s in status["steps"]] == [(False, False), (True, False), (False, True)]
-
-
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_only_one_part(tmp_path):
-    """`--only ops`: install, environment and that part's steps, nothing else; its files and the status."""
-    out, proc = _dry_run(tmp_path, "--only", "ops")
-    assert {p.name for p in out.iterdir()} == {"status.json", "bench.json", "bench.png", "logs.tar.gz"}
-    status = json.loads((out / "status.json").read_text())
-    assert [s["name"] for s in status["steps"]] == ["install", "env", "ops"] and status["ok"] is True
-    record = json.loads((out / "bench.json").read_text())
-    assert record["finished"] is True
-    assert all({"host_us", "wall_ms"} <= row.keys() for row in record["results"])  # host and GPU apart
-    assert "gpu_run (dry run) ok=True" in proc.stdout
 
 
 def test_the_ops_part_fits_eight_minutes():
