@@ -66,7 +66,7 @@ class Patcher:
         self.package = package
         self._functions: list[tuple[object, object]] = []  # (original, adapter)
         self._slots: list[tuple[object, str, object, object]] = []  # (owner, key, original, adapter)
-        self._pending: list[tuple[object, object, str]] | None = None  # functions not yet rebound everywhere
+        self._labels: list[str] | None = None  # inside patching(): module.name of each function() so far
 
     @property
     def active(self) -> bool:
@@ -76,23 +76,24 @@ class Patcher:
     def patching(self):
         """The block's function(), item() and attribute() calls; the rebinding pass at its end, or undo() if it
         raises (never a half-patched peer)."""
-        self._pending = []
+        start, self._labels = len(self._functions), []
         try:
             yield self
-            where = self._rebind({id(new): (old, new) for old, new, _ in self._pending})
+            pairs = self._functions[start:]
+            where = self._rebind(pairs)
         except BaseException:
-            self._pending = None
+            self._labels = None
             self.undo()
             raise
-        for _old, new, label in self._pending:
-            logger.info("fastrlhf patched %s: %s", self.peer, ", ".join([label] + where[id(new)]))
-        self._pending = None
+        for (_, adapter), label in zip(pairs, self._labels):
+            logger.info("fastrlhf patched %s: %s", self.peer, ", ".join([label] + where[id(adapter)]))
+        self._labels = None
 
-    def _rebind(self, swaps: dict[int, tuple[object, object]]) -> dict[int, list[str]]:
-        """Every reference inside the peer's loaded modules to an object x with swaps[id(y)] == (x, y) rebound
-        to y; {id(y): the module.attribute names rebound}."""
-        by_old = {id(old): (old, new) for old, new in swaps.values()}
-        where = {key: [] for key in swaps}
+    def _rebind(self, pairs) -> dict[int, list[str]]:
+        """For each (old, new) of `pairs`, every reference to `old` inside the peer's loaded modules rebound to
+        `new`; {id(new): the module.attribute names rebound}."""
+        by_old = {id(old): (old, new) for old, new in pairs}
+        where = {id(new): [] for _, new in by_old.values()}
         prefix = self.package + "."
         modules = [m for name, m in list(sys.modules.items())
                    if m is not None and (name == self.package or name.startswith(prefix))]
@@ -105,13 +106,13 @@ class Patcher:
         return where
 
     def function(self, module, name: str, adapter) -> None:
-        if self._pending is None:
+        if self._labels is None:
             raise RuntimeError("Patcher.function() runs inside `with patcher.patching():`")
         original = getattr(module, name)
         adapter.__wrapped__ = original
         setattr(module, name, adapter)
         self._functions.append((original, adapter))
-        self._pending.append((original, adapter, f"{module.__name__}.{name}"))
+        self._labels.append(f"{module.__name__}.{name}")
 
     def item(self, mapping: dict, key: str, adapter, label: str) -> None:
         original = mapping[key]
@@ -133,7 +134,7 @@ class Patcher:
                     owner[key] = original
             elif owner.__dict__.get(key) is adapter:
                 setattr(owner, key, original)
-        self._rebind({id(original): (adapter, original) for original, adapter in self._functions})
+        self._rebind((adapter, original) for original, adapter in self._functions)
         self._slots.clear()
         self._functions.clear()
         logger.info("fastrlhf unpatched %s", self.peer)
