@@ -139,7 +139,7 @@ environment() {
   else
     echo "nvidia-smi: not found"
   fi
-  echo "commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo 'unknown (no git)'), kernels tree $(git -C "$REPO" rev-parse HEAD:kernels 2>/dev/null || echo 'unknown (no git)')"
+  echo "commit $(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo 'unknown (no git)'), kernels tree $(git -C "$REPO" rev-parse HEAD:fastrlhf/kernels 2>/dev/null || echo 'unknown (no git)')"
   "$PY" -c "
 import json, sys, torch, triton
 print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda',

@@ -11,14 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _modules() -> dict[str, Path]:
-    """fastrlhf module name -> file; kernels/ is installed as fastrlhf.kernels."""
+    """fastrlhf module name -> file."""
     found = {}
-    for base, package in ((ROOT / "fastrlhf", "fastrlhf"), (ROOT / "kernels", "fastrlhf.kernels")):
-        for path in base.rglob("*.py"):
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            found[".".join([package, *parts])] = path
+    for path in (ROOT / "fastrlhf").rglob("*.py"):
+        parts = ["fastrlhf", *path.relative_to(ROOT / "fastrlhf").with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
     return found
 
 

@@ -95,6 +95,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
 from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative  # noqa: E402
 from fastrlhf.kernels.logprobs import FP32_MIN, LN2, LOG2E, _bwd_tile, _online_tile  # noqa: E402
 from fastrlhf.kernels.policy_modes import SURROGATE, policy_token  # noqa: E402
@@ -490,11 +491,10 @@ def run_shape(B: int, T: int, V: int, configs, device: torch.device, spin_limit:
     """At one shape: coop vs actor_loss_fwd (max |diff| of logp, entropy, d(logits)) for each config, then
     the times of ops.logprobs fwd+bwd (issue 13's reference), ops.ppo_actor_loss fwd+bwd, the actor_loss_fwd
     kernel alone and the coop kernel per config, with its timeout count."""
-    from fastrlhf.kernels.ppo_loss import actor_loss_fwd
-
     from fastrlhf import ops
     from fastrlhf.bench.measure import autotune_choices
     from fastrlhf.bench.providers import ACTOR_KW
+    from fastrlhf.kernels.ppo_loss import actor_loss_fwd
 
     inputs = _inputs(B, T, V, device)
     logits = inputs["logits"]

@@ -2,11 +2,11 @@
 
     python -c "from fastrlhf.bench.environment import main; main()"   # the JSON record's environment part
 
-The source revision is the git commit and `git rev-parse HEAD:kernels` when git works, and in
+The source revision is the git commit and `git rev-parse HEAD:fastrlhf/kernels` when git works, and in
 every case `kernels_tree_files`: the same git tree hash computed from the files on disk
 (`__pycache__` and `*.pyc` left out, as .gitignore does), so a copy of the tree without
 `.git` still says which kernels ran; `dirty` is true when the two differ or git reports
-changes under kernels/ or fastrlhf/.
+changes under fastrlhf/.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "fastrlhf" / "kernels"
 
 # nvidia-smi --query-gpu fields: identity, state, and the clocks (MHz) now and at most
 SMI_FIELDS = ("name", "driver_version", "pstate", "temperature.gpu", "power.draw", "power.limit",
@@ -70,9 +71,9 @@ def tree_hash(path: Path) -> bytes:
 
 def revision() -> dict:
     """commit, kernels_tree (git), kernels_tree_files (from the files) and dirty."""
-    commit, kernels_tree = git("rev-parse", "HEAD"), git("rev-parse", "HEAD:kernels")
-    files = tree_hash(ROOT / "kernels").hex() if (ROOT / "kernels").is_dir() else None
-    status = git("status", "--porcelain", "--", "kernels", "fastrlhf")
+    commit, kernels_tree = git("rev-parse", "HEAD"), git("rev-parse", "HEAD:fastrlhf/kernels")
+    files = tree_hash(KERNELS).hex() if KERNELS.is_dir() else None
+    status = git("status", "--porcelain", "--", "fastrlhf")
     dirty = (kernels_tree is not None and files != kernels_tree) or bool(status)
     return {"commit": commit, "kernels_tree": kernels_tree, "kernels_tree_files": files,
             "dirty": dirty if commit is not None else None}

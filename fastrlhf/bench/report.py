@@ -174,10 +174,10 @@ def markdown_table(result: dict) -> str:
     lines += ["", "| target | goal | measured | met |", "| --- | --- | ---: | --- |"]
     for t in result["targets"]:
         lines.append(f"| {t['name']} | {t['goal']} | {_fmt(t['value'])} | {_met(t['met'])} |")
-    # the tree hash of the kernels/ files as they ran (git's HEAD may be stale in a copied checkout)
+    # the tree hash of the fastrlhf/kernels/ files as they ran (git's HEAD may be stale in a copied checkout)
     kernels = (result.get("kernels_tree_files") or result.get("kernels_tree") or "-")[:12]
     lines += ["", f"Command: `{result['command']}` (kernels tree {kernels}, computed from the files that ran: "
-                  f"`git rev-parse HEAD:kernels` names the commits with these kernels)."]
+                  f"`git rev-parse HEAD:fastrlhf/kernels` names the commits with these kernels)."]
     if not result.get("finished", True):
         lines.append("This run was stopped before its end: cases it did not reach are missing.")
     return "\n".join(lines)

@@ -304,10 +304,10 @@ def test_extra_peak_excludes_inputs_and_returned_gradients():
 def test_kernels_tree_hash_matches_git():
     if shutil.which("git") is None or environment.git("rev-parse", "HEAD") is None:
         pytest.skip("not a git checkout")
-    if environment.git("status", "--porcelain", "--", "kernels"):
-        pytest.skip("kernels/ has uncommitted changes")
+    if environment.git("status", "--porcelain", "--", "fastrlhf/kernels"):
+        pytest.skip("fastrlhf/kernels/ has uncommitted changes")
     rev = environment.revision()
-    assert rev["kernels_tree"] == subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD:kernels"],
+    assert rev["kernels_tree"] == subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD:fastrlhf/kernels"],
                                                  capture_output=True, text=True).stdout.strip()
     assert rev["kernels_tree_files"] == rev["kernels_tree"]
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fastrlhf.kernels.ppo_loss import actor_loss_fwd
 from helpers import poison_outputs, worst
+
+from fastrlhf.kernels.ppo_loss import actor_loss_fwd
 
 pytestmark = pytest.mark.slow  # an experiment's kernel in the interpreter and its PTX
 

@@ -6,11 +6,11 @@ import importlib
 import pytest
 import torch
 from conftest import DEVICE
-from fastrlhf.kernels import logprobs as kernels
 from helpers import assert_close_to_ref, poison_outputs
 
 from fastrlhf import ops
 from fastrlhf import reference as ref
+from fastrlhf.kernels import logprobs as kernels
 from fastrlhf.ops.logprobs import writable_in_place
 
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)]  # (dtype, atol)

@@ -67,6 +67,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from fastrlhf.kernels._launch import cdiv, next_power_of_2, sm_count  # noqa: F401 (sm_count: kernels.logprobs.sm_count)
 
 FIXED_BLOCK_V = 4096  # the untuned tile: 8 KiB of bf16

@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fastrlhf.kernels._launch import cdiv, next_power_of_2
-from fastrlhf.kernels._masks import as_loadable
 
 from fastrlhf.constants import MASK_MODES, WHITEN_EPS
+from fastrlhf.kernels._launch import cdiv, next_power_of_2
+from fastrlhf.kernels._masks import as_loadable
 
 _MAX_BLOCK_T = 1024
 _BLOCK = 1024

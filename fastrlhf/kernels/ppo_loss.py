@@ -61,6 +61,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from fastrlhf.constants import IGNORE_INDEX, LOG_RATIO_CLAMP
 from fastrlhf.kernels._launch import cdiv, next_power_of_2, sm_count
 from fastrlhf.kernels._masks import as_loadable
 from fastrlhf.kernels.kl import ESTIMATOR_IDS, _kl_derivative, _rounded
@@ -89,8 +91,6 @@ from fastrlhf.kernels.policy_modes import (
     vespo_log_sampler,
     vespo_log_w,
 )
-
-from fastrlhf.constants import IGNORE_INDEX, LOG_RATIO_CLAMP
 
 LR_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |log-ratio| bound inside exp
 _MAX_BLOCK_T = 1024

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from fastrlhf.kernels._launch import cdiv, next_power_of_2
-from fastrlhf.kernels._masks import as_loadable
 
 from fastrlhf.constants import K3_SERIES_BELOW, LOG_RATIO_CLAMP
+from fastrlhf.kernels._launch import cdiv, next_power_of_2
+from fastrlhf.kernels._masks import as_loadable
 
 ESTIMATOR_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3}
 R_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)  # |r| bound of k3
