@@ -55,7 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--nproc", type=int, default=1, help="ranks (GPUs on CUDA)")
-    parser.add_argument("--model", default="qwen2-0.5b", help="a built-in config (fastrlhf.models.BUILTIN_MODELS)")
+    parser.add_argument("--model", default="qwen2-0.5b",
+                        help="a built-in config (fastrlhf.train.models.BUILTIN_MODELS)")
     parser.add_argument("--shard", default="full", choices=("full", "grad_op", "none"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rollout-batch", type=int, default=64)
@@ -68,7 +69,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dist_peak_memory_"))
     run_dir = work / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           "-m", "fastrlhf", "ppo", "--model", args.model, "--reward", "fastrlhf.task:true_score", "--data", "builtin",
+           "-m", "fastrlhf", "ppo", "--model", args.model, "--reward", "fastrlhf.train.task:true_score",
+           "--data", "builtin",
            "--device", args.device, "--shard", args.shard, "--lora_rank", "0", "--steps", str(args.steps),
            "--rollout_batch_size", str(args.rollout_batch), "--mini_batch_size", str(args.mini_batch),
            "--micro_batch_size", str(args.micro_batch), "--ppo_epochs", "1", "--eval_prompts", str(args.rollout_batch),

@@ -34,7 +34,7 @@ def make_model(path: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from fastrlhf.task import build_char_tokenizer
+    from fastrlhf.train.task import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(**CONFIG, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -15,7 +15,7 @@ prompts x generations sequences per iteration, R response tokens, `epochs` passe
 `mini_batch` sequences made of micro-batches of `micro_batch`, LoRA of the same rank on every linear
 layer but the lm_head, the same dtype, temperature, learning rate and KL coefficient (GRPO: k3 in the
 loss, TRL's `beta`; PPO: k1 in the reward, as both do by default), the rule reward of the built-in
-task (fastrlhf.task.true_score) and one CPU thread on CPU.
+task (fastrlhf.train.task.true_score) and one CPU thread on CPU.
 
 TRL runs in two configurations:
 - `trl_shipped`: TRL's defaults for how the work is done: gradient checkpointing, its optimizer
@@ -636,14 +636,14 @@ def new_record(args, plan: Plan, parts: list[str]) -> dict:
         | {"trl (PPOTrainer, from its wheel)": TRL_PPO_VERSION},
         "plan": dataclasses.asdict(plan),
         "configurations": {
-            "fastrlhf": "fastrlhf.ppo.train (`fastrlhf ppo`): GRPO with --kl_in_loss, or PPO with GAE and a value "
-                        "head on the policy's LoRA trunk; rollout_cache auto (static on one CUDA process); "
+            "fastrlhf": "fastrlhf.train.recipes.ppo.train (`fastrlhf ppo`): GRPO with --kl_in_loss, or PPO with GAE "
+                        "and a value head on the policy's LoRA trunk; rollout_cache auto (static on one CUDA process); "
                         "on CPU --rollout_sampler inverse_cdf (softmax(logits / T) drawn by inversion, one "
                         "uniform per row: the distribution torch.multinomial draws, from fewer random numbers), "
                         "--rollout_engine graph (fastrlhf's decode step over merged-LoRA fp32 weights, run "
                         "eagerly) and --old_logprobs sampler (verl's rollout_correction.bypass_mode: the engine's "
                         "fp32 log-probs of its tokens, and PPO's values, are the old ones, within 1e-5 of a "
-                        "forward's (tests/trainer/test_engine.py); phase 3 scores the reference only); --compile on "
+                        "forward's (tests/train/test_engine.py); phase 3 scores the reference only); --compile on "
                         "for the plan's compiled_models (the decoder layers; the build is in the warm-up iteration)",
             "trl_shipped": "TRL's defaults for how the work is done: gradient checkpointing, adamw_torch_fused with "
                            "a linear decay, bf16 autocast (bf16=True, on CPU too), GRPO use_bias_correction_kl=True, "

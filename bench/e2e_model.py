@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fastrlhf import task
-from fastrlhf.models import BUILTIN_MODELS
+from fastrlhf.train import task
+from fastrlhf.train.models import BUILTIN_MODELS
 
 CONST_DIM = 0  # the residual dimension that carries the constant
 CONST_VALUE = 1.0  # c

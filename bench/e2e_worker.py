@@ -6,13 +6,13 @@ PPOTrainer, timed per iteration and per phase.
 The spec (bench/e2e.py writes it) names the trainer, the algorithm, the configuration, the model
 directory, the data and the sizes; the result holds per iteration its wall time and phases
 (rollout, reward, logprobs, update, other), response tokens and the mean true score of the
-rollout (the built-in task's rule: fastrlhf.task.true_score), and for the run its start-up time
+rollout (the built-in task's rule: fastrlhf.train.task.true_score), and for the run its start-up time
 (process start to the first iteration), peak memory over the timed iterations and the versions
 it ran with. TRL 1.12 (the last TRL with PPOTrainer) is imported from its wheel file, put first on
 sys.path in this process alone (zipimport: the installed TRL is not touched).
 
 Phases are taken where each trainer does the work, through hooks that change nothing it computes:
-- fastrlhf: its own phase timer (fastrlhf.metrics.PhaseTimer, subclassed to note the times);
+- fastrlhf: its own phase timer (fastrlhf.train.metrics.PhaseTimer, subclassed to note the times);
   an iteration runs from the rollout's start to the update's end; `other` is the advantages
   phase and the gaps between phases.
 - TRL GRPOTrainer: its methods wrapped on the instance: `_generate` (rollout), `_calculate_rewards`
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastrlhf.checkpoint import json_safe
+from fastrlhf.train.checkpoint import json_safe
 
 PHASES = ("rollout", "reward", "logprobs", "update", "other")
 
@@ -54,7 +54,7 @@ class PeakMemory:
     """Peak memory from `start()` on: CUDA allocated, or (CPU, Linux) the process's peak RSS."""
 
     def __init__(self, device: torch.device):
-        from fastrlhf.metrics import CPUPeakRSS
+        from fastrlhf.train.metrics import CPUPeakRSS
 
         self.device = device
         self.cpu = CPUPeakRSS() if device.type == "cpu" else None
@@ -173,9 +173,10 @@ def fastrlhf_settings(spec: dict) -> dict:
 
 
 def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
-    """`fastrlhf ppo` in this process (fastrlhf.ppo.train), GRPO (KL in the loss) or PPO with GAE."""
-    from fastrlhf import metrics, ppo
-    from fastrlhf.config import PPOConfig
+    """`fastrlhf ppo` in this process (fastrlhf.train.recipes.ppo.train), GRPO (KL in the loss) or PPO with GAE."""
+    from fastrlhf.train import metrics
+    from fastrlhf.train.config import PPOConfig
+    from fastrlhf.train.recipes import ppo
 
     class NotedPhases(metrics.PhaseTimer):
         """The trainer's phase timer, noting each phase's time in the recorder too."""
@@ -194,7 +195,7 @@ def run_fastrlhf(spec: dict, rec: Recorder, work: Path) -> dict:
 
     grpo = spec["algo"] == "grpo"
     cfg = PPOConfig(
-        model=spec["model_dir"], reward="fastrlhf.task:true_score", data=spec["data"], out=str(work / "run"),
+        model=spec["model_dir"], reward="fastrlhf.train.task:true_score", data=spec["data"], out=str(work / "run"),
         steps=spec["iterations"], rollout_batch_size=spec["rollout_batch"], mini_batch_size=spec["mini_batch"],
         micro_batch_size=spec["micro_batch"], ppo_epochs=spec["epochs"], lr=spec["lr"], lora_rank=spec["lora_rank"],
         lora_alpha=spec["lora_alpha"], max_new_tokens=spec["response_len"], temperature=spec["temperature"],
@@ -241,7 +242,7 @@ def trl_training_args(spec: dict, matched: bool) -> dict:
 
 
 def lora_config(spec: dict):
-    """fastrlhf's LoRA: every linear layer but the lm_head, no dropout (fastrlhf.heads.ActorCritic)."""
+    """fastrlhf's LoRA: every linear layer but the lm_head, no dropout (fastrlhf.train.heads.ActorCritic)."""
     from peft import LoraConfig
 
     return LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
@@ -261,7 +262,7 @@ def trl_grpo(spec: dict, rec: Recorder, work: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastrlhf import task
+    from fastrlhf.train import task
 
     matched = spec["config"] == "matched"
     per_iter = spec["epochs"] * (spec["rollout_batch"] // spec["mini_batch"])  # optimizer steps per iteration
@@ -336,14 +337,14 @@ def trl_settings(args, gen: dict) -> dict:
 
 def read_prompts(spec: dict) -> list[str]:
     if spec["data"] == "builtin":
-        from fastrlhf import task
+        from fastrlhf.train import task
 
         return [r["prompt"] for r in task.synthetic_prompt_rows(task.NUM_PPO_PROMPTS, spec["seed"])]
     return [json.loads(line)["prompt"] for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
 
 
 class RuleReward(nn.Module):
-    """The built-in task's rule (fastrlhf.task.true_score) where TRL 1.12's PPOTrainer wants a
+    """The built-in task's rule (fastrlhf.train.task.true_score) where TRL 1.12's PPOTrainer wants a
     sequence-classification reward model: its `get_reward` runs `model.<base_model_prefix>(...)`,
     then `model.score(hidden_states[-1])` [B, T, 1], and reads each row at its last response token.
     Here the "backbone" hands the token ids through and `score` puts each row's rule score at every
@@ -364,7 +365,7 @@ class RuleReward(nn.Module):
         self.context_length = 0
 
     def score(self, ids: torch.Tensor) -> torch.Tensor:
-        from fastrlhf import task
+        from fastrlhf.train import task
 
         P = self.context_length
         decode = self.tokenizer.batch_decode

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastrlhf.checkpoint import save_model_dir
-from fastrlhf.task import build_char_tokenizer
+from fastrlhf.train.checkpoint import save_model_dir
+from fastrlhf.train.task import build_char_tokenizer
 
 tok = build_char_tokenizer()
 torch.manual_seed(0)
@@ -47,7 +47,7 @@ record() {  # NAME NOTE OUT -- COMMAND...: a fresh run; from the second round on
   if [ "$round" = 1 ]; then rm -f "$RES/$name.json"; fi  # this session's rounds only
   $PY -m fastrlhf.estimate.record --cpu-time --keep-faster --json "$RES/$name.json" --note "$note" -- "$@"
 }
-RULE="--data builtin --reward fastrlhf.task:true_score --steps 6 --save_every 100"
+RULE="--data builtin --reward fastrlhf.train.task:true_score --steps 6 --save_every 100"
 for round in $(seq "${ROUNDS:-2}"); do
   record cpu_pipeline_tiny "embedded default pipeline (SFT -> RM -> PPO); PPO phases of its 60 iterations" \
     runs/cpu_tiny -- fastrlhf pipeline --out runs/cpu_tiny

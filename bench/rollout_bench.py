@@ -4,7 +4,7 @@
     python bench/rollout_bench.py --engine static --out rollout_static.json  # 64 prompts x 256 new tokens
     python bench/rollout_bench.py --engine dynamic --dry-run --out x.json    # CPU, the tiny model, 8 x 8
 
-Engines: `graph` (fastrlhf's decode engine, fastrlhf/engine.py), `static` and `dynamic` (transformers'
+Engines: `graph` (fastrlhf's decode engine, fastrlhf/train/engine.py), `static` and `dynamic` (transformers'
 generate with that KV cache: `--rollout_engine hf --rollout_cache static|dynamic`). One process per engine
 (bench/parts/rollout.sh runs the three; `python bench/gpu_record.py rollout` merges them). Each builds the
 model as `fastrlhf ppo --model qwen2-0.5b --lora_rank 16 --dtype bfloat16` does (random weights from the
@@ -34,16 +34,17 @@ from pathlib import Path
 
 import torch
 
-from fastrlhf import distributed, ppo
 from fastrlhf.bench.environment import environment
 from fastrlhf.bench.measure import Settings, probes
-from fastrlhf.config import PPOConfig
-from fastrlhf.devices import autocast
-from fastrlhf.engine import CHECK_EVERY, rollout_memory_bytes
-from fastrlhf.heads import ActorCritic
-from fastrlhf.models import hidden_states, load_causal_lm
-from fastrlhf.rewards import load_reward
-from fastrlhf.rollout import engine_generate, generate, make_engine, sampler_gap
+from fastrlhf.train import distributed
+from fastrlhf.train.config import PPOConfig
+from fastrlhf.train.devices import autocast
+from fastrlhf.train.engine import CHECK_EVERY, rollout_memory_bytes
+from fastrlhf.train.heads import ActorCritic
+from fastrlhf.train.models import hidden_states, load_causal_lm
+from fastrlhf.train.recipes import ppo
+from fastrlhf.train.rewards import load_reward
+from fastrlhf.train.rollout import engine_generate, generate, make_engine, sampler_gap
 
 ENGINES = ("graph", "static", "dynamic")
 ITERATIONS = 3  # timed PPO steps after the first rollout
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
         parser.error("no CUDA device: use --dry-run on a CPU")
     engine_name = "graph" if args.engine == "graph" else "hf"
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = PPOConfig(**sizes, reward="fastrlhf.task:true_score", out=tmp, eval_prompts=1,
+        cfg = PPOConfig(**sizes, reward="fastrlhf.train.task:true_score", out=tmp, eval_prompts=1,
                         rollout_engine=engine_name, rollout_cache="static" if args.engine == "static" else "dynamic")
         plan = ppo.prepare(cfg)
     cfg = plan.cfg

@@ -35,15 +35,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastrlhf import packing, ppo
-from fastrlhf.attention import packed_attention_path
 from fastrlhf.bench.environment import environment
-from fastrlhf.config import PPOConfig
-from fastrlhf.data import pack
 from fastrlhf.estimate.plan import Spec, estimate
-from fastrlhf.heads import ActorCritic
-from fastrlhf.models import compile_layers, compile_stats, load_causal_lm
-from fastrlhf.rollout import Rollout
+from fastrlhf.train import packing
+from fastrlhf.train.attention import packed_attention_path
+from fastrlhf.train.config import PPOConfig
+from fastrlhf.train.data import pack
+from fastrlhf.train.heads import ActorCritic
+from fastrlhf.train.models import compile_layers, compile_stats, load_causal_lm
+from fastrlhf.train.recipes import ppo
+from fastrlhf.train.rollout import Rollout
 
 SEED = 3  # of every update's minibatch draw
 GPU = dict(model="qwen2-0.5b", dtype=torch.bfloat16, lora_rank=16, rollout=64, prompt=8, response=256, spread=(32, 256),

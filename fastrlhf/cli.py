@@ -11,14 +11,15 @@ import sys
 from typing import NoReturn
 
 COMMANDS = {
-    "sft": ("fastrlhf.sft", "supervised fine-tuning on prompt/response pairs"),
-    "rm": ("fastrlhf.rm", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
-    "dpo": ("fastrlhf.dpo", "direct preference optimisation on (prompt, chosen, rejected) pairs"),
-    "ppo": ("fastrlhf.ppo", "PPO: actor-critic with GAE, or critic-free (GRPO, Dr. GRPO, RLOO, REINFORCE++)"),
-    "distill": ("fastrlhf.distill", "distil a teacher into a smaller student (offline or on-policy; forward KL, "
-                "reverse KL or generalized JSD)"),
-    "pipeline": ("fastrlhf.pipeline", "SFT -> RM -> PPO, SFT -> DPO with --algo dpo, or PPO then distillation into "
-                 "a smaller student with --algo distill (the embedded default with no arguments)"),
+    "sft": ("fastrlhf.train.recipes.sft", "supervised fine-tuning on prompt/response pairs"),
+    "rm": ("fastrlhf.train.recipes.rm", "Bradley-Terry reward model on (prompt, chosen, rejected)"),
+    "dpo": ("fastrlhf.train.recipes.dpo", "direct preference optimisation on (prompt, chosen, rejected) pairs"),
+    "ppo": ("fastrlhf.train.recipes.ppo",
+            "PPO: actor-critic with GAE, or critic-free (GRPO, Dr. GRPO, RLOO, REINFORCE++)"),
+    "distill": ("fastrlhf.train.recipes.distill", "distil a teacher into a smaller student (offline or on-policy; "
+                "forward KL, reverse KL or generalized JSD)"),
+    "pipeline": ("fastrlhf.train.recipes.pipeline", "SFT -> RM -> PPO, SFT -> DPO with --algo dpo, or PPO then "
+                 "distillation into a smaller student with --algo distill (the embedded default with no arguments)"),
     "bench": ("fastrlhf.bench", "roofline benchmark of every kernel against PyTorch and the peers"),
     "estimate": ("fastrlhf.estimate", "memory / FLOPs / time / cost of each RLHF stage and PPO phase"),
 }
@@ -54,7 +55,7 @@ def run() -> NoReturn:
     under torchrun ends through `distributed.exit_process` (no interpreter teardown for gloo's threads
     to abort in); a command that never imported it (help, estimate) exits as usual."""
     code = main()
-    distributed = sys.modules.get("fastrlhf.distributed")
+    distributed = sys.modules.get("fastrlhf.train.distributed")
     if distributed is not None:
         distributed.exit_process(code)
     sys.exit(code)

@@ -1,5 +1,5 @@
 """One PPO update on a fixed rollout, in one plain process or under torchrun (run by
-tests/trainer/test_distributed.py):
+tests/train/test_distributed.py):
 
     python tests/dist_worker.py OUT.pt                            # one process: float64 and float32
     torchrun --nproc-per-node 2 tests/dist_worker.py OUT.pt       # 2 ranks: float32, sharded
@@ -22,14 +22,16 @@ from pathlib import Path
 
 import torch
 
-from fastrlhf import distributed, dpo, ops, sft, task
-from fastrlhf.config import DPOConfig, PPOConfig, SFTConfig
-from fastrlhf.data import pack
-from fastrlhf.engine import DecodeEngine
-from fastrlhf.heads import ActorCritic
-from fastrlhf.models import hidden_states, load_causal_lm
-from fastrlhf.ppo import advantage_estimator, experience, ppo_update, with_advantages
-from fastrlhf.rollout import Rollout, engine_generate, token_logprobs
+from fastrlhf import ops
+from fastrlhf.train import distributed, task
+from fastrlhf.train.config import DPOConfig, PPOConfig, SFTConfig
+from fastrlhf.train.data import pack
+from fastrlhf.train.engine import DecodeEngine
+from fastrlhf.train.heads import ActorCritic
+from fastrlhf.train.models import hidden_states, load_causal_lm
+from fastrlhf.train.recipes import dpo, sft
+from fastrlhf.train.recipes.ppo import advantage_estimator, experience, ppo_update, with_advantages
+from fastrlhf.train.rollout import Rollout, engine_generate, token_logprobs
 
 B = 8  # sequences in the rollout (the global batch)
 CASES = {  # name: (lora_rank, gradient_checkpointing, shard, advantage)

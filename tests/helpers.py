@@ -114,7 +114,7 @@ def poison_outputs(monkeypatch, *modules: str):
 # ---------------------------------------------------------------- the stages' tests
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_PPO = dict(model="tiny", reward="fastrlhf.task:true_score", rollout_batch_size=4, mini_batch_size=4,
+TINY_PPO = dict(model="tiny", reward="fastrlhf.train.task:true_score", rollout_batch_size=4, mini_batch_size=4,
                 micro_batch_size=4, eval_prompts=4, max_new_tokens=4)  # a PPO step in well under a second
 TIMING_KEYS = ("time/", "time_mean/", "memory/", "memory_mean/", "tokens_per_s")  # differ between equal runs
 

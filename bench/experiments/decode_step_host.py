@@ -17,8 +17,8 @@ import time
 import torch
 
 from fastrlhf.estimate.measure import TINY_LLAMA, _op_counter, build_tiny_model
-from fastrlhf.rollout import generate
-from fastrlhf.task import build_char_tokenizer
+from fastrlhf.train.rollout import generate
+from fastrlhf.train.task import build_char_tokenizer
 
 
 def main() -> None:

@@ -9,6 +9,6 @@ else
   PPO_ARGS=(--model qwen2-0.5b --device cuda --dtype bfloat16 --steps 3 --rollout_batch_size 64 --mini_batch_size 32
             --micro_batch_size 16 --max_new_tokens 256 --lora_rank 16 --eval_prompts 16)
 fi
-PPO_ARGS+=(--reward fastrlhf.task:true_score --out "$WORK/ppo_run" --save_every 1000)
+PPO_ARGS+=(--reward fastrlhf.train.task:true_score --out "$WORK/ppo_run" --save_every 1000)
 step ppo "$L_PPO" 3 "$PY" -m fastrlhf ppo "${PPO_ARGS[@]}"
 "$PY" bench/gpu_record.py ppo "$WORK/ppo_run" "$OUT/ppo.json" --command "fastrlhf ppo ${PPO_ARGS[*]}"

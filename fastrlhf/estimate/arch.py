@@ -1,7 +1,7 @@
 """Model shapes: presets, Hugging Face config.json files, the trainer's built-in models, parameter counts.
 
 `resolve_model(x)` takes a preset name (`llama-2-7b`, `opt-1.3b`, ...), a training preset of
-`fastrlhf ppo --model` (`tiny`, `qwen2-0.5b`, `llama-0.5b`: read from fastrlhf.models, not copied),
+`fastrlhf ppo --model` (`tiny`, `qwen2-0.5b`, `llama-0.5b`: read from fastrlhf.train.models, not copied),
 a local Hugging Face model directory (its config.json; the parameter count is read from the
 safetensors headers when the weights are there), a path to a config.json, a parsed config
 dict, or an `Arch`. `parse_params("7.5B")` reads parameter counts written as 7.5e9, 7.5B, 770M.
@@ -186,14 +186,14 @@ def _counted_params(directory: Path) -> int:
 
 
 def _builtin(name: str) -> Arch | None:
-    """A `fastrlhf ppo --model` built-in config (fastrlhf.models.BUILTIN_MODELS), imported on demand."""
+    """A `fastrlhf ppo --model` built-in config (fastrlhf.train.models.BUILTIN_MODELS), imported on demand."""
     try:
-        from fastrlhf.models import BUILTIN_MODELS
+        from fastrlhf.train.models import BUILTIN_MODELS
     except ImportError:
         return None
     if name not in BUILTIN_MODELS:
         return None
-    from fastrlhf.task import build_char_tokenizer
+    from fastrlhf.train.task import build_char_tokenizer
 
     config = BUILTIN_MODELS[name](len(build_char_tokenizer())).to_dict()
     return arch_from_config(config, f"fastrlhf built-in {name!r}")

@@ -8,13 +8,13 @@ import json
 import sys
 
 import fastrlhf.estimate.timing as timing
-from fastrlhf.config import help_text, parse_args
 from fastrlhf.estimate.arch import format_params
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import state_table
 from fastrlhf.estimate.phases import COMPONENTS, host_engine
 from fastrlhf.estimate.plan import FRAGMENTATION, SERVE_STUDENT, estimate
 from fastrlhf.estimate.spec import Spec, actor_arch, resolved, student_arch
+from fastrlhf.train.config import help_text, parse_args
 
 DESCRIPTION = """Memory per GPU, FLOPs, time (with a cross-validated range) and cost of each RLHF stage and PPO phase,
 fit per pool; --stage distill: a student (--student) trained to mimic --model; --stage serve: the cost of serving the
@@ -30,7 +30,7 @@ fsdp2 (default) this trainer's buffers (the bytes per parameter at the end).
 
 
 def parser() -> argparse.ArgumentParser:
-    """The output options; every other key is a `Spec` field (fastrlhf.config.parse_args)."""
+    """The output options; every other key is a `Spec` field (fastrlhf.train.config.parse_args)."""
     p = argparse.ArgumentParser(prog="fastrlhf estimate", description=DESCRIPTION, allow_abbrev=False,
                                 epilog=help_text(Spec) + "\n\n" + state_table(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,6 +1,6 @@
 """`fastrlhf estimate --compare-run OUT`: a fastrlhf run's measured PPO phases beside the planner's.
 
-Reads what the trainer writes (fastrlhf/ppo.py, fastrlhf/metrics.py):
+Reads what the trainer writes (fastrlhf/train/recipes/ppo.py, fastrlhf/train/metrics.py):
 - OUT/metrics.jsonl rows with "stage": "ppo": `time/<phase>` (seconds of that phase in that
   iteration) and `memory/<phase>` (peak bytes: `torch.cuda.max_memory_allocated` on CUDA, the
   process's peak RSS on CPU), phases rollout, reward, logprobs, advantages, update;
@@ -97,7 +97,7 @@ def _ppo_config(out: Path, argv: list[str] | None) -> dict:
         raise ValueError(f"compare-run: {path} does not exist; the run's configuration is needed "
                          "(fastrlhf pipeline writes it; for a stand-alone `fastrlhf ppo`, give its arguments "
                          "with --run-args '...')")
-    from fastrlhf.config import PPOConfig, parse_args, to_dict
+    from fastrlhf.train.config import PPOConfig, parse_args, to_dict
 
     return to_dict(parse_args(PPOConfig, argv))
 
@@ -109,8 +109,8 @@ def policy_dir(out: Path, config: dict) -> str:
 
 def _prompt_len(out: Path, config: dict) -> int:
     """Tokens the rollouts' prompts are left-padded to: the longest prompt, cut at max_prompt_len."""
-    from fastrlhf.data import BUILTIN, load_table
-    from fastrlhf.task import build_char_tokenizer, synthetic_prompt_rows
+    from fastrlhf.train.data import BUILTIN, load_table
+    from fastrlhf.train.task import build_char_tokenizer, synthetic_prompt_rows
 
     model = policy_dir(out, config)
     if Path(model).is_dir():
@@ -155,8 +155,8 @@ def _model_config(model: str) -> dict:
     path = Path(model)
     if path.is_dir():
         return json.loads((path / "config.json").read_text())
-    from fastrlhf.models import BUILTIN_MODELS
-    from fastrlhf.task import build_char_tokenizer
+    from fastrlhf.train.models import BUILTIN_MODELS
+    from fastrlhf.train.task import build_char_tokenizer
 
     if model not in BUILTIN_MODELS:
         raise ValueError(f"compare-run: the run's model {model!r} is neither a directory nor a built-in")

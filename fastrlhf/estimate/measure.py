@@ -116,7 +116,7 @@ def count_advantage_ops(advantage: str = "gae", batch: int = 16, lengths: tuple[
 
     import torch
 
-    from fastrlhf import ppo
+    from fastrlhf.train.recipes import ppo
 
     cfg = ppo.PPOConfig(advantage=advantage, num_generations=1 if advantage == "gae" else 4)
     estimator = ppo.advantage_estimator(cfg)

@@ -26,8 +26,8 @@ Figure 1; mixed-precision Adam, K = 12), whatever DeepSpeed allocates beside it 
     `--offload params` (ZeRO-Infinity, stage 3): the 16-bit weight partitions on the host too (+2 P / N);
     only the gathered layers stay on the GPU.
 
-engine fsdp2, this trainer's real buffers (fastrlhf/models.py, fastrlhf/ppo.py; FSDP2 `fully_shard` per
-decoder layer with bf16 compute and fp32 reduction):
+engine fsdp2, this trainer's real buffers (fastrlhf/train/models.py, fastrlhf/train/recipes/ppo.py; FSDP2
+`fully_shard` per decoder layer with bf16 compute and fp32 reduction):
     full fine-tuning, bf16: weights 4 (fp32: the sharded parameter is the master copy), gradients 4 (fp32),
     optimizer 8 (AdamW momentum + variance in fp32), plus a bf16 compute copy: autocast's cached casts
     (single process: 2P from forward to backward), or FSDP2's all-gathered layers (`--zero 3`: two layers,

@@ -397,10 +397,11 @@ def reward(ctx: Context) -> Phase:
 
 
 def actor_scoring(ctx: Context, m: ModelState) -> tuple[float, bool]:
-    """What phase 3's actor forward scores, as `fastrlhf.ppo.experience` does: (sequences per GPU, whether it runs
-    the lm_head). With old_logprobs sampler the old log-probs are the sampler's: the actor runs its trunk only
-    where PPO's shared value head needs the values. GRPO with kl_in_loss: the update's first minibatch forms its
-    own old log-probs, and the forward scores the other rows (`fastrlhf.ppo.old_from_first_update`)."""
+    """What phase 3's actor forward scores, as `fastrlhf.train.recipes.ppo.experience` does: (sequences per GPU,
+    whether it runs the lm_head). With old_logprobs sampler the old log-probs are the sampler's: the actor runs its
+    trunk only where PPO's shared value head needs the values. GRPO with kl_in_loss: the update's first minibatch
+    forms its own old log-probs, and the forward scores the other rows
+    (`fastrlhf.train.recipes.ppo.old_from_first_update`)."""
     spec, share = ctx.spec, ctx.share(m)
     if spec.old_logprobs == "sampler":
         return (share if ctx.stage == "ppo" and spec.critic == "shared" else 0.0), False

@@ -16,7 +16,7 @@ the steady-state steps become the record's rows and the others (compilation, all
 fastrlhf/estimate/data/recorded/ were made this way.
 
 `--cpu-time` also records the process's CPU seconds of each phase (`cpu/<phase>`): the command runs
-in a Python that wraps fastrlhf.metrics.PhaseTimer.phase to read time.process_time() around each
+in a Python that wraps fastrlhf.train.metrics.PhaseTimer.phase to read time.process_time() around each
 phase (the trainer's files are not changed). On a machine shared with other jobs a one-thread
 run's wall time grows with their load (measured here: up to 2.3x); its CPU time is what the phase
 costs on a core of its own.
@@ -58,7 +58,7 @@ def cpu_model() -> str:
 # run `fastrlhf` with CPU seconds per phase added to the metrics rows (argv: the fastrlhf arguments)
 CPU_TIME_BOOT = """
 import contextlib, sys, time
-import fastrlhf.metrics as metrics
+import fastrlhf.train.metrics as metrics
 _phase, _stats = metrics.PhaseTimer.phase, metrics.PhaseTimer.step_stats
 
 @contextlib.contextmanager
@@ -84,8 +84,8 @@ def from_steps(data: dict, *, source: str, device_name: str, rollout_cache: str 
     """A record (the schema of `main`'s) from a PPO run in the step format of bench/results/*-ppo-*.json.
     `rollout_cache`: the KV cache the run's rollout used, when its command does not say (a run made
     before `fastrlhf ppo --rollout_cache` existed used HF's dynamic cache)."""
-    from fastrlhf.config import PPOConfig, parse_args, to_dict
     from fastrlhf.estimate.compare import PPO_PHASES, RunRecord, _model_config, _prompt_len, _reward_config
+    from fastrlhf.train.config import PPOConfig, parse_args, to_dict
 
     command = shlex.split(data["command"])
     if command[:2] != ["fastrlhf", "ppo"]:
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": shlex.join(command),
         "note": args.note,
-        "cpu_time": "cpu/<phase>: time.process_time() around fastrlhf.metrics.PhaseTimer.phase (record --cpu-time)"
+        "cpu_time": "cpu/<phase>: time.process_time() around fastrlhf.train.metrics.PhaseTimer.phase "
+                    "(record --cpu-time)"
         if args.cpu_time else None,
         "wall_seconds": round(wall, 2),
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_avg_before": load_before,

@@ -2,7 +2,7 @@
 
 The command line is built from these fields (`fastrlhf estimate --KEY VALUE`, dashes or underscores,
 `--config FILE.yaml` for a file of them) by the stages' own docstring-driven parser
-(fastrlhf.config.parse_args), so a new planner input is one field here. `resolved()` fills what a
+(fastrlhf.train.config.parse_args), so a new planner input is one field here. `resolved()` fills what a
 field leaves to the device or gives as text (`zero`, `pools`, `lora_targets`), `check()` rejects bad
 input with the argument's name.
 """
@@ -112,7 +112,7 @@ class Spec:
     kl_in_loss: bool = False
     """--stage grpo: the KL to the reference in the loss, or no KL penalty (`fastrlhf ppo --kl_in_loss` or
     --kl_coef 0). The update's first minibatch then forms its own old log-probs, so phase 3's actor forward scores
-    the other rows only (`fastrlhf.ppo.old_from_first_update`, with old_logprobs recompute)."""
+    the other rows only (`fastrlhf.train.recipes.ppo.old_from_first_update`, with old_logprobs recompute)."""
     offload: str = "none"
     """none; optimizer: DeepSpeed ZeRO-Offload (optimizer states and fp32 gradient partitions on the host, stage
     1-3); params: the weights too (ZeRO-3 / FSDP2 CPUOffloadPolicy)."""
@@ -219,7 +219,8 @@ def student_arch(spec: Spec) -> Arch:
 
 def resolved(spec: Spec) -> Spec:
     """`spec` with its text fields parsed and what it leaves to the device filled in: dtype None = fp32 on cpu,
-    else bf16; rollout_cache auto = static for hf generate on one GPU, else dynamic (fastrlhf.ppo.rollout_cache)."""
+    else bf16; rollout_cache auto = static for hf generate on one GPU, else dynamic
+    (fastrlhf.train.recipes.ppo.rollout_cache)."""
     changes = {}
     if isinstance(spec.zero, str):
         changes["zero"] = parse_zero(spec.zero)

@@ -48,7 +48,7 @@ def cpu_threads(cpu_threads_: int | None, dev: Device, arch: Arch) -> int:
 
 
 def new_work(dev: Device, arch: Arch, cpu_threads_: int | None = None, peak: float | None = None) -> Work:
-    """Empty work at the device's rates: a CPU run of a small model uses one thread (fastrlhf.models), and the
+    """Empty work at the device's rates: a CPU run of a small model uses one thread (fastrlhf.train.models), and the
     probe's one-thread figures are used then."""
     if dev.kind == "cpu":
         threads = cpu_threads(cpu_threads_, dev, arch)

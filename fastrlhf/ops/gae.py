@@ -3,7 +3,7 @@
 
 Whitening over data-parallel ranks: each rank takes `raw_moments(x, mask)` (n, sum x, sum x^2 in
 float64: additive), the caller all-reduces them, and `whiten(x, mask, moments=...)` whitens its
-share with the whole batch's mean and variance. The math stays here; fastrlhf.distributed only sums.
+share with the whole batch's mean and variance. The math stays here; fastrlhf.train.distributed only sums.
 
 Custom ops (what torch.compile sees; eager calls run the same bodies, ops._dispatch): fastrlhf::gae ->
 (advantages, returns), fastrlhf::whiten, fastrlhf::raw_moments, fastrlhf::whiten_with_moments. No

@@ -89,7 +89,7 @@ def _fake_run(tmp_path):
     and the SFT policy and reward model it used (tiny, random)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fastrlhf.task import build_char_tokenizer
+    from fastrlhf.train.task import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -97,7 +97,7 @@ def _fake_run(tmp_path):
     for stage in ("sft", "rm"):
         LlamaForCausalLM(config).save_pretrained(tmp_path / stage / "final")
         tokenizer.save_pretrained(tmp_path / stage / "final")
-    from fastrlhf.config import PipelineConfig, to_dict
+    from fastrlhf.train.config import PipelineConfig, to_dict
 
     (tmp_path / "config.json").write_text(json.dumps(to_dict(PipelineConfig())))
     ppo = {"device": "cpu", "max_prompt_len": 32, "max_new_tokens": 16}  # the lengths as the stage resolved them

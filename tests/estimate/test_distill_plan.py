@@ -41,8 +41,8 @@ def test_the_student_trains_and_the_teacher_is_frozen_in_fp32():
 def test_the_planner_predicts_the_trainers_state_bytes(tmp_path, capsys, lora_rank):
     """The distillation stage's parameters, gradients and AdamW states on one CPU process (its summary's
     state_bytes: student and teacher under one root) equal the planner's student + teacher, to the byte."""
-    from fastrlhf import distill
-    from fastrlhf.config import DistillConfig
+    from fastrlhf.train.config import DistillConfig
+    from fastrlhf.train.recipes import distill
 
     cfg = DistillConfig(model="tiny-student", teacher="tiny", out=str(tmp_path), steps=1, batch_size=2,
                         num_examples=8, eval_prompts=2, device="cpu", lora_rank=lora_rank)

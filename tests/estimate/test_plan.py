@@ -72,9 +72,9 @@ def test_config_json_path(tmp_path):
 
 
 def test_training_preset_names_resolve_to_the_trainers_models():
-    """`--model qwen2-0.5b` is `fastrlhf ppo --model qwen2-0.5b`: fastrlhf.models' config, not a copy."""
-    from fastrlhf.models import BUILTIN_MODELS
-    from fastrlhf.task import build_char_tokenizer
+    """`--model qwen2-0.5b` is `fastrlhf ppo --model qwen2-0.5b`: fastrlhf.train.models' config, not a copy."""
+    from fastrlhf.train.models import BUILTIN_MODELS
+    from fastrlhf.train.task import build_char_tokenizer
 
     for name in BUILTIN_MODELS:
         config = BUILTIN_MODELS[name](len(build_char_tokenizer()))
@@ -447,9 +447,9 @@ def test_grpo_is_critic_free_with_g_samples_per_prompt():
 
 
 def test_phase_3_scores_what_the_trainer_scores():
-    """The logprobs phase runs the forwards `fastrlhf.ppo.experience` runs: with old_logprobs sampler the actor's
-    trunk only where PPO's shared value head needs values (no lm_head), none for GRPO; GRPO with the KL in the loss
-    leaves the first minibatch's rows to the update (`ppo.old_from_first_update`)."""
+    """The logprobs phase runs the forwards `fastrlhf.train.recipes.ppo.experience` runs: with old_logprobs sampler
+    the actor's trunk only where PPO's shared value head needs values (no lm_head), none for GRPO; GRPO with the KL in
+    the loss leaves the first minibatch's rows to the update (`ppo.old_from_first_update`)."""
     base = dict(model="qwen2-0.5b", gpu="h100", lora_rank=16, reward="rule", seq_len=64, gen_len=256,
                 rollout_batch=16, micro_batch=16)
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from fastrlhf import estimate as est
-from fastrlhf.config import help_text
 from fastrlhf.estimate import phases
 from fastrlhf.estimate.spec import Spec
+from fastrlhf.train.config import help_text
 
 
 def test_every_spec_field_is_a_command_line_key_with_its_help(capsys):

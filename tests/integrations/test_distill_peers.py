@@ -245,7 +245,7 @@ def _distill_run(tmp_path, integration, use_patch, dtype=torch.float32):
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
 
-    from fastrlhf.task import build_char_tokenizer
+    from fastrlhf.train.task import build_char_tokenizer
 
     (integration.patch if use_patch else integration.unpatch)()
     tok = build_char_tokenizer()

@@ -64,7 +64,7 @@ def grpo_run(tmp_path, integration, use_patch, dtype=torch.float32, steps=3, hea
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastrlhf.task import build_char_tokenizer
+    from fastrlhf.train.task import build_char_tokenizer
 
     if use_patch:
         integration.patch()

@@ -1,0 +1,795 @@
+"""fastrlhf's own decode engine for rollouts (`--rollout_engine graph`): one compiled, CUDA-graph
+captured decode step over private rollout weights and a static KV cache, sampling inside the step.
+
+What a rollout does, in the manner of gpt-fast's owned decode loop:
+
+1. refresh   the rollout weights are re-formed in place from the policy (same addresses):
+             W + s * B @ A in fp32 for every LoRA-wrapped linear, cast once to the engine's dtype,
+             q/k/v fused into one matrix and gate/up into another. The trained weights are only read.
+2. prefill   the prompts, left-padded to the run's maximum prompt length P (one shape for the run),
+             run once, eagerly, filling KV slots [0, P) and sampling the first token.
+3. decode    R - 1 replays of one step (compiled with fullgraph=True and static shapes; on CUDA
+             captured once as a CUDA graph). A step reads the last token, writes its K/V at slot
+             P + t - 1, attends over the whole static cache with a mask of written, non-padding slots,
+             samples, and advances tokens, log-probs, positions, EOS flags and the RNG counter in
+             place: no host sync. Every CHECK_EVERY steps the host reads an all-EOS flag copied
+             without blocking and stops early.
+
+Attention is grouped-query without repeat_kv: each KV head's G = heads / kv_heads query heads are
+packed as G queries of that head, so K and V are read at their own head count.
+
+Sampling is exact: token = argmax(logits / T - log E) with E ~ Exp(1) i.i.d. per vocabulary entry,
+i.e. argmax(p / E), which draws from p = softmax(logits / T). E comes from a counter-based hash
+(`uniform`): its state is one int64 counter tensor advanced inside the step, so the same step gives
+fresh draws on every replay, on CPU, under torch.compile and inside a CUDA graph alike, and a
+rollout is reproducible from its seed (drawn from torch's generator, so torch.manual_seed and
+distributed.seed_per_rank apply). The step also keeps the sampler's own log-probs of its tokens.
+With --rollout_sampler inverse_cdf the step draws by inversion instead (one 53-bit uniform per row from
+the same hash against the float64 running sum of the probabilities: `sample`), the same distribution
+for a fraction of the arithmetic where the hash of B x V words costs (one CPU thread).
+
+Supported: the decoder families of MODEL_TYPES (Llama, Qwen2/2.5, Qwen3, Mistral, and the built-in
+`tiny`, a Llama) with plain LoRA adapters or none; `unsupported_reason` names what is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from fastrlhf.train.data import left_pad
+from fastrlhf.train.models import lm_head, trunk, unwrap
+
+log = logging.getLogger("fastrlhf")
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type of the supported decoder families
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at build time (dynamic / longrope change it)
+CHECK_EVERY = 16  # the host reads the all-EOS flag every this many decode steps
+MASK32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- support
+
+
+def _lora_layers(lm):
+    """The peft LoRA layers inside `lm` (none for a plain model)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    return [m for m in lm.modules() if isinstance(m, LoraLayer)]
+
+
+def unsupported_reason(lm) -> str | None:
+    """Why the engine cannot sample from `lm` (a HF causal LM, or a peft model around one), or None."""
+    base = unwrap(lm)
+    config = base.config
+    kind = getattr(config, "model_type", type(base).__name__)
+    if kind not in MODEL_TYPES:
+        return f"model type {kind!r} is not one the engine implements ({', '.join(MODEL_TYPES)})"
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        return (f"rope_type {rope_type!r} changes the rotary frequencies with the length (supported: "
+                f"{', '.join(ROPE_TYPES)})")
+    for name, p in base.named_parameters():
+        if not p.is_floating_point():
+            return f"parameter {name} is {p.dtype} (quantized weights are not supported)"
+    for layer in _lora_layers(lm):
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) > 1:
+            return f"{len(active)} active LoRA adapters (the engine merges one)"
+        if any(a in getattr(layer, "lora_variant", {}) for a in active) or any(
+                getattr(layer, "use_dora", {}).get(a) for a in active):
+            return "a LoRA variant (DoRA or another) that is not a plain W + s * B @ A"
+        if getattr(layer, "fan_in_fan_out", False):
+            return "LoRA with fan_in_fan_out (Conv1D-style weights)"
+    return None
+
+
+# ---------------------------------------------------------------- shapes and constants
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Everything the step's arithmetic depends on besides tensors: fixed for an engine (dynamo
+    guards on it, so it is part of the compiled step's identity)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    eps: float
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation (transformers' ACT2FN[hidden_act])
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    windows: tuple  # per layer: sliding window (keys at slots > q_slot - window), or None
+    rope_scaling: float  # attention_scaling of the rotary embedding (yarn's mscale; 1 otherwise)
+    batch: int
+    prompt_len: int  # P: prompts are left-padded to it
+    new_tokens: int  # R: tokens sampled per row, EOS included
+    temperature: float
+    eos_id: int
+    fp32_out_mm: bool  # lm_head and attention scores as bf16/fp16 matmuls with fp32 output (CUDA), else cast after
+    inverse_cdf: bool = False  # the draw: by inversion (one uniform per row), else the exponential race (`sample`)
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _config_spec(lm, *, batch: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
+                 fp32_out_mm: bool, inverse_cdf: bool = False) -> Spec:
+    config = unwrap(lm).config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    max_len = prompt_len + new_tokens
+    if config.model_type == "mistral":
+        windows = [config.sliding_window] * config.num_hidden_layers
+    elif config.model_type in ("qwen2", "qwen3"):
+        windows = [config.sliding_window if kind == "sliding_attention" else None for kind in config.layer_types]
+    else:
+        windows = [None] * config.num_hidden_layers
+    windows = tuple(w if w is not None and w < max_len else None for w in windows)  # no effect past the cache
+    return Spec(layers=config.num_hidden_layers, heads=heads, kv_heads=config.num_key_value_heads,
+                head_dim=head_dim, hidden=config.hidden_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
+                act=ACT2FN[config.hidden_act], qk_norm=config.model_type == "qwen3", windows=windows,
+                rope_scaling=float(trunk(lm).rotary_emb.attention_scaling), batch=batch, prompt_len=prompt_len,
+                new_tokens=new_tokens, temperature=float(temperature), eos_id=int(eos_id),
+                fp32_out_mm=fp32_out_mm, inverse_cdf=inverse_cdf)
+
+
+def rollout_memory_bytes(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                         tied: bool, head_dim: int | None = None, batch: int, max_len: int, dtype_bytes: int = 2,
+                         shares_head: bool = False) -> dict[str, int]:
+    """Bytes the engine holds (plain arithmetic, for the planner): `weights` (the fused, merged
+    layer matrices and norms, the embedding and lm_head unless `shares_head`: LoRA on one process,
+    where the frozen base's own tensors are read), `kv_cache` [layers, B, kv_heads, T, head_dim] x 2
+    and `logits` (the step's fp32 [B, V]). Biases and Qwen3's q/k norms, a few
+    vectors per layer, are left out."""
+    d = head_dim or hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * d + heads * d * hidden + 3 * hidden * intermediate + 2 * hidden
+    weights = layers * per_layer + hidden
+    if not shares_head:
+        weights += vocab * hidden * (1 if tied else 2)
+    return {"weights": weights * dtype_bytes, "kv_cache": 2 * layers * batch * kv_heads * max_len * d * dtype_bytes,
+            "logits": batch * vocab * 4}
+
+
+# ---------------------------------------------------------------- weights
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    ln1: torch.Tensor  # [H] input RMSNorm
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) D, H]: q, k, v stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, heads D]
+    o_bias: torch.Tensor | None
+    ln2: torch.Tensor  # [H] post-attention RMSNorm
+    gate_up: torch.Tensor  # [2 I, H]: gate, up stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class Weights:
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    head: torch.Tensor  # [V, H] (the embedding itself when tied)
+    head_bias: torch.Tensor | None
+    inv_freq: torch.Tensor  # [D / 2] fp32
+    layers: list[LayerWeights]
+    value: torch.Tensor | None = None  # [1, H] fp32: the critic's value head, read in place (`generate`)
+    value_bias: torch.Tensor | None = None
+
+
+def _linear_parts(m) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+    """(base weight, base bias, [(scale, B, A, B's bias)] of the active adapters) of a Linear,
+    plain or peft-LoRA-wrapped."""
+    if not hasattr(m, "get_base_layer"):
+        return m.weight, m.bias, []
+    base = m.get_base_layer()
+    if m.merged or m.disable_adapters:
+        return base.weight, base.bias, []
+    deltas = [(m.scaling[a], m.lora_B[a].weight, m.lora_A[a].weight, m.lora_B[a].bias)
+              for a in m.active_adapters if a in m.lora_A]
+    return base.weight, base.bias, deltas
+
+
+@torch.no_grad()
+def _merged(m) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W + s * B @ A, bias + s * b_B) of a Linear, formed in fp32 (without LoRA: its own tensors)."""
+    weight, bias, deltas = _linear_parts(m)
+    if not deltas:
+        return weight, bias
+    w = weight.float()
+    b = None if bias is None else bias.float()
+    for scale, B, A, b_B in deltas:
+        w = torch.addmm(w, B.float(), A.float(), alpha=scale)
+        if b_B is not None:
+            b = (torch.zeros(w.shape[0], device=w.device) if b is None else b) + scale * b_B.float()
+    return w, b
+
+
+def _has_bias(m) -> bool:
+    weight, bias, deltas = _linear_parts(m)
+    return bias is not None or any(d[3] is not None for d in deltas)
+
+
+def _sources(lm) -> tuple[dict, list[dict], list[dict]]:
+    """The policy's tensors the rollout weights are formed from: {name: (weight, bias)} of the
+    model-wide ones; per layer {name: tensor} of the norms and {name: [Linear, ...]} of the fused
+    matrices (their rows stacked in this order)."""
+    body, head = trunk(lm), lm_head(lm)
+    top = {"embed": (body.embed_tokens.weight, None), "norm": (body.norm.weight, None),
+           "head": (head.weight, head.bias)}
+    norms, linears = [], []
+    for layer in body.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norm = {"ln1": layer.input_layernorm.weight, "ln2": layer.post_attention_layernorm.weight}
+        if hasattr(attn, "q_norm"):
+            norm |= {"q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight}
+        norms.append(norm)
+        linears.append({"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+                        "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]})
+    return top, norms, linears
+
+
+@torch.no_grad()
+def _merge_into(weight: torch.Tensor, bias: torch.Tensor | None, modules) -> None:
+    """Each module's merged weight (and bias, 0 where it has none) into its rows of `weight` / `bias`:
+    one fp32 temporary per projection, cast once by the copy."""
+    row = 0
+    for m in modules:
+        w, b = _merged(m)
+        rows = slice(row, row + w.shape[0])
+        weight[rows].copy_(w)
+        if bias is not None and b is not None:
+            bias[rows].copy_(b)
+        elif bias is not None:
+            bias[rows].zero_()
+        row += w.shape[0]
+
+
+# ---------------------------------------------------------------- the arithmetic of a step
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over the last dim (HF's apply_rotary_pos_emb)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
+    """(cos, sin) [..., D] of integer positions, computed in fp32 and cast, as HF's rotary embedding."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """a @ b (batched) as fp32: bf16/fp16 inputs accumulated and stored in fp32 where that runs (CUDA)."""
+    if spec.fp32_out_mm:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a, b).float()
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                      spec: Spec) -> torch.Tensor:
+    """q [B, L, heads, D] against k, v [B, kv_heads, T, D] with `allowed` [B, L, T] bool -> [B, L, heads * D].
+    Each KV head's G query heads are packed as G * L queries of that head, so K and V are read once,
+    at their own head count (no repeat_kv): scores in fp32, softmax in fp32, probabilities @ V in the
+    cache's dtype (as flash attention keeps them)."""
+    B, L = q.shape[:2]
+    G, D, KV, T = spec.groups, spec.head_dim, spec.kv_heads, k.shape[2]
+    q = q.view(B, L, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * L, D)
+    scores = _bmm_fp32(q, k.reshape(B * KV, T, D).transpose(1, 2), spec).view(B, KV, G * L, T) * D ** -0.5
+    mask = allowed[:, None].expand(B, G, L, T).reshape(B, 1, G * L, T)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    out = torch.bmm(probs.view(B * KV, G * L, T), v.reshape(B * KV, T, D))
+    return out.view(B, KV, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, spec.heads * D)
+
+
+def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
+    """One decoder layer on x [B, L, H]: attention and the gated MLP, with HF's residual stream.
+    `store(k, v)` puts the new K/V [B, kv_heads, L, D] in the cache and returns the K/V to attend to."""
+    B, L, _ = x.shape
+    D = spec.head_dim
+    qkv = F.linear(rms_norm(x, w.ln1, spec.eps), w.qkv, w.qkv_bias)
+    q, k, v = qkv.split([spec.heads * D, spec.kv_heads * D, spec.kv_heads * D], dim=-1)
+    q, k, v = q.view(B, L, spec.heads, D), k.view(B, L, spec.kv_heads, D), v.view(B, L, spec.kv_heads, D)
+    if spec.qk_norm:
+        q, k = rms_norm(q, w.q_norm, spec.eps), rms_norm(k, w.k_norm, spec.eps)
+    q, k = rotary(q, cos[:, :, None], sin[:, :, None]), rotary(k, cos[:, :, None], sin[:, :, None])
+    k_all, v_all = store(k.transpose(1, 2), v.transpose(1, 2))
+    x = x + F.linear(grouped_attention(q, k_all, v_all, allowed, spec), w.o, w.o_bias)
+    gate, up = F.linear(rms_norm(x, w.ln2, spec.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(spec.act(gate) * up, w.down, w.down_bias)
+
+
+def heads_of(x: torch.Tensor, weights: Weights, spec: Spec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 [B, V] logits / temperature, fp32 [B] values or None) of the last layer's output x [B, H]:
+    the final norm, then the lm_head, and the critic's value head where the engine was given one (on
+    h.float(), as fastrlhf.train.heads.ActorCritic)."""
+    h = rms_norm(x, weights.norm, spec.eps)
+    values = None if weights.value is None else F.linear(h.float(), weights.value, weights.value_bias).squeeze(-1)
+    return logits_of(h, weights, spec), values
+
+
+def logits_of(h: torch.Tensor, weights: Weights, spec: Spec) -> torch.Tensor:
+    """fp32 [B, V] logits / temperature of the final-normed hidden states h [B, H]."""
+    if spec.fp32_out_mm:
+        logits = torch.mm(h, weights.head.t(), out_dtype=torch.float32)
+        if weights.head_bias is not None:
+            logits = logits + weights.head_bias.float()
+    else:
+        logits = F.linear(h, weights.head, weights.head_bias).float()
+    return logits if spec.temperature == 1.0 else logits / spec.temperature
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 0 <= x < 2^32 without int64 overflow (16-bit halves of c)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash on int64 0 <= x < 2^32 (C. Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def random_bits(rng: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """int64 words in [0, 2^32) of `shape` for the state rng = [seed, counter] (int64): two rounds of
+    hash32 keyed by hash32(seed ^ hash32(counter)), over the element index."""
+    key = hash32(rng[0] ^ hash32(rng[1]))
+    idx = torch.arange(shape[0] * shape[1], device=rng.device, dtype=torch.int64).view(shape)
+    return hash32((hash32(idx ^ key) + key) & MASK32)
+
+
+def uniform(rng: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """fp32 uniforms in (0, 1) of `shape` from `random_bits`. Values near 0 keep float precision (down
+    to 2^-33): they are the small E = -log1p(-u) that decide rare tokens."""
+    return ((random_bits(rng, shape).float() + 0.5) * 2.0 ** -32).clamp(max=1.0 - 2.0 ** -24)
+
+
+def uniform64(rng: torch.Tensor, rows: int) -> torch.Tensor:
+    """float64 uniforms in [0, 1] [rows, 1], one per row from two words of `random_bits` (2^-53 apart
+    everywhere, as torch.rand's float64: inversion needs the resolution at every height, not only near 0;
+    1.0 only when the 64 bits round up to it)."""
+    h = random_bits(rng, (rows, 2)).double()
+    return (h[:, :1] * 2.0 ** 32 + h[:, 1:]) * 2.0 ** -64
+
+
+def draw_by_inversion(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B, 1] long, its log-prob [B, 1] fp32) drawn from softmax(x) [B, V] (fp32) by inversion with
+    u [B, 1] float64 uniforms in [0, 1]: the first token whose float64 running sum of exp(x - max) passes
+    u x the total, kept below the total (so a token of probability 0, which adds nothing to the sum, is
+    never drawn); log-prob x[token] - max - log(total). A row with a NaN or +inf logit gets a NaN log-prob.
+    Shared by the graph engine's step and generate's logits processor (fastrlhf.train.rollout.InverseCDF)."""
+    top = x.amax(-1, keepdim=True)
+    cdf = (x - top).exp_().double().cumsum_(-1)  # unnormalised: u is scaled to the total
+    total = cdf[:, -1:]
+    token = torch.searchsorted(cdf, torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total))),
+                               right=True).clamp_(max=x.shape[-1] - 1)  # a NaN row searches past the end
+    return token, (x.gather(-1, token) - top - total.log()).float()
+
+
+def sample(scores: torch.Tensor, rng: torch.Tensor, inverse_cdf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], its log-prob [B]) drawn from softmax(scores) [B, V] (fp32, temperature applied).
+    The exponential race: argmax(scores - log E), E = -log1p(-u) ~ Exp(1), i.e. argmax(p / E), one
+    uniform per vocabulary entry. `inverse_cdf`: `draw_by_inversion`, one uniform per row; ~5x less
+    arithmetic per step on one CPU thread, where the hash of B x V words is most of a small model's step."""
+    if not inverse_cdf:
+        noise = -torch.log(-torch.log1p(-uniform(rng, scores.shape)))
+        token = torch.argmax(scores + noise, dim=-1)
+        return token, scores.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+    token, logp = draw_by_inversion(scores, uniform64(rng, scores.shape[0]))
+    return token.squeeze(-1), logp.squeeze(-1)
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclasses.dataclass
+class State:
+    """Every tensor a rollout reads or advances; allocated once per (batch, lengths) and reused."""
+
+    k_cache: list[torch.Tensor]  # per layer [B, kv_heads, T, D] (separate tensors: a step updates each in place)
+    v_cache: list[torch.Tensor]
+    valid: torch.Tensor  # [B, T] bool: slot written and not padding
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P] bool
+    tokens: torch.Tensor  # [B, R] long: sampled tokens
+    logps: torch.Tensor  # [B, R] fp32: their log-probs under the sampler
+    values: torch.Tensor  # [B, R] fp32: the value head's at the state before each token (with a value head)
+    last: torch.Tensor  # [B] long: the token the next step reads
+    position: torch.Tensor  # [B] long: its position id
+    t: torch.Tensor  # [1] long: the column the next step writes (its K/V go to slot P + t - 1)
+    done: torch.Tensor  # [B] bool: EOS sampled
+    all_done: torch.Tensor  # [1] bool
+    rng: torch.Tensor  # [2] long: seed, counter
+
+    @classmethod
+    def allocate(cls, spec: Spec, dtype, device) -> State:
+        B, P, R, T = spec.batch, spec.prompt_len, spec.new_tokens, spec.max_len
+        cache = (B, spec.kv_heads, T, spec.head_dim)
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(k_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
+                   v_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
+                   valid=zeros(B, T, dtype=torch.bool), prompt_ids=zeros(B, P),
+                   prompt_mask=zeros(B, P, dtype=torch.bool),
+                   tokens=zeros(B, R), logps=zeros(B, R, dtype=torch.float32),
+                   values=zeros(B, R, dtype=torch.float32), last=zeros(B), position=zeros(B),
+                   t=zeros(1), done=zeros(B, dtype=torch.bool), all_done=zeros(1, dtype=torch.bool), rng=zeros(2))
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out += value if isinstance(value, list) else [value]
+        return out
+
+
+def _window(allowed: torch.Tensor, q_slot: torch.Tensor, spec: Spec, layer: int) -> torch.Tensor:
+    """`allowed` [B, L, T] narrowed to layer's sliding window: key slots > the query's slot - window."""
+    w = spec.windows[layer]
+    if w is None:
+        return allowed
+    slots = torch.arange(allowed.shape[-1], device=allowed.device)
+    return allowed & (slots > q_slot[..., None] - w)
+
+
+@torch.no_grad()
+def prefill(weights: Weights, state: State, spec: Spec) -> None:
+    """The prompts in one pass: K/V of slots [0, P), the first sampled token and the state of step t = 1."""
+    P = spec.prompt_len
+    mask = state.prompt_mask
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    cos, sin = rotary_tables(positions, weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
+    slots = torch.arange(P, device=mask.device)
+    # causal over real tokens; a padding query also sees itself (a row with no key would be NaN)
+    allowed = ((slots[None, :] <= slots[:, None]) & mask[:, None, :]) | torch.eye(P, dtype=torch.bool,
+                                                                                   device=mask.device)
+    x = weights.embed[state.prompt_ids]
+    for i, w in enumerate(weights.layers):
+        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # slots [0, P); attend to them
+            k_cache[:, :, :P] = k
+            v_cache[:, :, :P] = v
+            return k, v
+
+        x = decoder_layer(x, w, spec, cos, sin, store, _window(allowed, slots[None, :], spec, i))
+    logits, values = heads_of(x[:, -1], weights, spec)
+    token, logp = sample(logits, state.rng, spec.inverse_cdf)
+    state.valid.zero_()
+    state.valid[:, :P] = mask
+    state.tokens[:, 0] = token
+    state.logps[:, 0] = logp
+    if values is not None:
+        state.values[:, 0] = values
+    state.last.copy_(token)
+    state.position.copy_(mask.sum(-1))
+    state.t.fill_(1)
+    state.done.copy_(token == spec.eos_id)
+    state.all_done.copy_(state.done.all().view(1))
+    state.rng[1] += 1
+
+
+def decode_step(weights: Weights, state: State, spec: Spec) -> None:
+    """One token for every row, entirely in place on `state` (static shapes, no host sync): the body
+    that is compiled and captured. Columns and slots are clamped so that a replay past the end
+    (never issued) would still index inside the buffers."""
+    t = state.t.clamp(max=spec.new_tokens - 1)
+    slot = (t + spec.prompt_len - 1).clamp(max=spec.max_len - 1)  # [1]
+    state.valid.index_fill_(1, slot, True)
+    cos, sin = rotary_tables(state.position[:, None], weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
+    x = weights.embed[state.last][:, None]  # [B, 1, H]
+    for i, w in enumerate(weights.layers):
+        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # at `slot`; attend to every slot
+            k_cache.index_copy_(2, slot, k)
+            v_cache.index_copy_(2, slot, v)
+            return k_cache, v_cache
+
+        x = decoder_layer(x, w, spec, cos, sin, store, _window(state.valid[:, None], slot.view(1, 1), spec, i))
+    logits, values = heads_of(x[:, 0], weights, spec)
+    token, logp = sample(logits, state.rng, spec.inverse_cdf)
+    state.tokens.index_copy_(1, t, token[:, None])
+    state.logps.index_copy_(1, t, logp[:, None])
+    if values is not None:
+        state.values.index_copy_(1, t, values[:, None])
+    state.last.copy_(token)
+    state.position.add_(1)
+    state.t.add_(1)
+    state.done.logical_or_(token == spec.eos_id)
+    state.all_done.copy_(state.done.all().view(1))
+    state.rng[1:].add_(1)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def _mm_has_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm and torch.bmm(a, b, out_dtype=torch.float32) run here for `dtype` inputs (CUDA,
+    recent torch): then logits and attention scores are accumulated and stored in fp32, not rounded
+    to `dtype` first."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 2, device=device, dtype=dtype)
+        return (torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+                and torch.bmm(a[None], a[None], out_dtype=torch.float32).dtype == torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+class DecodeEngine:
+    """Rollouts of `batch` rows, prompts of at most `prompt_len` tokens, `new_tokens` sampled tokens
+    per row. `generate(lm, ...)` refreshes the rollout weights from `lm`, prefills, decodes.
+
+    dtype       the rollout weights' and cache's dtype: bf16 on CUDA (what the HF path computes in
+                under autocast), the model's own dtype elsewhere
+    compile     torch.compile(decode_step, fullgraph=True, dynamic=False); False runs the same
+                function eagerly (tests)
+    cuda_graph  capture the compiled step once as a CUDA graph and replay it (CUDA only)
+    share_frozen  read the embedding / lm_head of the policy in place when they are frozen, of the
+                engine's dtype and persistent (one process, LoRA): no copy of 2 x V x H
+    inverse_cdf  draw by inversion, one uniform per row (--rollout_sampler inverse_cdf), instead of
+                the exponential race over one uniform per vocabulary entry (`sample`)
+    """
+
+    def __init__(self, lm, *, batch: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
+                 pad_id: int, device: torch.device, dtype: torch.dtype | None = None, compile: bool = True,
+                 cuda_graph: bool | None = None, share_frozen: bool = True, inverse_cdf: bool = False):
+        reason = unsupported_reason(lm)
+        if reason is not None:
+            raise ValueError(f"rollout engine: {reason}")
+        for name, value in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout engine: {name} must be a positive int, got {value!r}")
+        if temperature <= 0:
+            raise ValueError(f"rollout engine: temperature must be > 0, got {temperature}")
+        vocab = unwrap(lm).config.vocab_size
+        if batch * vocab >= 2 ** 32:
+            raise ValueError(f"rollout engine: batch x vocab ({batch} x {vocab}) must be < 2^32 (the sampler's "
+                             "element counter)")
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else lm_head(lm).weight.dtype)
+        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.cuda_graph and self.device.type != "cuda":
+            raise ValueError("rollout engine: cuda_graph needs a CUDA device")
+        self.pad_id = pad_id
+        self.share_frozen = share_frozen
+        fp32_mm = self.dtype in (torch.bfloat16, torch.float16) and _mm_has_fp32_out(self.device, self.dtype)
+        self.spec = _config_spec(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                                 temperature=temperature, eos_id=eos_id, fp32_out_mm=fp32_mm,
+                                 inverse_cdf=inverse_cdf)
+        self.weights: Weights | None = None
+        self.shared: list[torch.Tensor] = []  # the policy's own tensors the engine reads in place
+        self.copied: list[str] = []  # the model-wide tensors (embed, head, norm) refresh copies
+        self.state = State.allocate(self.spec, self.dtype, self.device)
+        self.step = torch.compile(decode_step, fullgraph=True, dynamic=False) if compile else decode_step
+        self.compiled = compile
+        self.graph = None
+        self.flag = torch.zeros(1, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        self.event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.stats = {"compile_s": 0.0, "capture_s": 0.0, "refresh_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
+                      "decode_steps": 0}
+
+    # ------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def refresh(self, lm) -> None:
+        """Re-form the rollout weights from `lm` in place (the same tensors, so a captured graph reads
+        the new values): merged LoRA in fp32, cast once. The first call allocates them."""
+        t0 = time.perf_counter()
+        top, norms, linears = _sources(lm)
+        if self.weights is None:
+            self.weights = self._allocate(lm, top, norms, linears)
+        w = self.weights
+        for name in self.copied:
+            getattr(w, name).copy_(top[name][0])
+        if w.head_bias is not None:
+            w.head_bias.copy_(top["head"][1])
+        for lw, norm, linear in zip(w.layers, norms, linears):
+            for name, tensor in norm.items():
+                getattr(lw, name).copy_(tensor)
+            for name, modules in linear.items():
+                _merge_into(getattr(lw, name), getattr(lw, f"{name}_bias"), modules)
+        self.stats["refresh_s"] = time.perf_counter() - t0
+
+    def _allocate(self, lm, top: dict, norms: list[dict], linears: list[dict]) -> Weights:
+        """The engine's own tensors (empty; `refresh` fills them). The embedding and an untied lm_head
+        are read from the policy in place where that is safe (`share_frozen`, frozen, of the engine's
+        dtype and device); a tied lm_head is the embedding."""
+
+        def empty(*shape):
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+        def model_wide(name):
+            t = top[name][0]
+            if self.share_frozen and not t.requires_grad and t.dtype == self.dtype and t.device == self.device:
+                self.shared.append(t)
+                return t
+            self.copied.append(name)
+            return empty(*t.shape)
+
+        embed = model_wide("embed")
+        head = embed if lm_head(lm).weight is trunk(lm).embed_tokens.weight else model_wide("head")
+        self.copied.append("norm")
+        head_bias = None if top["head"][1] is None else empty(*top["head"][1].shape)
+        layers = []
+        for norm, linear in zip(norms, linears):
+            fields = {f.name: None for f in dataclasses.fields(LayerWeights)}
+            fields |= {name: empty(*t.shape) for name, t in norm.items()}
+            for name, modules in linear.items():
+                rows = sum(_linear_parts(m)[0].shape[0] for m in modules)
+                fields[name] = empty(rows, _linear_parts(modules[0])[0].shape[1])
+                fields[f"{name}_bias"] = empty(rows) if any(map(_has_bias, modules)) else None
+            layers.append(LayerWeights(**fields))
+        inv_freq = trunk(lm).rotary_emb.inv_freq.detach().float().to(self.device).clone()
+        weights = Weights(embed, empty(*top["norm"][0].shape), head, head_bias, inv_freq, layers)
+        log.info("rollout engine: %s", self.memory_summary(weights))
+        return weights
+
+    def memory_bytes(self, weights: Weights | None = None) -> dict[str, int]:
+        """Bytes the engine holds: `weights` (its own rollout weights), `weights_shared` (read from the
+        policy in place, no extra memory), `kv_cache`, `state` (the rest of the per-rollout buffers).
+        The weights are allocated by the first rollout: 0 before it."""
+        weights = weights or self.weights
+        shared = {t.data_ptr() for t in self.shared}
+        tensors = [] if weights is None else [weights.embed, weights.norm, weights.head, weights.head_bias]
+        tensors += [getattr(lw, f.name) for lw in (weights.layers if weights else []) for f in dataclasses.fields(lw)]
+        unique = {t.data_ptr(): t.nbytes for t in tensors if t is not None}
+        kv = sum(t.nbytes for t in self.state.k_cache + self.state.v_cache)
+        return {"weights": sum(b for p, b in unique.items() if p not in shared),
+                "weights_shared": sum(b for p, b in unique.items() if p in shared), "kv_cache": kv,
+                "state": sum(t.nbytes for t in self.state.tensors()) - kv}
+
+    def memory_summary(self, weights: Weights | None = None) -> str:
+        m, s = self.memory_bytes(weights), self.spec
+        mib = 2 ** 20
+        shared = f", {m['weights_shared'] / mib:.1f} MiB read in place from the frozen policy" \
+            if m["weights_shared"] else ""
+        return (f"{m['weights'] / mib:.1f} MiB of {str(self.dtype).removeprefix('torch.')} rollout weights (LoRA "
+                f"merged, q/k/v and gate/up fused){shared}; KV cache {m['kv_cache'] / mib:.1f} MiB for {s.batch} rows "
+                f"x {s.max_len} slots ({s.prompt_len} prompt + {s.new_tokens} new); other state "
+                f"{m['state'] / mib:.1f} MiB")
+
+    # ------------------------------------------------------------ a rollout
+
+    @torch.no_grad()
+    def generate(self, lm, prompt_ids: list[list[int]], value_head: torch.nn.Linear | None = None) -> tuple:
+        """Sample for `prompt_ids` (at most `batch` rows of at most `prompt_len` tokens) with the
+        weights of `lm`: (prompt ids [n, P'] and mask, left-padded to the longest prompt; sampled
+        tokens [n, R']; the sampler's log-probs [n, R'] fp32; the values [n, R'] fp32 of `value_head`
+        (a critic's [H -> 1] head on the same trunk, read in place: what its forward over the rollout
+        gives, up to rounding), or None). R' is the number of columns decoded (all rows had EOS, or
+        new_tokens); nothing after a row's EOS is meaningful. Whether a value head is given is fixed
+        by the first call (a captured step reads it)."""
+        s = self.spec
+        n = len(prompt_ids)
+        if not 1 <= n <= s.batch:
+            raise ValueError(f"rollout engine: got {n} prompts for an engine of batch {s.batch}")
+        longest = max(map(len, prompt_ids))
+        if longest > s.prompt_len:
+            raise ValueError(f"rollout engine: a prompt of {longest} tokens, longer than prompt_len {s.prompt_len}")
+        self.refresh(lm)
+        if self.graph is not None and (value_head is None) != (self.weights.value is None):
+            raise ValueError("rollout engine: the first rollout was captured " +
+                             ("without" if value_head is not None else "with") + " a value head")
+        if value_head is not None:
+            self.weights.value, self.weights.value_bias = value_head.weight, value_head.bias
+        else:
+            self.weights.value = self.weights.value_bias = None
+        ids, mask = left_pad(list(prompt_ids) + [prompt_ids[0]] * (s.batch - n), self.pad_id)
+        pad = s.prompt_len - ids.shape[1]
+        ids, mask = F.pad(ids, (pad, 0), value=self.pad_id), F.pad(mask, (pad, 0))
+        st = self.state
+        st.prompt_ids.copy_(ids, non_blocking=True)
+        st.prompt_mask.copy_(mask.bool(), non_blocking=True)
+        st.rng[0] = int(torch.randint(0, 2 ** 32, (1,)))
+        st.rng[1] = 0
+        if self.cuda_graph and self.graph is None:
+            self.prefill()  # a valid state for the warm-up steps, which advance it
+            self._capture()
+        self.prefill()
+        columns = self.decode()
+        P = s.prompt_len - longest
+        return (st.prompt_ids[:n, P:].clone(), st.prompt_mask[:n, P:].long(), st.tokens[:n, :columns].clone(),
+                st.logps[:n, :columns].clone(), None if value_head is None else st.values[:n, :columns].clone())
+
+    @torch.no_grad()
+    def prefill(self) -> None:
+        """Start the rollout of the prompts in the state (again): K/V of the prompt slots, the first token."""
+        t0 = time.perf_counter()
+        prefill(self.weights, self.state, self.spec)
+        self.stats["prefill_s"] = time.perf_counter() - t0
+
+    def _run_step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step(self.weights, self.state, self.spec)
+
+    @torch.no_grad()
+    def decode(self) -> int:
+        """R - 1 steps after `prefill`, or fewer once every row has had EOS. Returns the number of
+        columns written."""
+        t0 = time.perf_counter()
+        steps = self._decode_loop(t0)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats["decode_s"] = time.perf_counter() - t0
+        self.stats["decode_steps"] = steps
+        return steps + 1
+
+    def _decode_loop(self, t0: float) -> int:
+        """The steps, the all-EOS flag read every CHECK_EVERY steps from a copy issued CHECK_EVERY steps
+        earlier (the host never waits for the step it just launched). Returns the steps run."""
+        pending, t = False, 0
+        for t in range(1, self.spec.new_tokens):
+            if t == 1 and self.compiled and not self.cuda_graph and not self.stats["compile_s"]:
+                self._run_step()  # the first call compiles (a real step all the same): timed apart
+                self.stats["compile_s"] = time.perf_counter() - t0
+                continue
+            self._run_step()
+            if t % CHECK_EVERY == 0 and t < self.spec.new_tokens - 1:
+                if pending:
+                    if self.event is not None:
+                        self.event.synchronize()
+                    if bool(self.flag[0]):
+                        break
+                self.flag.copy_(self.state.all_done, non_blocking=True)
+                if self.event is not None:
+                    self.event.record()
+                pending = True
+        return t
+
+    def _capture(self) -> None:
+        """Compile (3 warm-up calls on a side stream), then capture one step as a CUDA graph."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.step(self.weights, self.state, self.spec)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.stats["compile_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step(self.weights, self.state, self.spec)
+        torch.cuda.synchronize(self.device)
+        self.stats["capture_s"] = time.perf_counter() - t0
+        log.info("rollout engine: decode step compiled in %.1f s, captured as one CUDA graph in %.2f s",
+                 self.stats["compile_s"], self.stats["capture_s"])
