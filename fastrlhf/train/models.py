@@ -318,7 +318,11 @@ def _layer_forward(layer: nn.Module, *args, _backend: str = "inductor", **kwargs
             # dynamic shapes from the first call: the padded width changes with the prompts and responses,
             # and a static first graph would be compiled again (forward and backward) at the first new width
             _COMPILED[forward, _backend] = torch.compile(forward, backend=_backend, dynamic=True)
-        forward = _COMPILED[forward, _backend]
+        # transformers >= 5.25 routes kernel-hub functions through a context variable that each attention
+        # forward sets and resets (kernels' CompileableContextVar): a side effect that breaks the graph under
+        # activation checkpointing unless dynamo may skip replaying it in the backward, where it is a no-op
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return _COMPILED[forward, _backend](layer, *args, **kwargs)
     return forward(layer, *args, **kwargs)
 
 
