@@ -11,15 +11,16 @@ Two kernels. `_decode_attention_fwd_kernel`, one program per (KV row, KV head, b
 SPLIT slots): the H_q / H_kv query heads of the KV head times the L positions (times the G rows of a group,
 for the prefix) are one tile of queries against each K / V tile, which is loaded once for all of them; the
 split's running (max, sum, sum of exp(.) v) go to fp32 partial buffers. A split past its row's written
-slots loads nothing and stores nothing. `_decode_attention_merge_kernel`, one program per query, merges
-the row's valid splits, prefix first, in a fixed order by log-sum-exp. SPLIT depends only on the dtype,
-so a row's reduction order never depends on the batch, the other rows or their lengths.
+slots loads nothing and stores nothing. `_decode_attention_merge_kernel`, one program per (row, KV head,
+block of queries), merges the row's written splits one after the other, prefix first, by log-sum-exp.
+SPLIT depends only on the dtype, so a row's reduction order never depends on the batch, the other rows or
+their lengths.
 
-Where fast: memory-bound decode (L up to a few, H_q / H_kv up to 16), T_max up to 2^31 / D; bytes and work
-in proportion to the written slots; fixed grids (B, H_kv, cdiv(T_max, SPLIT)) and no host sync, so the
-launch can be captured in a CUDA graph. The partial buffers add 4 (D + 2) bytes per query and split: at
-H_q / H_kv = 7, L = 1, about 3% of the K / V bytes. Where not: long query blocks (prefill), and fp32 caches
-(their dots run as fp32 FMAs, not tensor cores).
+Where fast: memory-bound decode (L up to a few, H_q / H_kv up to 16); bytes and work in proportion to the
+written slots; fixed grids (B, H_kv, cdiv(T, SPLIT)), int64 offsets, no host sync, so the launches can be
+captured in a CUDA graph. The partial buffers add 4 (D + 2) bytes per query and split, written once and read
+once by the merge: at H_q / H_kv = 7, L = 1, about 3% of the K / V bytes each way. Where not: long query
+blocks (prefill), and fp32 caches (their dots run as fp32 FMAs, not tensor cores).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from fastrlhf.kernels.kl import _rounded
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x log2 e)
 BLOCK_N = 64  # KV slots per tile; SPLIT is a multiple of it
 MERGE_CHUNK = 16  # splits per step of the merge
-MAX_HEAD_DIM = 256
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -92,6 +92,19 @@ def test_matches_reference(backend, poison, case, dtype):
     assert (out.permute(0, 2, 1, 3)[before] == 0).all()
 
 
+def test_more_queries_than_a_block(backend, poison):
+    """H_q / H_kv x L = 72 queries a row, 144 a prefix group: more than a block holds at D = 128 (64), so the
+    attention and the merge take 2 blocks a row, the prefix 3 a group, each reading the same tiles."""
+    B, H_q, H_kv, L, D, G, T, P = 4, 9, 1, 8, 128, 2, 150, 70
+    q, k, v = torch.randn(B, H_q, L, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, D)
+    lengths = torch.tensor([150, 3, 0, 129], dtype=torch.int32)
+    prefix = (torch.randn(B // G, H_kv, P, D), torch.randn(B // G, H_kv, P, D), torch.tensor([70, 5]), G)
+    out = ops.decode_attention(q, k, v, lengths, scale=D**-0.5, prefix=prefix)
+    want = ref.decode_attention(q.double(), k.double(), v.double(), lengths, scale=D**-0.5, prefix=_double(prefix))
+    assert_close_to_ref(out, want, ref.decode_attention(q, k, v, lengths, scale=D**-0.5, prefix=prefix), atol=1e-6)
+    assert kernels._blocks(1, H_q // H_kv, L, D)[1] == 2 and kernels._blocks(G, H_q // H_kv, L, D)[1] == 3
+
+
 def test_strided_caches(backend, poison):
     """Caches laid out [B, T, H_kv, D] and seen as [B, H_kv, T, D], a transposed q, and the prefix a strided
     view of the first row of each group: read through their strides, as the reference reads them."""
