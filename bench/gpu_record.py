@@ -13,8 +13,8 @@ end: then `summary` is null and the rows say how far it got.
 issue 26's goals as ratios of this run; an engine whose process left no record is named with
 its missing file.
 `status`: every step of gpu_run.sh (rc, seconds, limit, timed out) with the environment and
-source revision. `summary`: a short text of both, the bench targets and bench/e2e.py's figures
-(OUT/e2e.json), printed last.
+source revision. `summary`: a short text of both, the bench targets, bench/decode_attention.py's goals
+(OUT/decode_attention.json) and bench/e2e.py's figures (OUT/e2e.json), printed last.
 """
 
 from __future__ import annotations
@@ -148,10 +148,25 @@ def summary_text(out: Path) -> str:
             value = "-" if g["value"] is None else f"{g['value']:.3g}"
             lines.append(f"  {g['name']:<70} {g['goal']:>16} {value:>8}  "
                          f"{ {True: 'MET', False: 'missed', None: '-'}[g['met']]}")
+    decode_path = out / "decode_attention.json"
+    if decode_path.is_file():
+        lines += decode_attention_summary(json.loads(decode_path.read_text()))
     e2e_path = out / "e2e.json"
     if e2e_path.is_file():
         lines += e2e_summary(json.loads(e2e_path.read_text()))
     return "\n".join(lines)
+
+
+def decode_attention_summary(record: dict) -> list[str]:
+    """bench/decode_attention.py's record: the goals (ratios of its run) and fastrlhf's errors."""
+    p = record["probes"]
+    lines = [f"decode_attention ({record['device']}, finished={record['finished']}): copy probe "
+             f"{p['copy_gbps']:.0f} GB/s, {len(record['cases'])} cases"]
+    for g in record["goals"]:
+        value = "-" if g["value"] is None else f"{g['value']:.3g}"
+        met = {True: "MET", False: "missed", None: "-"}[g["met"]]
+        lines.append(f"  {g['name']:<95} {g['goal']:>7} {value:>8}  {met}")
+    return lines + [f"  error: {e['provider']} {e['shape']}: {e['error']}" for e in record["errors"]]
 
 
 def e2e_summary(record: dict) -> list[str]:

@@ -26,6 +26,8 @@
 #   rollout      bench/rollout_bench.py: the graph decode engine vs generate's static and dynamic caches
 #                on qwen2-0.5b (issue 26)                                -> rollout.json
 #   e2e          fastrlhf's GRPO iteration beside TRL's GRPOTrainer      -> e2e.json
+#   decode_attention  bench/decode_attention.py: the decode attention op beside SDPA, flex attention and flash-attn
+#                at the Qwen2.5 head shapes, its goals judged in the run (issue 41)  -> decode_attention.json
 # and always status.json (every step's rc, seconds and limit; commit, kernels tree hash; the environment) and
 # logs.tar.gz (every step's log, env.json and what the parts add to WORK). The device tool returns at most 8
 # files, 16 MiB each, and no folders: keep a call's parts within that.

@@ -7,6 +7,7 @@ registry is `fastrlhf.ops.ADVANTAGES`.
 
 from fastrlhf.ops import (
     agg_loss,
+    decode_attention,
     distill_loss,
     dpo_loss,
     entropy,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "agg_loss",
+    "decode_attention",
     "distill_loss",
     "dpo_loss",
     "entropy",

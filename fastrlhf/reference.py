@@ -48,10 +48,10 @@ from fastrlhf.constants import (
 )
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AGG_MODES", "DPO_LOSS_TYPES", "KL_ESTIMATORS", "MASK_MODES", "SINGLETON_MODES",
-           "absolute", "agg_loss", "clamped", "distill_divergence", "distill_logprobs", "distill_loss", "dpo_loss",
-           "entropy", "gae", "group_index", "kl_shaped_rewards", "linear_distill_loss", "linear_logprobs", "logprobs",
-           "masked", "masked_mean", "outcome_advantages", "policy_loss", "ppo_actor_loss", "token_kl",
-           "topk_distill_loss", "value_loss", "whiten", "whiten_tokens"]
+           "absolute", "agg_loss", "clamped", "decode_attention", "distill_divergence", "distill_logprobs",
+           "distill_loss", "dpo_loss", "entropy", "gae", "group_index", "kl_shaped_rewards", "linear_distill_loss",
+           "linear_logprobs", "logprobs", "masked", "masked_mean", "outcome_advantages", "policy_loss",
+           "ppo_actor_loss", "token_kl", "topk_distill_loss", "value_loss", "whiten", "whiten_tokens"]
 
 
 # ---------------------------------------------------------------- gradient rules at ties
@@ -649,6 +649,48 @@ def topk_distill_loss(student_logits, teacher_ids, teacher_logprobs, mask, *, be
         ent = -_expected_log_ratio(ls_full.exp(), ls_full, torch.zeros_like(ls_full))
         stats = {"entropy": masked_mean(ent.reshape(-1), mask.reshape(-1))}
     return loss, stats
+# ---------------------------------------------------------------- decode attention
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, scale, prefix=None):
+    """out [B, H_q, L, D]: softmax attention of the L queries of each row over its written cache slots.
+
+    q [B, H_q, L, D]; k_cache, v_cache [B, H_kv, T, D] (H_q a multiple of H_kv: query head h reads KV head
+    h // (H_q / H_kv)); lengths [B] = slots written per row. With prefix = (k_prefix, v_prefix,
+    prefix_lengths, G), rows b of a group of G consecutive rows first share the prefix
+    k_prefix[b // G, :, :prefix_lengths[b // G]] and lengths count their own suffix slots. The keys of a row
+    are its prefix slots then its suffix slots, at positions 0, 1, ...; query i sits at position
+    P + n - L + i (P = the row's prefix length, n = lengths[b]) and sees the keys at positions <= its own.
+    A query that sees no key gives 0."""
+    B, H_q, L, D = q.shape
+    group = H_q // k_cache.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        n = int(lengths[b])
+        keys, values = k_cache[b, :, :n], v_cache[b, :, :n]
+        P = 0
+        if prefix is not None:
+            k_prefix, v_prefix, prefix_lengths, G = prefix
+            P = int(prefix_lengths[b // G])
+            keys = torch.cat([k_prefix[b // G, :, :P], keys], dim=1)
+            values = torch.cat([v_prefix[b // G, :, :P], values], dim=1)
+        if P + n == 0:
+            continue  # nothing written: 0
+        keys = keys.repeat_interleave(group, dim=0)  # [H_q, P + n, D]
+        values = values.repeat_interleave(group, dim=0)
+        key_positions = torch.arange(P + n, device=q.device)
+        query_positions = P + n - L + torch.arange(L, device=q.device)
+        visible = key_positions[None, :] <= query_positions[:, None]  # [L, P + n]
+        scores = (q[b] @ keys.transpose(-1, -2)) * scale  # [H_q, L, P + n]
+        scores = torch.where(visible, scores, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, 0.0)  # a query that sees no key: all weights 0
+        weights = torch.where(visible, torch.exp(scores - top), 0.0)
+        total = weights.sum(-1, keepdim=True)
+        out[b] = (weights / torch.where(total > 0, total, 1.0)) @ values
+    return out
+
+
 # ---------------------------------------------------------------- the policy-loss family
 #
 # One function per formula, registered under the names users write (POLICY_LOSSES; a name can be

@@ -96,4 +96,5 @@ def test_ops_layers():
         own = {m for m in GRAPH[name] if m.startswith("fastrlhf.") and not m.startswith("fastrlhf.ops")}
         assert own <= {"fastrlhf.constants", "fastrlhf.reference", "fastrlhf.kernels", "fastrlhf.kernels.logprobs",
                        "fastrlhf.kernels.kl", "fastrlhf.kernels.gae", "fastrlhf.kernels.ppo_loss",
-                       "fastrlhf.kernels.distill", "fastrlhf.kernels.policy_modes"}, (name, own)
+                       "fastrlhf.kernels.distill", "fastrlhf.kernels.policy_modes",
+                       "fastrlhf.kernels.decode_attention"}, (name, own)

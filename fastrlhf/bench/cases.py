@@ -16,6 +16,9 @@ Case sets (`cases(name)`):
     full     the targets plus more vocab sizes, fp32 and a smaller grid (the default on CUDA)
     quick    small shapes: every op on a 2-core CPU in about a minute
     tiny     smaller still: every op, provider and pass in seconds (CI, `gpu_run.sh --dry-run`)
+    decode_attention
+             decode_attention alone at the Qwen2.5-0.5B and 7B head shapes, B in {64, 256}, t in {512, 2048,
+             4096} written slots of T = 4608, G in {1, 8}: what `bench/gpu_run.sh --only decode_attention` times
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ LOGITS_FEW_ROWS = {"B": 1, "T": 128, "V": 151936}  # under one wave of the GPU: 
 LINEAR_TARGET = {"N": 16384, "H": 4096, "V": 151936}
 GRID_TARGET = {"B": 1024, "T": 4096}
 GRID_SMALL = {"B": 4, "T": 256}  # a small micro-batch: where host time decides (issue 23)
+# decode attention: the query / KV heads and head dim of Qwen2.5-0.5B and 7B, over a static cache of T slots of
+# which t are written; G > 1: the first half of the written slots is a prompt shared by G consecutive rows
+DECODE_HEADS = {"qwen2.5-0.5b": {"Hq": 14, "Hkv": 2, "D": 64}, "qwen2.5-7b": {"Hq": 28, "Hkv": 4, "D": 128}}
+DECODE_T = 4608
+DECODE_TARGET = {"B": 64, **DECODE_HEADS["qwen2.5-7b"], "T": DECODE_T, "t": 4096}
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,10 @@ def _grid_cases(bt: dict[str, int]) -> list[Case]:
             Case("value_loss", bt, f32, FWD_FULL)]
 
 
+def _decode_cases(dims: list[dict], groups=(1, 8)) -> list[Case]:
+    return [Case("decode_attention", d | {"G": g}, torch.bfloat16, ("fwd",)) for d in dims for g in groups]
+
+
 def _small_cases(vocab, linear, grid) -> list[Case]:
     out = [Case("logprobs", d, t, ALL3) for d, t in vocab]
     out += [Case("ppo_actor_loss", d, t, FWD_FULL) for d, t in vocab]
@@ -80,7 +92,7 @@ def _target_cases() -> list[Case]:
             Case("linear_logprobs", LINEAR_TARGET, bf16, ALL3),
             Case("linear_ppo_actor_loss", LINEAR_TARGET, bf16, FWD_FULL),
             Case("linear_distill_loss", LINEAR_TARGET, bf16, ("fwd+bwd",)), *_grid_cases(GRID_TARGET),
-            *_grid_cases(GRID_SMALL)]
+            *_grid_cases(GRID_SMALL), *_decode_cases([DECODE_TARGET])]
 
 
 def _full_cases() -> list[Case]:
@@ -92,21 +104,31 @@ def _full_cases() -> list[Case]:
     out += [Case("ppo_actor_loss", {"B": 4, "T": 1024, "V": 32000}, t, FWD_FULL) for t in (bf16, f32)]
     out += [Case("ppo_actor_loss", LOGITS_TARGET_50K, bf16, ("fwd+bwd",))]
     out += [Case("linear_logprobs", {"N": 4096, "H": 4096, "V": 32000}, bf16, ALL3)]
+    out += _decode_cases([{"B": 256, **DECODE_HEADS["qwen2.5-0.5b"], "T": DECODE_T, "t": 2048}])
     return out + _grid_cases({"B": 256, "T": 1024})
 
 
 def _quick_cases() -> list[Case]:
     vocab = [({"B": 2, "T": 256, "V": 32000}, torch.float32), ({"B": 2, "T": 128, "V": 32000}, torch.bfloat16)]
-    return _small_cases(vocab, [({"N": 512, "H": 256, "V": 8000}, torch.float32)], {"B": 64, "T": 512})
+    return _small_cases(vocab, [({"N": 512, "H": 256, "V": 8000}, torch.float32)], {"B": 64, "T": 512}) + \
+        _decode_cases([{"B": 16, **DECODE_HEADS["qwen2.5-0.5b"], "T": 1024, "t": 512}])
 
 
 def _tiny_cases() -> list[Case]:
     vocab = [({"B": 2, "T": 32, "V": 4000}, torch.float32), ({"B": 2, "T": 16, "V": 4001}, torch.bfloat16)]
-    return _small_cases(vocab, [({"N": 64, "H": 32, "V": 1000}, torch.float32)], {"B": 8, "T": 64})
+    return _small_cases(vocab, [({"N": 64, "H": 32, "V": 1000}, torch.float32)], {"B": 8, "T": 64}) + \
+        _decode_cases([{"B": 4, "Hq": 4, "Hkv": 2, "D": 16, "T": 96, "t": 40}], groups=(1, 2))
+
+
+def _decode_attention_cases() -> list[Case]:
+    return _decode_cases([{"B": B, **heads, "T": DECODE_T, "t": t} for heads in DECODE_HEADS.values()
+                          for B in (64, 256) for t in (512, 2048, 4096)])
 
 
 CASE_SETS: dict[str, Callable[[], list[Case]]] = {
-    "targets": _target_cases, "full": _full_cases, "quick": _quick_cases, "tiny": _tiny_cases}
+    "targets": _target_cases, "full": _full_cases, "quick": _quick_cases, "tiny": _tiny_cases,
+    "decode_attention": _decode_attention_cases}
+OP_SETS = ("decode_attention",)  # case sets of one op, named after it
 
 
 def cases(name: str = "full") -> list[Case]:
@@ -191,6 +213,26 @@ def _grid_inputs(*names, grad=None, scores=False, logp=(), mask=True):
     return make
 
 
+def decode_prefix_slots(case: Case) -> int:
+    """P: the written slots of a decode case that its G rows share (the first half), 0 for G = 1."""
+    return case.dims["t"] // 2 if case.dims["G"] > 1 else 0
+
+
+def _decode_inputs(case: Case, device, gen) -> dict:
+    """One cache [B, H_kv, T, D] with t slots written per row, and views of it: `k_written` / `v_written`, the
+    written slice (what a provider without a shared prefix reads); with G > 1 the prompt, its first P slots,
+    as the prefix `k_prefix` = its rows 0, G, 2G, ... and the rest as the suffix cache."""
+    B, H_q, H_kv, D, T, t, G = (case.dims[k] for k in ("B", "Hq", "Hkv", "D", "T", "t", "G"))
+    P = decode_prefix_slots(case)
+    k, v = _randn((B, H_kv, T, D), device, gen, case.dtype), _randn((B, H_kv, T, D), device, gen, case.dtype)
+    full = functools.partial(torch.full, dtype=torch.int32, device=device)
+    out = {"q": _randn((B, H_q, 1, D), device, gen, case.dtype), "k_written": k[:, :, :t], "v_written": v[:, :, :t],
+           "written": full((B,), t), "k_cache": k[:, :, P:], "v_cache": v[:, :, P:], "lengths": full((B,), t - P)}
+    if G > 1:
+        out |= {"k_prefix": k[::G, :, :P], "v_prefix": v[::G, :, :P], "prefix_lengths": full((B // G,), P)}
+    return out
+
+
 # ---------------------------------------------------------------- bytes and FLOPs
 
 
@@ -248,6 +290,14 @@ def _grid_bytes(n_in: int, n_out: int, grad: bool = False, per_row: int = 0, mas
     return count
 
 
+def _decode_bytes(case: Case) -> dict[str, int]:
+    """The K / V bytes the work needs (t written slots per row; the shared prompt once per group), q and out."""
+    B, H_q, H_kv, D, t, G = (case.dims[k] for k in ("B", "Hq", "Hkv", "D", "t", "G"))
+    P, e = decode_prefix_slots(case), _nbytes(case.dtype)
+    slots = B // G * P + B * (t - P)
+    return {"fwd": 2 * slots * H_kv * D * e + 2 * B * H_q * D * e}
+
+
 # ---------------------------------------------------------------- ops
 
 
@@ -299,6 +349,10 @@ OPS: dict[str, Op] = {op.name: op for op in [
     Op("value_loss", _grid_inputs("values", "old_values", "returns", grad="values"), _grid_bytes(3, 0, grad=True),
        "fwd: values, old_values, returns fp32 [B,T], mask bool in (scalar out); bwd: the same in, "
        "d(values) out (clip=0.2)"),
+    Op("decode_attention", _decode_inputs, _decode_bytes,
+       "fwd: q [B,Hq,1,D] bf16, K and V of t written slots per row of a [B,Hkv,T,D] cache (G > 1: the first t/2 a "
+       "prompt shared by G rows, counted once per group) in, out [B,Hq,1,D] out; scale D^-0.5. Peers attend each "
+       "row's t written slots (no shared prefix)"),
 ]}
 
 

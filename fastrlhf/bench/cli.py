@@ -3,6 +3,7 @@
     fastrlhf bench --json out.json --plot out.png          # CUDA, the full case set
     fastrlhf bench --cases targets --budget-s 150           # the target shapes only, within 150 s
     fastrlhf bench --device cpu --cases quick               # every op on a CPU in about a minute
+    fastrlhf bench --cases decode_attention                 # decode attention beside SDPA, flex, flash-attn
 
 Each row: median time (and p10-p90, number of timed calls), GB/s for the bytes counted,
 roofline = ideal / median with ideal = fwd bytes / read-probe GB/s + bwd bytes / copy-probe
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--cases", choices=tuple(CASE_SETS), default=None,
                    help="case set: targets (the target shapes), full (default on CUDA), quick (default on CPU), "
-                        "tiny (seconds, for CI)")
+                        "tiny (seconds, for CI), decode_attention (that op at the Qwen2.5 head shapes)")
     p.add_argument("--quick", action="store_true", help="the same as --cases quick")
     p.add_argument("--ops", type=_csv(tuple(OPS), "op"), default=list(OPS), help="comma list of ops")
     p.add_argument("--providers", type=_csv(PROVIDERS, "provider"), default=None,

@@ -9,6 +9,9 @@
     verl, openrlhf, trl, liger
                            the peers' own functions, when importable (skipped with the reason
                            otherwise; liger needs CUDA)
+    torch (decode_attention)  SDPA with enable_gqa over each row's written slots
+    flex, flash_attn       decode_attention's peers: compiled flex attention and flash-attn's
+                           `flash_attn_with_kvcache` (CUDA; flash_attn where installed)
     matmuls                the bare matmuls of a linear pass (the bound the linear ops are held to)
     trl (linear_distill_loss)  TRL's `_chunked_divergence_loss` (DistillationTrainer's chunked kernel)
 
@@ -27,13 +30,13 @@ import torch
 
 from fastrlhf import ops, reference
 
-PEERS = ("verl", "openrlhf", "trl", "liger")
+PEERS = ("verl", "openrlhf", "trl", "liger", "flex", "flash_attn")
 WEIGHT_ACCUM = "fastrlhf-accum-weight"
 # issue 24: policy-loss modes of ppo_actor_loss timed beside the vanilla one ("fastrlhf"), as providers
 MODES_TIMED = ("gspo", "cispo", "clip_cov")
 MODE_PROVIDERS = {m: f"fastrlhf-{m}" for m in MODES_TIMED}
 PROVIDERS = ("fastrlhf", WEIGHT_ACCUM, *MODE_PROVIDERS.values(), "torch", "torch.compile", *PEERS, "matmuls")
-SLOW_PROVIDERS = ("torch.compile",)  # measured after every other provider of every case (compile time)
+SLOW_PROVIDERS = ("flex", "torch.compile")  # measured after every other provider of every case (compile time)
 ACTOR_KW = {"kl_coef": 0.05, "entropy_coef": 0.01}
 DISTILL_KW = {"beta": 0.5}
 DISTILL_REF_MAX_LOGITS = 2**28  # N x V above which the materialised distillation reference is not run
@@ -154,6 +157,26 @@ def _distill_ref(pass_):
     return run
 
 
+def _decode_ours(pass_):
+    """fastrlhf.ops.decode_attention on the case's cache, and its shared prompt where G > 1."""
+
+    def run(q, k_cache, v_cache, lengths, k_prefix=None, v_prefix=None, prefix_lengths=None, **_):
+        prefix = None if k_prefix is None else (k_prefix, v_prefix, prefix_lengths, q.shape[0] // k_prefix.shape[0])
+        return ops.decode_attention(q, k_cache, v_cache, lengths, scale=q.shape[-1] ** -0.5, prefix=prefix)
+
+    return run
+
+
+def _decode_sdpa(pass_):
+    """SDPA over each row's written slots (the same t for every row of a case), its GQA without repeat_kv."""
+    import torch.nn.functional as F
+
+    def run(q, k_written, v_written, **_):
+        return F.scaled_dot_product_attention(q, k_written, v_written, scale=q.shape[-1] ** -0.5, enable_gqa=True)
+
+    return run
+
+
 # ---------------------------------------------------------------- peers
 
 
@@ -267,6 +290,25 @@ def _openrlhf_value_loss(mod, pass_):
     return lambda values, old_values, returns, mask: first(loss(values, old_values, returns, mask))
 
 
+def _flex_decode(mod, pass_):
+    compiled = torch.compile(mod.flex_attention, dynamic=False)
+
+    def run(q, k_written, v_written, **_):
+        return compiled(q, k_written, v_written, scale=q.shape[-1] ** -0.5, enable_gqa=True)
+
+    return run
+
+
+def _flash_decode(mod, pass_):
+    """flash_attn_with_kvcache on the written slots seen in its [B, T, H, D] layout (views, no copy)."""
+
+    def run(q, k_written, v_written, written, **_):
+        return mod.flash_attn_with_kvcache(q.transpose(1, 2), k_written.transpose(1, 2), v_written.transpose(1, 2),
+                                           cache_seqlens=written, softmax_scale=q.shape[-1] ** -0.5, causal=True)
+
+    return run
+
+
 _VERL_ALGOS, _VERL_F = "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"
 _ORLHF_UTILS, _ORLHF_LOSS = "openrlhf.models.utils", "openrlhf.models.loss"
 _LIGER_F = "liger_kernel.transformers.functional"
@@ -302,6 +344,9 @@ TABLE: dict[str, dict[str, Callable]] = {
     "value_loss": {"fastrlhf": _ours("value_loss"), "torch": _ref("value_loss"),
                    "verl": _peer(_VERL_ALGOS, _verl_value_loss),
                    "openrlhf": _peer(_ORLHF_LOSS, _openrlhf_value_loss)},
+    "decode_attention": {"fastrlhf": _decode_ours, "torch": _decode_sdpa,
+                         "flex": _peer("torch.nn.attention.flex_attention", _flex_decode, cuda_only=True),
+                         "flash_attn": _peer("flash_attn", _flash_decode, cuda_only=True)},
 }
 
 

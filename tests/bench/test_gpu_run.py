@@ -186,3 +186,41 @@ def test_update_part_dry_run(tmp_path):
     assert all(entries["uniform", c, False]["ops_per_layer"] > 0 for c in (False, True))
     assert record["floor_spread"]["padded_micro_batch_padding"]["trunk"] > 0.05  # 12% in the dry run
     assert set(record["goals"]) >= {"update_vs_floor", "spread_packed_vs_padded"}
+
+
+def test_the_decode_attention_part_fits_eight_minutes():
+    """`--only decode_attention` on a GPU: install, environment and the part's step at their limits, and a few
+    seconds for the record, within 8 minutes; the bench inside it stops starting measurements well before."""
+    import re
+
+    script = (ROOT / "bench" / "gpu_run.sh").read_text()
+    part = (ROOT / "bench" / "parts" / "decode_attention.sh").read_text()
+    install, env = (int(x) for x in re.search(r"L_INSTALL=(\d+) L_ENV=(\d+)\n\s*fi", script).groups())
+    step, budget = (int(x) for x in re.search(r"L_DECODE=(\d+) DECODE_ARGS=\(--budget-s (\d+)\)", part).groups())
+    assert install + env + step + 20 <= 8 * 60, (install, env, step)
+    assert budget + 60 <= step, "the bench's budget leaves the step time for a last flex compile and the tile counts"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
+def test_decode_attention_dry_run(tmp_path):
+    """`--only decode_attention --dry-run`: the tiny set's decode cases on CPU (fastrlhf's torch path and SDPA; flex
+    and flash-attn skipped, CUDA only), the kernel's tile counts in the interpreter, every goal computed and none
+    judged off CUDA."""
+    out, proc = _dry_run(tmp_path, "--only", "decode_attention")
+    assert {p.name for p in out.iterdir()} == {"status.json", "decode_attention.json", "logs.tar.gz"}
+    status = json.loads((out / "status.json").read_text())
+    assert [s["name"] for s in status["steps"]] == ["install", "env", "decode_attention"] and status["ok"] is True
+    record = json.loads((out / "decode_attention.json").read_text())
+    assert record["finished"] is True and record["dry_run"] is True and record["errors"] == []
+    assert [e["dims"]["G"] for e in record["cases"]] == [1, 2]
+    for e in record["cases"]:
+        assert {"fastrlhf", "torch"} <= set(e["providers"]) and e["providers"]["fastrlhf"]["backend"] == "torch"
+        kv = e["kernel_kv"]
+        assert kv["tiles"] > 0 and kv["bytes_read"] == kv["bytes_needed_whole_tiles"] >= kv["bytes_needed"]
+    assert {s["provider"] for s in record["skipped"]} >= {"flex", "flash_attn"}
+    names = [g["name"] for g in record["goals"]]
+    assert sum(n.startswith("GPU time / fastest peer") for n in names) == 2
+    assert sum("prompt once" in n for n in names) == 1
+    assert all(g["met"] is None and g["value"] is not None for g in record["goals"])
+    assert "decode_attention (" in proc.stdout  # gpu_record.py's summary

@@ -5,13 +5,15 @@ rejects. Here the same public ops run once more (interpreted, or on the GPU wher
 one) while every launch is recorded with triton's own specialisation; each distinct launch is
 then compiled ahead of time for Hopper and Ampere by worker processes without the interpreter
 (see compile_capture.py). The calls cover each kernel's constexpr variants: dtypes, mode flags,
-the small- and large-vocab block sizes, aligned and unaligned strides, bool and float masks.
+the small- and large-vocab block sizes, aligned and unaligned strides, bool and float masks, the decode
+attention's head shapes and prefix blocks.
 """
 
 import importlib
 import json
 import pkgutil
 
+import numpy
 import pytest
 import torch
 from compile_capture import compile_all, describe, record_launches
@@ -256,7 +258,37 @@ def _distill_calls():
     _grad([loss], (hidden, weight))
 
 
-CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls, _distill_calls)
+def _decode_attention_calls():
+    """kernels/decode_attention.py: the Qwen2.5-0.5B and -7B head shapes (D 64 and 128, H_q / H_kv = 7) in bf16 with
+    the dots the GPU runs (the interpreter's bf16 launch converts its tiles to fp32, kernels.dots_in_fp32; its
+    values are not looked at here), a prefix of G = 8 rows (64 queries a block, 8 warps) with the tile counts,
+    fp16 with L = 4, fp32 (IEEE fp32 dots), and a view of a [B, T, H, D] cache (unaligned strides)."""
+    from fastrlhf.kernels import decode_attention as kernels
+
+    def call(B, H_q, H_kv, L, D, T, dtype, G=None, P=300, count=False, layout="bhtd"):
+        q = torch.randn(B, H_q, L, D, device=DEVICE).to(dtype)
+        if layout == "bhtd":
+            k, v = (torch.randn(B, H_kv, T, D, device=DEVICE).to(dtype) for _ in range(2))
+        else:
+            k, v = (torch.randn(B, T, H_kv, D, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(2))
+        lengths = torch.randint(0, T + 1, (B,), device=DEVICE, dtype=torch.int32)
+        prefix = None
+        if G:
+            prefix = (torch.randn(B // G, H_kv, P, D, device=DEVICE).to(dtype),
+                      torch.randn(B // G, H_kv, P, D, device=DEVICE).to(dtype),
+                      torch.randint(0, P + 1, (B // G,), device=DEVICE), G)
+        kernels.decode_attention_fwd(q, k, v, lengths, scale=D**-0.5, prefix=prefix, count_tiles=count)
+
+    with pytest.MonkeyPatch.context() as mp, numpy.errstate(all="ignore"):  # the interpreter's bf16 dot: garbage
+        mp.setattr(kernels, "dots_in_fp32", lambda dtype, device: dtype not in kernels.HALF_DTYPES)
+        call(2, 14, 2, 1, 64, 300, torch.bfloat16)
+        call(8, 28, 4, 1, 128, 300, torch.bfloat16, G=8, count=True)
+    call(2, 4, 2, 4, 32, 300, torch.float16, layout="bthd")
+    call(4, 4, 1, 1, 16, 200, torch.float32, G=2)
+
+
+CALLS = (_logprobs_calls, _linear_logprobs_calls, _kl_calls, _gae_calls, _whiten_calls, _loss_calls, _distill_calls,
+         _decode_attention_calls)
 
 
 # ---------------------------------------------------------------- fixtures and tests

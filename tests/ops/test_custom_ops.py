@@ -261,7 +261,22 @@ def _topk_distill_loss(dtype):
     return fn, [torch.randn(B, T, V, dtype=dtype, requires_grad=True)]
 
 
+def _decode_attention_inputs(dtype):
+    """q [4, 4, 2, 16] against a [4, 2, 40, 16] cache (an empty row, one full), and a prefix shared by pairs."""
+    q, k, v = torch.randn(4, 4, 2, 16, dtype=dtype), torch.randn(4, 2, 40, 16, dtype=dtype), torch.randn(4, 2, 40, 16,
+                                                                                                         dtype=dtype)
+    prefix = (torch.randn(2, 2, 9, 16, dtype=dtype), torch.randn(2, 2, 9, 16, dtype=dtype), torch.tensor([9, 0]), 2)
+    return q, k, v, torch.tensor([0, 3, 40, 17], dtype=torch.int32), prefix
+
+
+def _decode_attention(dtype):
+    q, k, v, lengths, prefix = _decode_attention_inputs(dtype)
+    return (lambda: [ops.decode_attention(q, k, v, lengths, scale=0.25),
+                     ops.decode_attention(q, k, v, lengths, scale=0.25, prefix=prefix)]), []
+
+
 CASES = {
+    "decode_attention": _decode_attention,
     "logprobs": _logprobs,
     "logprobs-inplace_backward": lambda dtype: _logprobs(dtype, inplace=True),
     "logprobs-topk": _logprobs_topk,
@@ -427,8 +442,12 @@ def _opcheck_samples(dtype, triton):
     flat = lambda t: t.detach().reshape(-1)  # noqa: E731
     pairs = _pair_leaves(dtype)
     lengths = torch.tensor([3, 0, 5])
+    q, k, v, cache_lengths, (k_prefix, v_prefix, prefix_lengths, group) = _decode_attention_inputs(dtype)
     fl = torch.ops.fastrlhf
     return {
+        "decode_attention": (fl.decode_attention, (q, k, v, cache_lengths, 0.25, None, None, None, 1, triton)),
+        "decode_attention-prefix": (fl.decode_attention, (q, k, v, cache_lengths, 0.25, k_prefix, v_prefix,
+                                                          prefix_lengths, group, triton)),
         "logprobs": (fl.logprobs, (x, y, 0.9, -100, True, False, triton)),
         "logprobs_backward": (fl.logprobs_backward, (x.detach(), y, lse, ent, g, g, 0.9, -100, triton)),
         "logprobs_backward_inplace": (fl.logprobs_backward_inplace,
