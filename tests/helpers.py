@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -124,6 +125,21 @@ def run_cli(*args, timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "fastrlhf", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def main_in_process(*args, capsys, caplog) -> subprocess.CompletedProcess:
+    """`fastrlhf ARGS...` through `cli.main` in this process: the same parsing, checks and stage as `run_cli`
+    without a new interpreter's imports (seconds per run). `stderr` holds what it printed there and its log
+    lines (INFO and up of fastrlhf's loggers), as a process's stderr would. Tests of what only a process
+    shows (its exit status under a signal, torchrun, the working directory on sys.path) use `run_cli`."""
+    from fastrlhf import cli
+
+    capsys.readouterr()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastrlhf"):
+        code = cli.main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err + caplog.text)
 
 
 def metric_rows(out: Path, stage: str, *, timing: bool = True) -> list[dict]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import metric_rows, run_cli
+from helpers import main_in_process, metric_rows
 
 from fastrlhf import ops
 from fastrlhf.train.config import DPOConfig, PPOConfig, SFTConfig
@@ -146,11 +146,12 @@ def test_bad_dpo_settings(tmp_path, kwargs, match):
         dpo.prepare(DPOConfig(out=str(tmp_path), **dict(TINY_DPO, **kwargs)))
 
 
-def test_pipeline_algo_dpo(tmp_path):
+def test_pipeline_algo_dpo(tmp_path, capsys, caplog):
+    """In this process (the pipeline's real CLI process: tests/train/recipes/test_pipeline.py)."""
     out = tmp_path / "run"
     args = ["--algo", "dpo", "--out", str(out), "--sft.steps", "4", "--dpo.steps", "3", "--dpo.num_pairs", "40",
             "--dpo.batch_size", "4", "--dpo.eval_prompts", "8", "--dpo.log_every", "1"]
-    r = run_cli("pipeline", *args)
+    r = main_in_process("pipeline", *args, capsys=capsys, caplog=caplog)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"sft", "dpo", "pipeline"}
@@ -160,14 +161,16 @@ def test_pipeline_algo_dpo(tmp_path):
     assert (out / "plots" / "dpo_curves.png").stat().st_size > 1000
     recorded = json.loads((out / "config.json").read_text())
     assert recorded["algo"] == "dpo" and recorded["dpo"]["steps"] == 3 and recorded["ppo"] == "not run (algo dpo)"
-    r = run_cli("pipeline", *args, "--resume")
+    r = main_in_process("pipeline", *args, "--resume", capsys=capsys, caplog=caplog)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 2
 
 
-def test_pipeline_rejects_an_unknown_algo(tmp_path):
-    r = run_cli("pipeline", "--algo", "kto", "--out", str(tmp_path / "run"))
+def test_pipeline_rejects_an_unknown_algo(tmp_path, capsys, caplog):
+    """Refused before anything loads: in this process, no interpreter to start."""
+    r = main_in_process("pipeline", "--algo", "kto", "--out", str(tmp_path / "run"), capsys=capsys, caplog=caplog)
     assert r.returncode == 2 and "algo must be one of ppo, dpo" in r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- the acceptance runs, reduced

@@ -5,7 +5,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import main_in_process, run_cli
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # whole pipelines
@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[3]
 PHASES = {"rollout", "reward", "logprobs", "advantages", "update"}
 
 
-def test_pipeline_smoke(tmp_path):
+def test_pipeline_smoke(tmp_path, capsys, caplog, keep_threads_and_warnings):
+    """The real CLI as a process of its own; the resume runs in this process."""
     out = tmp_path / "run"
     args = ["--out", str(out), "--sft.steps", "6", "--sft.save_every", "3", "--rm.steps", "4",
             "--rm.num_pairs", "120", "--ppo.steps", "3", "--ppo.rollout_batch_size", "16",
@@ -53,28 +54,32 @@ def test_pipeline_smoke(tmp_path):
         assert (out / stage / "final" / "config.json").is_file(), stage
 
     # a finished pipeline resumes to a no-op that keeps every result
-    r = run_cli("pipeline", *args, "--resume")
+    r = main_in_process("pipeline", *args, "--resume", capsys=capsys, caplog=caplog)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("already finished, skipping") == 3
     assert json.loads((out / "summary.json").read_text())["ppo"] == ppo
     # (a changed configuration or a fresh run there is refused: tests/train/test_user_inputs.py, finding 3)
 
 
-def test_stages_on_user_jsonl_with_full_finetuning(tmp_path):
+def test_stages_on_user_jsonl_with_full_finetuning(tmp_path, capsys, caplog, keep_threads_and_warnings):
+    """`fastrlhf sft`, `rm` and `ppo` in turn, in this process (the real process: test_pipeline_smoke)."""
     sft_data, rm_data, prompts = tmp_path / "sft.jsonl", tmp_path / "rm.jsonl", tmp_path / "prompts.jsonl"
     sft_data.write_text("".join(json.dumps({"prompt": f"q{i}:", "response": "yes"}) + "\n" for i in range(20)))
     rm_data.write_text("".join(json.dumps({"prompt": f"q{i}:", "chosen": "yes", "rejected": "no"}) + "\n"
                                for i in range(20)))
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}:"}) + "\n" for i in range(20)))
     out = tmp_path / "run"
-    r = run_cli("sft", "--out", str(out), "--data", str(sft_data), "--steps", "3", "--batch_size", "4")
+    def cli(*args):
+        return main_in_process(*args, capsys=capsys, caplog=caplog)
+
+    r = cli("sft", "--out", str(out), "--data", str(sft_data), "--steps", "3", "--batch_size", "4")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("rm", "--out", str(out), "--data", str(rm_data), "--steps", "3", "--batch_size", "4",
-             "--eval_fraction", "0.25")
+    r = cli("rm", "--out", str(out), "--data", str(rm_data), "--steps", "3", "--batch_size", "4",
+            "--eval_fraction", "0.25")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("ppo", "--out", str(out), "--data", str(prompts), "--steps", "2", "--lora_rank", "0",
-             "--rollout_batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "4",
-             "--max_new_tokens", "4", "--kl_target", "1.0", "--gradient_checkpointing")
+    r = cli("ppo", "--out", str(out), "--data", str(prompts), "--steps", "2", "--lora_rank", "0",
+            "--rollout_batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "4",
+            "--max_new_tokens", "4", "--kl_target", "1.0", "--gradient_checkpointing")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "the reward model encodes text as the policy does: it scores the policy's token ids" in r.stderr
     summary = json.loads((out / "summary.json").read_text())

@@ -8,7 +8,7 @@ from pathlib import Path
 import helpers
 import pytest
 import torch
-from helpers import metric_rows, run_cli
+from helpers import main_in_process, metric_rows
 
 from fastrlhf import ops
 from fastrlhf.train.config import PPOConfig
@@ -82,18 +82,23 @@ def test_nonfinite_loss_skips_the_step_and_is_counted(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", [[], ["--micro_batch_tokens", "74"]], ids=["padded", "packed"])
-def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, packing):
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, packing, capsys, caplog):
     """Stopped after 2 steps and resumed: the rows and the true score after are the uninterrupted run's,
     bit for bit, with padded micro-batches and with packs of 74 tokens (two of the longest sequences,
-    32 + 5 tokens: the packed update plans its minibatches from the same generator)."""
+    32 + 5 tokens: the packed update plans its minibatches from the same generator). `fastrlhf ppo` in
+    this process (a resume in a process of its own, after a kill or a signal: tests/train/test_faults.py)."""
     args = [f"--{k}={v}" for k, v in TINY_PPO.items()] + ["--steps", "4", "--lora_rank", "4", *packing]
     full, split = tmp_path / "full", tmp_path / "split"
-    r = run_cli("ppo", "--out", str(full), *args)
+
+    def cli(*a):
+        return main_in_process("ppo", *a, capsys=capsys, caplog=caplog)
+
+    r = cli("--out", str(full), *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli("ppo", "--out", str(split), *args, "--stop_after", "2")
+    r = cli("--out", str(split), *args, "--stop_after", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(metric_rows(split, "ppo", timing=False)) == 2 and not (split / "ppo" / "final").exists()
-    r = run_cli("ppo", "--out", str(split), *args, "--resume")
+    r = cli("--out", str(split), *args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr
     expected, resumed = metric_rows(full, "ppo", timing=False), metric_rows(split, "ppo", timing=False)
