@@ -19,30 +19,80 @@ import torch
 pytestmark = pytest.mark.slow  # every part's --dry-run runs the part's scripts on CPU
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["install", "env", "tests", "ops", "ppo"]
-FILES = {"status.json", "bench.json", "bench.png", "ppo.json", "tests.log", "logs.tar.gz"}
+SCRIPT = ROOT / "bench" / "gpu_run.sh"
+# each part's steps and the files it leaves in OUT (bench/parts/PART.sh); every run also leaves these two
+PART_STEPS = {"tests": ["tests"], "ops": ["ops"], "ppo": ["ppo"], "experiments": ["dist", "coop", "chunks", "few_rows"],
+              "rollout": ["rollout_graph", "rollout_static", "rollout_dynamic"], "update": ["update"], "e2e": ["e2e"]}
+PART_FILES = {"tests": {"tests.log"}, "ops": {"bench.json", "bench.png"}, "ppo": {"ppo.json"},
+              "experiments": {"coop.json", "linear_chunks.json", "dist_peak_memory.json", "few_rows.json"},
+              "rollout": {"rollout.json"}, "update": {"update.json"}, "e2e": {"e2e.json"}}
+ALWAYS = {"status.json", "logs.tar.gz"}
+# the parts the shared dry run runs, in this order: the default three, then the others (e2e: tests/bench/test_e2e_bench)
+DRY_PARTS = ["tests", "ops", "ppo", "experiments", "rollout", "update"]
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and timeout")
+on_cpu = pytest.mark.skipif(torch.cuda.is_available(),
+                            reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
 
 
-def _dry_run(tmp_path, *flags) -> tuple[Path, subprocess.CompletedProcess]:
-    """(OUT, the finished process) of `bench/gpu_run.sh OUT --dry-run *flags`, run on this python; it must exit 0."""
-    out = tmp_path / "out"
+def _env(tmp: Path, python: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("FASTRLHF_BACKEND", "TRITON_INTERPRET")}
-    env |= {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), str(out), "--dry-run", *flags], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, errors="replace", timeout=330)
+    return env | {"PYTHON": python, "TMPDIR": str(tmp)}
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """(OUT, the finished process) of one `bench/gpu_run.sh OUT --dry-run --only DRY_PARTS` on this python, which
+    every part's test below reads; it must exit 0. Its deadline is the sum of the separate runs' it stands for."""
+    tmp = tmp_path_factory.mktemp("gpu_run")
+    out = tmp / "out"
+    env = _env(tmp, sys.executable) | {"GPU_RUN_DEADLINE_S": "900"}
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--only", ",".join(DRY_PARTS)], cwd=tmp,
+                          env=env, capture_output=True, text=True, errors="replace", timeout=960)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return out, proc
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_dry_run(tmp_path):
-    out, proc = _dry_run(tmp_path)
+def _planned_steps(tmp_path: Path, *flags) -> list[str]:
+    """The steps `bench/gpu_run.sh OUT *flags` runs, in order, with a python that does nothing (`true`): which
+    steps run is the shell's choice alone; steps.tsv, kept in logs.tar.gz, lists them."""
+    out = tmp_path / "plan"
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), *flags], cwd=tmp_path, env=_env(tmp_path, "true"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        steps = tar.extractfile("./steps.tsv").read().decode()
+    return [line.split("\t")[0] for line in steps.splitlines()]
 
-    assert {p.name for p in out.iterdir()} == FILES and all(p.is_file() for p in out.iterdir())
+
+@needs_bash
+def test_the_steps_of_each_call(tmp_path):
+    """Without --only, the parts tests, ops and ppo; --experiments is --only experiments; --only runs the named
+    parts' steps alone, in the order named; a dry run runs the same steps as the GPU run."""
+    parts = sorted(p.stem for p in (ROOT / "bench" / "parts").glob("*.sh"))
+    assert parts == sorted(PART_STEPS), "a new part: name its steps and files in PART_STEPS and PART_FILES"
+    first = ["install", "env"]
+    for dry in (["--dry-run"], []):
+        assert _planned_steps(tmp_path, *dry) == first + ["tests", "ops", "ppo"]
+        assert _planned_steps(tmp_path, *dry, "--experiments") == first + PART_STEPS["experiments"]
+    for part in parts:
+        assert _planned_steps(tmp_path, "--dry-run", "--only", part) == first + PART_STEPS[part], part
+    assert _planned_steps(tmp_path, "--dry-run", "--only", "update,ops") == first + ["update", "ops"]
+
+
+@needs_bash
+@on_cpu
+def test_dry_run(dry_run):
+    """The shared dry run: every part's steps ran, in order, and each left its files (and no other); the default
+    parts' records (tests, ops, ppo)."""
+    out, proc = dry_run
+    assert {p.name for p in out.iterdir()} == ALWAYS.union(*(PART_FILES[p] for p in DRY_PARTS))
+    assert all(p.is_file() for p in out.iterdir())
     status = json.loads((out / "status.json").read_text())
     assert status["dry_run"] is True and status["ok"] is True
-    assert [s["name"] for s in status["steps"]] == STEPS
+    steps = ["install", "env"] + [s for p in DRY_PARTS for s in PART_STEPS[p]]
+    assert [s["name"] for s in status["steps"]] == steps  # --only: the named parts' steps alone
     assert all(s["rc"] == 0 and not s["timed_out"] and s["seconds"] <= s["limit_s"] for s in status["steps"])
     assert status["kernels_tree_files"] and len(status["kernels_tree_files"]) == 40
     assert status["environment"]["kind"] == "cpu"
@@ -65,21 +115,17 @@ def test_dry_run(tmp_path):
     assert " passed" in (out / "tests.log").read_text()
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {f"./logs/{s}.log" for s in STEPS} <= names and "./env.json" in names
+    assert {f"./logs/{s}.log" for s in steps} <= names and "./env.json" in names
     assert "./ppo_run/metrics.jsonl" in names and not any(n.startswith("./ppo_run/ppo/") for n in names)
     assert "gpu_run (dry run) ok=True" in proc.stdout
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_experiments_dry_run(tmp_path):
-    """`--experiments --dry-run`: install, environment, then each experiment on CPU, each leaving its JSON."""
-    out, _ = _dry_run(tmp_path, "--experiments")
-    assert {p.name for p in out.iterdir()} == {"status.json", "coop.json", "linear_chunks.json",
-                                                "dist_peak_memory.json", "few_rows.json", "logs.tar.gz"}
-    status = json.loads((out / "status.json").read_text())
-    assert [s["name"] for s in status["steps"]] == ["install", "env", "dist", "coop", "chunks", "few_rows"]
-    assert status["ok"] is True, status["steps"]
+@needs_bash
+@on_cpu
+def test_experiments_dry_run(dry_run):
+    """The experiments part (`--experiments`) of the dry run: each experiment on CPU, each leaving its JSON (its steps
+    and files: test_dry_run)."""
+    out, _ = dry_run
     assert json.loads((out / "coop.json").read_text())["finished"] is True
     chunks = json.loads((out / "linear_chunks.json").read_text())
     assert {(r["op"], r["accum"]) for r in chunks["rows"]} == {(op, accum) for op in ("linear_logprobs",
@@ -130,16 +176,13 @@ def test_the_ops_part_fits_eight_minutes():
     assert margin and int(margin.group(1)) >= 30, "the GPU bench budget: the step's less a margin"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_rollout_dry_run(tmp_path):
-    """`--only rollout --dry-run`: the three samplers, each in its own step, merged into rollout.json with
-    every figure issue 26 asks for (at the tiny size on CPU: no CUDA graph, no launch counts, no goal judged)."""
-    out, proc = _dry_run(tmp_path, "--only", "rollout")
-    assert {p.name for p in out.iterdir()} == {"status.json", "rollout.json", "logs.tar.gz"}
-    status = json.loads((out / "status.json").read_text())
-    assert [s["name"] for s in status["steps"]] == ["install", "env", "rollout_graph", "rollout_static",
-                                                    "rollout_dynamic"] and status["ok"] is True, status["steps"]
+@needs_bash
+@on_cpu
+def test_rollout_dry_run(dry_run):
+    """The rollout part of the dry run: the three samplers, each in its own step (test_dry_run), merged into
+    rollout.json with every figure issue 26 asks for (at the tiny size on CPU: no CUDA graph, no launch counts,
+    no goal judged)."""
+    out, proc = dry_run
     rollout = json.loads((out / "rollout.json").read_text())
     assert [e["engine"] for e in rollout["engines"]] == ["graph", "static", "dynamic"] and rollout["missing"] == []
     for e in rollout["engines"]:
@@ -154,7 +197,7 @@ def test_rollout_dry_run(tmp_path):
 
 
 def test_bad_arguments():
-    script = str(ROOT / "bench" / "gpu_run.sh")
+    script = str(SCRIPT)
     parts = sorted(p.stem for p in (ROOT / "bench" / "parts").glob("*.sh"))
     assert {"tests", "ops", "ppo", "experiments"} <= set(parts)
     for args in ([], ["--nope"], ["a", "b"], ["a", "--only"], ["a", "--only", "nope"], ["a", "--only", "ops,nope"]):
@@ -163,16 +206,13 @@ def test_bad_arguments():
         assert all(part in proc.stderr for part in parts), proc.stderr
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_update_part_dry_run(tmp_path):
-    """`--only update`: the update phase timed compile off/on x padded/packed and packed vs padded on a
-    length spread, against the planner's FLOP floor; lr 0 and one minibatch draw, so every entry on a
+@needs_bash
+@on_cpu
+def test_update_part_dry_run(dry_run):
+    """The update part of the dry run: the update phase timed compile off/on x padded/packed and packed vs padded
+    on a length spread, against the planner's FLOP floor; lr 0 and one minibatch draw, so every entry on a
     rollout has the same gradient norm (packed = padded, compiled = eager) to float32 rounding."""
-    out, proc = _dry_run(tmp_path, "--only", "update")
-    assert {p.name for p in out.iterdir()} == {"status.json", "update.json", "logs.tar.gz"}
-    status = json.loads((out / "status.json").read_text())
-    assert [s["name"] for s in status["steps"]] == ["install", "env", "update"] and status["ok"] is True
+    out, _ = dry_run
     record = json.loads((out / "update.json").read_text())
     assert record["finished"] is True and record["dry_run"] is True and record["floor_s"] > 0
     entries = {(e["rollout"], e["compile"], e["packed"]): e for e in record["entries"]}
