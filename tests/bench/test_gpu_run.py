@@ -22,13 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_run.sh"
 # each part's steps and the files it leaves in OUT (bench/parts/PART.sh); every run also leaves these two
 PART_STEPS = {"tests": ["tests"], "ops": ["ops"], "ppo": ["ppo"], "experiments": ["dist", "coop", "chunks", "few_rows"],
-              "rollout": ["rollout_graph", "rollout_static", "rollout_dynamic"], "update": ["update"], "e2e": ["e2e"]}
+              "rollout": ["rollout_graph", "rollout_static", "rollout_dynamic"], "update": ["update"], "e2e": ["e2e"],
+              "decode_attention": ["decode_attention"]}
 PART_FILES = {"tests": {"tests.log"}, "ops": {"bench.json", "bench.png"}, "ppo": {"ppo.json"},
               "experiments": {"coop.json", "linear_chunks.json", "dist_peak_memory.json", "few_rows.json"},
-              "rollout": {"rollout.json"}, "update": {"update.json"}, "e2e": {"e2e.json"}}
+              "rollout": {"rollout.json"}, "update": {"update.json"}, "e2e": {"e2e.json"},
+              "decode_attention": {"decode_attention.json"}}
 ALWAYS = {"status.json", "logs.tar.gz"}
 # the parts the shared dry run runs, in this order: the default three, then the others (e2e: tests/bench/test_e2e_bench)
-DRY_PARTS = ["tests", "ops", "ppo", "experiments", "rollout", "update"]
+DRY_PARTS = ["tests", "ops", "ppo", "experiments", "rollout", "update", "decode_attention"]
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and timeout")
 on_cpu = pytest.mark.skipif(torch.cuda.is_available(),
@@ -241,16 +243,13 @@ def test_the_decode_attention_part_fits_eight_minutes():
     assert budget + 60 <= step, "the bench's budget leaves the step time for a last flex compile and the tile counts"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the real run is what runs (bench/gpu_run.sh)")
-def test_decode_attention_dry_run(tmp_path):
+@needs_bash
+@on_cpu
+def test_decode_attention_dry_run(dry_run):
     """`--only decode_attention --dry-run`: the tiny set's decode cases on CPU (fastrlhf's torch path and SDPA; flex
     and flash-attn skipped, CUDA only), the kernel's tile counts in the interpreter, every goal computed and none
     judged off CUDA."""
-    out, proc = _dry_run(tmp_path, "--only", "decode_attention")
-    assert {p.name for p in out.iterdir()} == {"status.json", "decode_attention.json", "logs.tar.gz"}
-    status = json.loads((out / "status.json").read_text())
-    assert [s["name"] for s in status["steps"]] == ["install", "env", "decode_attention"] and status["ok"] is True
+    out, proc = dry_run
     record = json.loads((out / "decode_attention.json").read_text())
     assert record["finished"] is True and record["dry_run"] is True and record["errors"] == []
     assert [e["dims"]["G"] for e in record["cases"]] == [1, 2]
