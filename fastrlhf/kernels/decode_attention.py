@@ -104,7 +104,9 @@ def _decode_attention_fwd_kernel(
     kv_n = tl.minimum(tl.maximum(tl.load(kv_len_ptr + kv_row).to(tl.int64), 0), T)
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, kv_n)
-    has_work = start < kv_n  # else: no load, no store (the merge reads only splits below kv_n)
+    # the split holds written slots, else no load and no store (the merge reads only splits below kv_n); a block,
+    # not a scalar: triton 3.9's interpreter makes `block & scalar` an int32 mask that tl.load then refuses
+    has_work = start + 0 * tl.arange(0, BLOCK_M) < kv_n
 
     m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     valid_m = m < ROWS * GROUP * L
