@@ -224,6 +224,7 @@ def _engine_tensors(engine) -> list[torch.Tensor]:
     return tensors + [t for lw in w.layers for t in vars(lw).values() if t is not None]
 
 
+@pytest.mark.slow  # inductor's compile of the decode step: a minute on a 2-core CPU
 def test_compiled_step_is_one_graph_replayed_without_recompiles():
     """inductor on CPU (no CUDA graph here): the decode step compiles to one graph with no graph
     break; a second rollout recompiles nothing; inside the decode loop nothing runs outside the
