@@ -221,6 +221,11 @@ class PPOConfig(RunConfig):
     says which and why; with graph, rollout/logp_gap_mean and _max log how far the sampler's log-probs
     are from the trainer's. The default stays hf until the engine's GPU record is in (bench/gpu_run.sh
     --only rollout)."""
+    rollout_slots: int = 0
+    """With --rollout_engine graph: the rows of the engine's KV pool, the sequences that decode at once
+    (0 = every row of the rank's rollout). With fewer, a finished sequence's slot is refilled with the
+    next pending one (continuous batching): the KV cache is slots x (max_prompt_len + max_new_tokens)
+    instead of rows x that, and the tokens are the same (each is keyed by its sequence and position)."""
     rollout_correction: str = "none"
     """Weigh each token's policy loss by how much likelier the trained policy makes it than the sampler
     did (importance weights pi_train / pi_sampler from the sampler's own log-probs, ops.rollout_correction:

@@ -1,27 +1,35 @@
-"""fastrlhf's own decode engine for rollouts (`--rollout_engine graph`): one compiled, CUDA-graph
-captured decode step over private rollout weights and a static KV cache, sampling inside the step.
+"""fastrlhf's own decode engine for rollouts (`--rollout_engine graph`): a compiled, CUDA-graph captured
+decode step over private rollout weights and a pool of KV slots, sampling inside the step; only the
+live sequences decode.
 
-What a rollout does, in the manner of gpt-fast's owned decode loop:
+What a rollout of N sequences does (N may exceed the S slots of the pool: continuous batching):
 
 1. refresh   the rollout weights are re-formed in place from the policy (same addresses):
              W + s * B @ A in fp32 for every LoRA-wrapped linear, cast once to the engine's dtype,
              q/k/v fused into one matrix and gate/up into another. The trained weights are only read.
-2. prefill   the prompts, left-padded to the run's maximum prompt length P (one shape for the run),
-             run once, eagerly, filling KV slots [0, P) and sampling the first token.
-3. decode    R - 1 replays of one step (compiled with fullgraph=True and static shapes; on CUDA
-             captured once as a CUDA graph). A step reads the last token, writes its K/V at slot
-             P + t - 1, attends over the whole static cache with a mask of written, non-padding slots,
-             samples, and advances tokens, log-probs, positions, EOS flags and the RNG counter in
-             place: no host sync. Every CHECK_EVERY steps the host reads an all-EOS flag copied
-             without blocking and stops early.
+2. prefill   the first S sequences' prompts, each distinct prompt once (a GRPO group's G copies share
+             one), right-padded to the longest of the call and run eagerly with SDPA's causal kernel
+             (no [P, P] score matrix); each prompt's K/V go to slots [0, P_i) of its sequences' cache
+             rows, and each sequence draws its first token.
+3. decode    replays of one step (compiled with fullgraph=True and static shapes per bucket, on CUDA
+             captured once per bucket as a CUDA graph in one memory pool). A step reads each slot's
+             last token, writes its K/V at the slot's own length, attends its written slots only
+             (ops.decode_attention), samples, and advances tokens, log-probs, lengths and done flags in
+             place: no host sync. Every CHECK_EVERY steps the host reads the done flags (on CUDA a copy
+             issued at the previous check), refills finished slots with pending sequences, and once none
+             are pending moves the live slots to the front and runs the step at the smallest bucket
+             (batch size) that holds them.
+
+Randomness is keyed by (seed, sequence, position), never by a slot or the batch, so compaction, refill
+and prompt sharing leave the tokens unchanged (tests/train/test_engine.py checks it by equality).
 
 Attention is grouped-query without repeat_kv: each KV head's G = heads / kv_heads query heads are
 packed as G queries of that head, so K and V are read at their own head count.
 
 Sampling is exact: token = argmax(logits / T - log E) with E ~ Exp(1) i.i.d. per vocabulary entry,
 i.e. argmax(p / E), which draws from p = softmax(logits / T). E comes from a counter-based hash
-(`uniform`): its state is one int64 counter tensor advanced inside the step, so the same step gives
-fresh draws on every replay, on CPU, under torch.compile and inside a CUDA graph alike, and a
+(`uniform`) keyed by each row's (seed, sequence, column), which the step reads from its state, so a
+replay gives fresh draws, on CPU, under torch.compile and inside a CUDA graph alike, and a
 rollout is reproducible from its seed (drawn from torch's generator, so torch.manual_seed and
 distributed.seed_per_rank apply). The step also keeps the sampler's own log-probs of its tokens.
 With --rollout_sampler inverse_cdf the step draws by inversion instead (one 53-bit uniform per row from
@@ -43,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from fastrlhf import ops
 from fastrlhf.train.data import left_pad
 from fastrlhf.train.models import lm_head, trunk, unwrap
 
@@ -50,7 +59,7 @@ log = logging.getLogger("fastrlhf")
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type of the supported decoder families
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at build time (dynamic / longrope change it)
-CHECK_EVERY = 16  # the host reads the all-EOS flag every this many decode steps
+CHECK_EVERY = 4  # the host reads the slots' done flags every this many decode steps
 MASK32 = 0xFFFFFFFF
 
 
@@ -111,8 +120,9 @@ class Spec:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     windows: tuple  # per layer: sliding window (keys at slots > q_slot - window), or None
     rope_scaling: float  # attention_scaling of the rotary embedding (yarn's mscale; 1 otherwise)
-    batch: int
-    prompt_len: int  # P: prompts are left-padded to it
+    slots: int  # S: rows of the KV pool, sequences decoded at once
+    rows: int  # N: sequences per rollout at most (the output buffers)
+    prompt_len: int  # P: the longest prompt
     new_tokens: int  # R: tokens sampled per row, EOS included
     temperature: float
     eos_id: int
@@ -128,7 +138,7 @@ class Spec:
         return self.heads // self.kv_heads
 
 
-def _config_spec(lm, *, batch: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
+def _config_spec(lm, *, slots: int, rows: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
                  fp32_out_mm: bool, inverse_cdf: bool = False) -> Spec:
     config = unwrap(lm).config
     heads = config.num_attention_heads
@@ -144,8 +154,8 @@ def _config_spec(lm, *, batch: int, prompt_len: int, new_tokens: int, temperatur
     return Spec(layers=config.num_hidden_layers, heads=heads, kv_heads=config.num_key_value_heads,
                 head_dim=head_dim, hidden=config.hidden_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
                 act=ACT2FN[config.hidden_act], qk_norm=config.model_type == "qwen3", windows=windows,
-                rope_scaling=float(trunk(lm).rotary_emb.attention_scaling), batch=batch, prompt_len=prompt_len,
-                new_tokens=new_tokens, temperature=float(temperature), eos_id=int(eos_id),
+                rope_scaling=float(trunk(lm).rotary_emb.attention_scaling), slots=slots, rows=rows,
+                prompt_len=prompt_len, new_tokens=new_tokens, temperature=float(temperature), eos_id=int(eos_id),
                 fp32_out_mm=fp32_out_mm, inverse_cdf=inverse_cdf)
 
 
@@ -297,13 +307,13 @@ def _bmm_fp32(a: torch.Tensor, b: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                       spec: Spec) -> torch.Tensor:
-    """q [B, L, heads, D] against k, v [B, kv_heads, T, D] with `allowed` [B, L, T] bool -> [B, L, heads * D].
-    Each KV head's G query heads are packed as G * L queries of that head, so K and V are read once,
-    at their own head count (no repeat_kv): scores in fp32, softmax in fp32, probabilities @ V in the
-    cache's dtype (as flash attention keeps them)."""
+    """q [B, L, heads, D] against k, v [B, kv_heads, T, D] with `allowed` [B, L, T] bool -> [B, L, heads * D],
+    for the layers with a sliding window (the others attend through ops.decode_attention). Each KV head's
+    G query heads are packed as G * L queries of that head, so K and V are read once, at their own head
+    count (no repeat_kv): scores in fp32, softmax in fp32, probabilities @ V in the cache's dtype."""
     B, L = q.shape[:2]
     G, D, KV, T = spec.groups, spec.head_dim, spec.kv_heads, k.shape[2]
-    q = q.view(B, L, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * L, D)
+    q = q.reshape(B, L, KV, G, D).permute(0, 2, 3, 1, 4).reshape(B * KV, G * L, D)
     scores = _bmm_fp32(q, k.reshape(B * KV, T, D).transpose(1, 2), spec).view(B, KV, G * L, T) * D ** -0.5
     mask = allowed[:, None].expand(B, G, L, T).reshape(B, 1, G * L, T)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
@@ -311,9 +321,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     return out.view(B, KV, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, spec.heads * D)
 
 
-def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
+def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, attend):
     """One decoder layer on x [B, L, H]: attention and the gated MLP, with HF's residual stream.
-    `store(k, v)` puts the new K/V [B, kv_heads, L, D] in the cache and returns the K/V to attend to."""
+    `store(k, v)` puts the new K/V [B, kv_heads, L, D] in the cache and returns the K/V to attend to;
+    `attend(q [B, L, heads, D], k, v)` -> [B, L, heads * D]."""
     B, L, _ = x.shape
     D = spec.head_dim
     qkv = F.linear(rms_norm(x, w.ln1, spec.eps), w.qkv, w.qkv_bias)
@@ -323,7 +334,7 @@ def decoder_layer(x, w: LayerWeights, spec: Spec, cos, sin, store, allowed):
         q, k = rms_norm(q, w.q_norm, spec.eps), rms_norm(k, w.k_norm, spec.eps)
     q, k = rotary(q, cos[:, :, None], sin[:, :, None]), rotary(k, cos[:, :, None], sin[:, :, None])
     k_all, v_all = store(k.transpose(1, 2), v.transpose(1, 2))
-    x = x + F.linear(grouped_attention(q, k_all, v_all, allowed, spec), w.o, w.o_bias)
+    x = x + F.linear(attend(q, k_all, v_all), w.o, w.o_bias)
     gate, up = F.linear(rms_norm(x, w.ln2, spec.eps), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
     return x + F.linear(spec.act(gate) * up, w.down, w.down_bias)
 
@@ -365,25 +376,32 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(rng: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """int64 words in [0, 2^32) of `shape` for the state rng = [seed, counter] (int64): two rounds of
-    hash32 keyed by hash32(seed ^ hash32(counter)), over the element index."""
-    key = hash32(rng[0] ^ hash32(rng[1]))
-    idx = torch.arange(shape[0] * shape[1], device=rng.device, dtype=torch.int64).view(shape)
-    return hash32((hash32(idx ^ key) + key) & MASK32)
+def row_keys(seed: torch.Tensor, seq: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """int64 keys in [0, 2^32) [B] of the draws of sequences `seq` [B] at columns `col` [B] (int64, each
+    < 2^32) under `seed` (int64 in [0, 2^32), 0-d or [1]): a chain of hash32, so a token's random numbers
+    depend on (seed, sequence, position) only, never on the row's slot or the batch around it."""
+    return hash32(hash32(seed ^ hash32(seq)) ^ col)
 
 
-def uniform(rng: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """fp32 uniforms in (0, 1) of `shape` from `random_bits`. Values near 0 keep float precision (down
+def random_bits(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 words in [0, 2^32) [B, width] for the row keys [B] (`row_keys`): two rounds of hash32
+    keyed by the row's key, over the column index."""
+    k = keys[:, None]
+    idx = torch.arange(width, device=keys.device, dtype=torch.int64)
+    return hash32((hash32(idx ^ k) + k) & MASK32)
+
+
+def uniform(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 uniforms in (0, 1) [B, width] from `random_bits`. Values near 0 keep float precision (down
     to 2^-33): they are the small E = -log1p(-u) that decide rare tokens."""
-    return ((random_bits(rng, shape).float() + 0.5) * 2.0 ** -32).clamp(max=1.0 - 2.0 ** -24)
+    return ((random_bits(keys, width).float() + 0.5) * 2.0 ** -32).clamp(max=1.0 - 2.0 ** -24)
 
 
-def uniform64(rng: torch.Tensor, rows: int) -> torch.Tensor:
-    """float64 uniforms in [0, 1] [rows, 1], one per row from two words of `random_bits` (2^-53 apart
+def uniform64(keys: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in [0, 1] [B, 1], one per row from two words of `random_bits` (2^-53 apart
     everywhere, as torch.rand's float64: inversion needs the resolution at every height, not only near 0;
     1.0 only when the 64 bits round up to it)."""
-    h = random_bits(rng, (rows, 2)).double()
+    h = random_bits(keys, 2).double()
     return (h[:, :1] * 2.0 ** 32 + h[:, 1:]) * 2.0 ** -64
 
 
@@ -401,56 +419,71 @@ def draw_by_inversion(x: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, t
     return token, (x.gather(-1, token) - top - total.log()).float()
 
 
-def sample(scores: torch.Tensor, rng: torch.Tensor, inverse_cdf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], its log-prob [B]) drawn from softmax(scores) [B, V] (fp32, temperature applied).
-    The exponential race: argmax(scores - log E), E = -log1p(-u) ~ Exp(1), i.e. argmax(p / E), one
-    uniform per vocabulary entry. `inverse_cdf`: `draw_by_inversion`, one uniform per row; ~5x less
-    arithmetic per step on one CPU thread, where the hash of B x V words is most of a small model's step."""
+def sample(scores: torch.Tensor, keys: torch.Tensor, inverse_cdf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], its log-prob [B]) drawn from softmax(scores) [B, V] (fp32, temperature applied) with
+    the random numbers of the row keys [B] (`row_keys`). The exponential race: argmax(scores - log E),
+    E = -log1p(-u) ~ Exp(1), i.e. argmax(p / E), one uniform per vocabulary entry. `inverse_cdf`:
+    `draw_by_inversion`, one uniform per row; ~5x less arithmetic per step on one CPU thread, where the
+    hash of B x V words is most of a small model's step."""
     if not inverse_cdf:
-        noise = -torch.log(-torch.log1p(-uniform(rng, scores.shape)))
+        noise = -torch.log(-torch.log1p(-uniform(keys, scores.shape[-1])))
         token = torch.argmax(scores + noise, dim=-1)
         return token, scores.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scores, dim=-1)
-    token, logp = draw_by_inversion(scores, uniform64(rng, scores.shape[0]))
+    token, logp = draw_by_inversion(scores, uniform64(keys))
     return token.squeeze(-1), logp.squeeze(-1)
 
 
 # ---------------------------------------------------------------- state
 
+SLOT_FIELDS = ("length", "last", "seq", "col", "limit", "done")  # per slot: permuted by compaction, sliced by a bucket
+
 
 @dataclasses.dataclass
 class State:
-    """Every tensor a rollout reads or advances; allocated once per (batch, lengths) and reused."""
+    """Every tensor a rollout reads or advances; allocated once per engine and reused (the same
+    addresses for every rollout, so captured graphs stay valid). A slot holds one sequence at a time:
+    its prompt's K/V at slots [0, P_s) of its cache row, then one slot per token read."""
 
-    k_cache: list[torch.Tensor]  # per layer [B, kv_heads, T, D] (separate tensors: a step updates each in place)
+    k_cache: list[torch.Tensor]  # per layer [S, kv_heads, T, D] (separate tensors: a step updates each in place)
     v_cache: list[torch.Tensor]
-    valid: torch.Tensor  # [B, T] bool: slot written and not padding
-    prompt_ids: torch.Tensor  # [B, P] long, left-padded
-    prompt_mask: torch.Tensor  # [B, P] bool
-    tokens: torch.Tensor  # [B, R] long: sampled tokens
-    logps: torch.Tensor  # [B, R] fp32: their log-probs under the sampler
-    values: torch.Tensor  # [B, R] fp32: the value head's at the state before each token (with a value head)
-    last: torch.Tensor  # [B] long: the token the next step reads
-    position: torch.Tensor  # [B] long: its position id
-    t: torch.Tensor  # [1] long: the column the next step writes (its K/V go to slot P + t - 1)
-    done: torch.Tensor  # [B] bool: EOS sampled
-    all_done: torch.Tensor  # [1] bool
-    rng: torch.Tensor  # [2] long: seed, counter
+    length: torch.Tensor  # [S] long: KV slots written; the token the next step reads sits at this position
+    last: torch.Tensor  # [S] long: the token the next step reads
+    seq: torch.Tensor  # [S] long: the sequence (row of the outputs) the slot holds; `rows` (scratch) when none
+    col: torch.Tensor  # [S] long: tokens sampled for it so far
+    limit: torch.Tensor  # [S] long: the most tokens it may sample (new_tokens, or its own limit)
+    done: torch.Tensor  # [S] bool: EOS sampled, its limit reached, or no sequence
+    tokens: torch.Tensor  # [N + 1, R] long: sampled tokens per sequence (row N: what finished slots write)
+    logps: torch.Tensor  # [N + 1, R] fp32: their log-probs under the sampler
+    values: torch.Tensor  # [N + 1, R] fp32: the value head's at the state before each token (with a value head)
+    ends: torch.Tensor  # [N + 1] long: tokens sampled per sequence
+    seed: torch.Tensor  # [1] long
+    kv_read: torch.Tensor  # [1] long: KV slots attended, summed over the decode steps' rows (a work count)
 
     @classmethod
     def allocate(cls, spec: Spec, dtype, device) -> State:
-        B, P, R, T = spec.batch, spec.prompt_len, spec.new_tokens, spec.max_len
-        cache = (B, spec.kv_heads, T, spec.head_dim)
+        S, N, R, T = spec.slots, spec.rows, spec.new_tokens, spec.max_len
+        cache = (S, spec.kv_heads, T, spec.head_dim)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(k_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
                    v_cache=[zeros(*cache, dtype=dtype) for _ in range(spec.layers)],
-                   valid=zeros(B, T, dtype=torch.bool), prompt_ids=zeros(B, P),
-                   prompt_mask=zeros(B, P, dtype=torch.bool),
-                   tokens=zeros(B, R), logps=zeros(B, R, dtype=torch.float32),
-                   values=zeros(B, R, dtype=torch.float32), last=zeros(B), position=zeros(B),
-                   t=zeros(1), done=zeros(B, dtype=torch.bool), all_done=zeros(1, dtype=torch.bool), rng=zeros(2))
+                   length=zeros(S), last=zeros(S), seq=zeros(S), col=zeros(S), limit=zeros(S),
+                   done=zeros(S, dtype=torch.bool),
+                   tokens=zeros(N + 1, R), logps=zeros(N + 1, R, dtype=torch.float32),
+                   values=zeros(N + 1, R, dtype=torch.float32), ends=zeros(N + 1), seed=zeros(1), kv_read=zeros(1))
+
+    def head(self, b: int) -> State:
+        """The first b slots (views: what a step of bucket b reads and writes); the outputs whole."""
+        return dataclasses.replace(self, k_cache=[k[:b] for k in self.k_cache], v_cache=[v[:b] for v in self.v_cache],
+                                   **{name: getattr(self, name)[:b] for name in SLOT_FIELDS})
+
+    def permute(self, order: torch.Tensor) -> None:
+        """Slot order[i] moves to slot i (i < len(order)), in place: caches and per-slot state."""
+        n = order.numel()
+        for t in self.k_cache + self.v_cache + [getattr(self, name) for name in SLOT_FIELDS]:
+            t[:n].copy_(t.index_select(0, order))
 
     def tensors(self) -> list[torch.Tensor]:
         out = []
@@ -460,78 +493,110 @@ class State:
         return out
 
 
-def _window(allowed: torch.Tensor, q_slot: torch.Tensor, spec: Spec, layer: int) -> torch.Tensor:
-    """`allowed` [B, L, T] narrowed to layer's sliding window: key slots > the query's slot - window."""
-    w = spec.windows[layer]
-    if w is None:
-        return allowed
-    slots = torch.arange(allowed.shape[-1], device=allowed.device)
-    return allowed & (slots > q_slot[..., None] - w)
+def _window_mask(q_pos: torch.Tensor, T: int, window: int) -> torch.Tensor:
+    """[B, L, T] bool: the key slots inside the sliding window of each query at positions q_pos [B, L]:
+    slots in (q_pos - window, q_pos] (causal; in decode every slot <= q_pos is written)."""
+    slots = torch.arange(T, device=q_pos.device)
+    return (slots <= q_pos[..., None]) & (slots > q_pos[..., None] - window)
 
 
 @torch.no_grad()
-def prefill(weights: Weights, state: State, spec: Spec) -> None:
-    """The prompts in one pass: K/V of slots [0, P), the first sampled token and the state of step t = 1."""
-    P = spec.prompt_len
-    mask = state.prompt_mask
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    cos, sin = rotary_tables(positions, weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
-    slots = torch.arange(P, device=mask.device)
-    # causal over real tokens; a padding query also sees itself (a row with no key would be NaN)
-    allowed = ((slots[None, :] <= slots[:, None]) & mask[:, None, :]) | torch.eye(P, dtype=torch.bool,
-                                                                                   device=mask.device)
-    x = weights.embed[state.prompt_ids]
+def prefill(weights: Weights, state: State, spec: Spec, prompts: list[list[int]], which: torch.Tensor,
+            slots: torch.Tensor, seqs: torch.Tensor, limits: torch.Tensor, pad_id: int) -> tuple[int, int]:
+    """Start sequences `seqs` [m] in `slots` [m], sequence i from prompt which[i] of the distinct `prompts`:
+    each distinct prompt is run once (right-padded to the longest of this call; causal attention over
+    left-aligned prompts never sees the padding after them: SDPA's fused causal kernel, no [P, P] score
+    matrix), its K/V copied to the slots of its sequences, and each sequence draws its first token from
+    the prompt's last logits with its own random numbers; `limits` [m] are the sequences' most tokens.
+    Returns (prompt rows run, tokens run)."""
+    device = state.length.device
+    n = torch.tensor([len(p) for p in prompts], device=device)
+    P = max(map(len, prompts))
+    ids = torch.tensor([p + [pad_id] * (P - len(p)) for p in prompts], device=device)
+    positions = torch.arange(P, device=device)
+    cos, sin = rotary_tables(positions[None], weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
+    x = weights.embed[ids]
     for i, w in enumerate(weights.layers):
-        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # slots [0, P); attend to them
-            k_cache[:, :, :P] = k
-            v_cache[:, :, :P] = v
+        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # the prompts' K/V into their slots
+            k_cache[slots, :, :P] = k[which]
+            v_cache[slots, :, :P] = v[which]
             return k, v
 
-        x = decoder_layer(x, w, spec, cos, sin, store, _window(allowed, slots[None, :], spec, i))
-    logits, values = heads_of(x[:, -1], weights, spec)
-    token, logp = sample(logits, state.rng, spec.inverse_cdf)
-    state.valid.zero_()
-    state.valid[:, :P] = mask
-    state.tokens[:, 0] = token
-    state.logps[:, 0] = logp
+        window = spec.windows[i]
+
+        def attend(q, k, v, window=window):
+            mask = None if window is None else _window_mask(positions[None], P, window)[:, None]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=spec.groups > 1)
+            return out.transpose(1, 2).reshape(q.shape[0], P, spec.heads * spec.head_dim)
+
+        x = decoder_layer(x, w, spec, cos, sin, store, attend)
+    logits, values = heads_of(x[torch.arange(len(prompts), device=device), n - 1], weights, spec)
+    token, logp = sample(logits[which], row_keys(state.seed, seqs, torch.zeros_like(seqs)), spec.inverse_cdf)
+    state.tokens[seqs, 0] = token
+    state.logps[seqs, 0] = logp
+    state.ends[seqs] = 1
     if values is not None:
-        state.values[:, 0] = values
-    state.last.copy_(token)
-    state.position.copy_(mask.sum(-1))
-    state.t.fill_(1)
-    state.done.copy_(token == spec.eos_id)
-    state.all_done.copy_(state.done.all().view(1))
-    state.rng[1] += 1
+        state.values[seqs, 0] = values[which]
+    state.length[slots] = n[which]
+    state.last[slots] = token
+    state.seq[slots] = seqs
+    state.col[slots] = 1
+    state.limit[slots] = limits
+    state.done[slots] = (token == spec.eos_id) | (limits <= 1)
+    return len(prompts), len(prompts) * P
 
 
 def decode_step(weights: Weights, state: State, spec: Spec) -> None:
-    """One token for every row, entirely in place on `state` (static shapes, no host sync): the body
-    that is compiled and captured. Columns and slots are clamped so that a replay past the end
-    (never issued) would still index inside the buffers."""
-    t = state.t.clamp(max=spec.new_tokens - 1)
-    slot = (t + spec.prompt_len - 1).clamp(max=spec.max_len - 1)  # [1]
-    state.valid.index_fill_(1, slot, True)
-    cos, sin = rotary_tables(state.position[:, None], weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
-    x = weights.embed[state.last][:, None]  # [B, 1, H]
+    """One token for every slot of `state` (a bucket's view, `State.head`), entirely in place (static
+    shapes, no host sync): the body that is compiled and captured, once per bucket. Each slot writes
+    its K/V at its own length and attends its written slots only (ops.decode_attention); a finished
+    slot still computes (until the host drops it) but changes nothing: its writes go past its length
+    and to the scratch row of the outputs."""
+    live = ~state.done
+    pos = state.length.clamp(max=spec.max_len - 1)  # the slot and position of the token read
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    cos, sin = rotary_tables(pos[:, None], weights.inv_freq, spec.rope_scaling, weights.embed.dtype)
+    x = weights.embed[state.last][:, None]  # [b, 1, H]
     for i, w in enumerate(weights.layers):
-        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # at `slot`; attend to every slot
-            k_cache.index_copy_(2, slot, k)
-            v_cache.index_copy_(2, slot, v)
+        def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # at each slot's own length
+            k_cache[rows, :, pos] = k[:, :, 0]
+            v_cache[rows, :, pos] = v[:, :, 0]
             return k_cache, v_cache
 
-        x = decoder_layer(x, w, spec, cos, sin, store, _window(state.valid[:, None], slot.view(1, 1), spec, i))
+        window = spec.windows[i]
+
+        def attend(q, k, v, window=window):
+            if window is not None:
+                return grouped_attention(q, k, v, _window_mask(pos[:, None], spec.max_len, window), spec)
+            out = ops.decode_attention(q.transpose(1, 2), k, v, pos + 1, scale=spec.head_dim ** -0.5)
+            return out.transpose(1, 2).reshape(q.shape[0], 1, spec.heads * spec.head_dim)
+
+        x = decoder_layer(x, w, spec, cos, sin, store, attend)
     logits, values = heads_of(x[:, 0], weights, spec)
-    token, logp = sample(logits, state.rng, spec.inverse_cdf)
-    state.tokens.index_copy_(1, t, token[:, None])
-    state.logps.index_copy_(1, t, logp[:, None])
+    token, logp = sample(logits, row_keys(state.seed, state.seq, state.col), spec.inverse_cdf)
+    out = torch.where(live, state.seq, spec.rows)
+    col = state.col.clamp(max=spec.new_tokens - 1)
+    state.tokens[out, col] = token
+    state.logps[out, col] = logp
     if values is not None:
-        state.values.index_copy_(1, t, values[:, None])
-    state.last.copy_(token)
-    state.position.add_(1)
-    state.t.add_(1)
-    state.done.logical_or_(token == spec.eos_id)
-    state.all_done.copy_(state.done.all().view(1))
-    state.rng[1:].add_(1)
+        state.values[out, col] = values
+    state.last.copy_(torch.where(live, token, state.last))
+    state.length.add_(live.long())
+    state.col.add_(live.long())
+    state.ends[out] = state.col
+    state.done.logical_or_((token == spec.eos_id) | (state.col >= state.limit))
+    state.kv_read.add_((pos + 1).sum())
+
+
+def buckets_for(slots: int, smallest: int = 8) -> tuple[int, ...]:
+    """The batch sizes the decode step runs at (one compiled graph and CUDA graph each, as vLLM's
+    capture sizes): powers of two from `smallest`, and `slots` itself."""
+    sizes, b = [], smallest
+    while b < slots:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, slots)
 
 
 # ---------------------------------------------------------------- the engine
@@ -552,35 +617,50 @@ def _mm_has_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class DecodeEngine:
-    """Rollouts of `batch` rows, prompts of at most `prompt_len` tokens, `new_tokens` sampled tokens
-    per row. `generate(lm, ...)` refreshes the rollout weights from `lm`, prefills, decodes.
+    """Rollouts of up to `batch` sequences, prompts of at most `prompt_len` tokens, `new_tokens` sampled
+    tokens per sequence, decoded `slots` at a time. `generate(lm, ...)` refreshes the rollout weights
+    from `lm`, prefills each distinct prompt once, decodes.
 
+    slots       the KV pool's rows: at most this many sequences decode at once; a finished one's slot
+                is refilled with the next pending sequence (continuous batching). Default: batch
     dtype       the rollout weights' and cache's dtype: bf16 on CUDA (what the HF path computes in
                 under autocast), the model's own dtype elsewhere
-    compile     torch.compile(decode_step, fullgraph=True, dynamic=False); False runs the same
-                function eagerly (tests)
-    cuda_graph  capture the compiled step once as a CUDA graph and replay it (CUDA only)
+    compile     torch.compile(decode_step, fullgraph=True, dynamic=False), one graph per bucket; False
+                runs the same function eagerly (tests)
+    cuda_graph  capture the compiled step once per bucket as a CUDA graph, in one memory pool, and
+                replay it (CUDA only)
+    buckets     the batch sizes a step runs at (`buckets_for(slots)`): the live slots are compacted to
+                the front and the step runs at the smallest bucket that holds them
+    check_every the host reads the slots' done flags every this many steps (on CUDA the copy issued at
+                the previous check, so the host never waits for the step it just launched)
     share_frozen  read the embedding / lm_head of the policy in place when they are frozen, of the
                 engine's dtype and persistent (one process, LoRA): no copy of 2 x V x H
     inverse_cdf  draw by inversion, one uniform per row (--rollout_sampler inverse_cdf), instead of
                 the exponential race over one uniform per vocabulary entry (`sample`)
+    share_prompts  prefill equal prompts started together (a GRPO group) once, their K/V copied to each
+                sequence's slot; False prefills every sequence's own (the same tokens: a test's baseline)
     """
 
     def __init__(self, lm, *, batch: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
                  pad_id: int, device: torch.device, dtype: torch.dtype | None = None, compile: bool = True,
-                 cuda_graph: bool | None = None, share_frozen: bool = True, inverse_cdf: bool = False):
+                 cuda_graph: bool | None = None, share_frozen: bool = True, inverse_cdf: bool = False,
+                 slots: int | None = None, buckets: tuple[int, ...] | None = None, check_every: int = CHECK_EVERY,
+                 share_prompts: bool = True):
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"rollout engine: {reason}")
-        for name, value in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
-            if not isinstance(value, int) or value < 1:
+        slots = batch if slots is None else slots
+        for name, value in (("batch", batch), ("prompt_len", prompt_len), ("new_tokens", new_tokens),
+                            ("slots", slots), ("check_every", check_every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"rollout engine: {name} must be a positive int, got {value!r}")
         if temperature <= 0:
             raise ValueError(f"rollout engine: temperature must be > 0, got {temperature}")
-        vocab = unwrap(lm).config.vocab_size
-        if batch * vocab >= 2 ** 32:
-            raise ValueError(f"rollout engine: batch x vocab ({batch} x {vocab}) must be < 2^32 (the sampler's "
-                             "element counter)")
+        slots = min(slots, batch)
+        self.buckets = tuple(sorted(set(buckets_for(slots) if buckets is None else buckets)))
+        if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] != slots:
+            raise ValueError(f"rollout engine: buckets must be positive sizes ending at slots = {slots}, "
+                             f"got {buckets!r}")
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else lm_head(lm).weight.dtype)
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
@@ -588,18 +668,25 @@ class DecodeEngine:
             raise ValueError("rollout engine: cuda_graph needs a CUDA device")
         self.pad_id = pad_id
         self.share_frozen = share_frozen
+        self.check_every = check_every
+        self.share_prompts = share_prompts
         fp32_mm = self.dtype in (torch.bfloat16, torch.float16) and _mm_has_fp32_out(self.device, self.dtype)
-        self.spec = _config_spec(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+        self.spec = _config_spec(lm, slots=slots, rows=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                                  temperature=temperature, eos_id=eos_id, fp32_out_mm=fp32_mm,
                                  inverse_cdf=inverse_cdf)
         self.weights: Weights | None = None
         self.shared: list[torch.Tensor] = []  # the policy's own tensors the engine reads in place
         self.copied: list[str] = []  # the model-wide tensors (embed, head, norm) refresh copies
         self.state = State.allocate(self.spec, self.dtype, self.device)
+        self.views = {b: self.state.head(b) for b in self.buckets}
+        if compile and len(self.buckets) > torch._dynamo.config.recompile_limit:
+            log.info("rollout engine: dynamo's recompile_limit raised to %d, one graph per bucket", len(self.buckets))
+            torch._dynamo.config.recompile_limit = len(self.buckets)
         self.step = torch.compile(decode_step, fullgraph=True, dynamic=False) if compile else decode_step
         self.compiled = compile
-        self.graph = None
-        self.flag = torch.zeros(1, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._compiled: set[int] = set()  # the buckets whose step has been compiled (CPU, no graphs)
+        self.flags = torch.zeros(slots, dtype=torch.bool, pin_memory=self.device.type == "cuda")
         self.event = torch.cuda.Event() if self.device.type == "cuda" else None
         self.stats = {"compile_s": 0.0, "capture_s": 0.0, "refresh_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
                       "decode_steps": 0}
@@ -625,7 +712,6 @@ class DecodeEngine:
             for name, modules in linear.items():
                 _merge_into(getattr(lw, name), getattr(lw, f"{name}_bias"), modules)
         self.stats["refresh_s"] = time.perf_counter() - t0
-
     def _allocate(self, lm, top: dict, norms: list[dict], linears: list[dict]) -> Weights:
         """The engine's own tensors (empty; `refresh` fills them). The embedding and an untied lm_head
         are read from the policy in place where that is safe (`share_frozen`, frozen, of the engine's
@@ -680,116 +766,205 @@ class DecodeEngine:
         shared = f", {m['weights_shared'] / mib:.1f} MiB read in place from the frozen policy" \
             if m["weights_shared"] else ""
         return (f"{m['weights'] / mib:.1f} MiB of {str(self.dtype).removeprefix('torch.')} rollout weights (LoRA "
-                f"merged, q/k/v and gate/up fused){shared}; KV cache {m['kv_cache'] / mib:.1f} MiB for {s.batch} rows "
-                f"x {s.max_len} slots ({s.prompt_len} prompt + {s.new_tokens} new); other state "
+                f"merged, q/k/v and gate/up fused){shared}; KV cache {m['kv_cache'] / mib:.1f} MiB for {s.slots} slots "
+                f"x {s.max_len} positions ({s.prompt_len} prompt + {s.new_tokens} new); other state "
                 f"{m['state'] / mib:.1f} MiB")
 
     # ------------------------------------------------------------ a rollout
 
     @torch.no_grad()
-    def generate(self, lm, prompt_ids: list[list[int]], value_head: torch.nn.Linear | None = None) -> tuple:
-        """Sample for `prompt_ids` (at most `batch` rows of at most `prompt_len` tokens) with the
+    def generate(self, lm, prompt_ids: list[list[int]], value_head: torch.nn.Linear | None = None,
+                 limits: list[int] | None = None) -> tuple:
+        """Sample for `prompt_ids` (at most `batch` sequences of 1 to `prompt_len` tokens) with the
         weights of `lm`: (prompt ids [n, P'] and mask, left-padded to the longest prompt; sampled
-        tokens [n, R']; the sampler's log-probs [n, R'] fp32; the values [n, R'] fp32 of `value_head`
-        (a critic's [H -> 1] head on the same trunk, read in place: what its forward over the rollout
-        gives, up to rounding), or None). R' is the number of columns decoded (all rows had EOS, or
-        new_tokens); nothing after a row's EOS is meaningful. Whether a value head is given is fixed
-        by the first call (a captured step reads it)."""
+        tokens [n, R'], 0 after a sequence's end (its length, EOS included, in `self.ends` [n]); the
+        sampler's log-probs [n, R'] fp32; the values [n, R'] fp32 of `value_head` (a critic's [H -> 1]
+        head on the same trunk, read in place: what its forward over the rollout gives, up to
+        rounding), or None). R' is the longest sequence's
+        length (EOS included, at most new_tokens). Equal prompts (a GRPO group) are prefilled once.
+        Sequence i's tokens depend on (seed, i, position) only: not on the slots, the buckets, or the
+        other sequences. `limits`: each sequence's most tokens (<= new_tokens; the bench's drawn lengths,
+        with an EOS the model never samples). Whether a value head is given is fixed by the first call
+        (a captured step reads it)."""
         s = self.spec
         n = len(prompt_ids)
-        if not 1 <= n <= s.batch:
-            raise ValueError(f"rollout engine: got {n} prompts for an engine of batch {s.batch}")
-        longest = max(map(len, prompt_ids))
+        if not 1 <= n <= s.rows:
+            raise ValueError(f"rollout engine: got {n} prompts for an engine of batch {s.rows}")
+        shortest, longest = min(map(len, prompt_ids)), max(map(len, prompt_ids))
         if longest > s.prompt_len:
             raise ValueError(f"rollout engine: a prompt of {longest} tokens, longer than prompt_len {s.prompt_len}")
+        if shortest < 1:
+            raise ValueError("rollout engine: an empty prompt (each needs at least one token)")
+        limits = [s.new_tokens] * n if limits is None else list(limits)
+        if len(limits) != n or any(not isinstance(x, int) or not 1 <= x <= s.new_tokens for x in limits):
+            raise ValueError(f"rollout engine: limits must be {n} ints in [1, new_tokens = {s.new_tokens}]")
         self.refresh(lm)
-        if self.graph is not None and (value_head is None) != (self.weights.value is None):
+        if self.graphs and (value_head is None) != (self.weights.value is None):
             raise ValueError("rollout engine: the first rollout was captured " +
                              ("without" if value_head is not None else "with") + " a value head")
         if value_head is not None:
             self.weights.value, self.weights.value_bias = value_head.weight, value_head.bias
         else:
             self.weights.value = self.weights.value_bias = None
-        ids, mask = left_pad(list(prompt_ids) + [prompt_ids[0]] * (s.batch - n), self.pad_id)
-        pad = s.prompt_len - ids.shape[1]
-        ids, mask = F.pad(ids, (pad, 0), value=self.pad_id), F.pad(mask, (pad, 0))
+        prompts = [list(p) for p in prompt_ids]
+        self.limits = limits
+        self.state.seed.fill_(int(torch.randint(0, 2 ** 32, (1,))))
+        if self.cuda_graph and not self.graphs:
+            self._reset(n)
+            self._start(prompts, list(range(min(n, s.slots))), list(range(min(n, s.slots))))
+            self._capture()  # the warm-up steps advance that state; the rollout below starts afresh
+        self._reset(n)
+        t0 = time.perf_counter()
+        self._run(prompts)
         st = self.state
-        st.prompt_ids.copy_(ids, non_blocking=True)
-        st.prompt_mask.copy_(mask.bool(), non_blocking=True)
-        st.rng[0] = int(torch.randint(0, 2 ** 32, (1,)))
-        st.rng[1] = 0
-        if self.cuda_graph and self.graph is None:
-            self.prefill()  # a valid state for the warm-up steps, which advance it
-            self._capture()
-        self.prefill()
-        columns = self.decode()
-        P = s.prompt_len - longest
-        return (st.prompt_ids[:n, P:].clone(), st.prompt_mask[:n, P:].long(), st.tokens[:n, :columns].clone(),
-                st.logps[:n, :columns].clone(), None if value_head is None else st.values[:n, :columns].clone())
+        tokens = st.tokens[:n]
+        self.ends = st.ends[:n].clone()
+        columns = int(self.ends.max())
+        self.stats["tokens"] = int(self.ends.sum())
+        self.stats["kv_read"] = int(st.kv_read)
+        self.stats["decode_s"] = time.perf_counter() - t0 - self.stats["prefill_s"]
+        ids, mask = left_pad(prompts, self.pad_id)
+        return (ids.to(self.device), mask.to(self.device), tokens[:, :columns].clone(), st.logps[:n, :columns].clone(),
+                None if value_head is None else st.values[:n, :columns].clone())
+
+    def _reset(self, n: int) -> None:
+        """No sequence in any slot; the outputs of the n sequences cleared; the counters at 0."""
+        st = self.state
+        for t in (st.tokens, st.logps, st.values, st.ends):
+            t[:n].zero_()
+        st.done.fill_(True)
+        st.seq.fill_(self.spec.rows)
+        st.length.zero_()
+        st.col.zero_()
+        st.kv_read.zero_()
+        self.stats |= {"prefill_s": 0.0, "decode_steps": 0, "row_steps": 0, "occupied_row_steps": 0,
+                       "prefill_rows": 0, "prefill_tokens": 0, "prefills": 0, "compactions": 0,
+                       "kv_slots": self.spec.slots * self.spec.max_len}
+
+    def _start(self, prompts: list[list[int]], seqs: list[int], slots: list[int]) -> None:
+        """Prefill sequences `seqs` into `slots`: each distinct prompt among them once."""
+        t0 = time.perf_counter()
+        distinct: dict[tuple, int] = {}
+        key = (lambda i: tuple(prompts[i])) if self.share_prompts else (lambda i: i)
+        which = [distinct.setdefault(key(i), len(distinct)) for i in seqs]
+        first = {w: i for i, w in reversed(list(zip(seqs, which)))}  # a sequence of each distinct prompt
+
+        def device(values):
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        with torch.profiler.record_function("fastrlhf::prefill"):
+            rows, tokens = prefill(self.weights, self.state, self.spec, [prompts[first[w]] for w in range(len(first))],
+                                   device(which), device(slots), device(seqs),
+                                   device([self.limits[i] for i in seqs]), self.pad_id)
+        self.stats["prefill_rows"] += rows
+        self.stats["prefill_tokens"] += tokens
+        self.stats["prefills"] += 1
+        self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket that holds `rows` slots."""
+        return next(b for b in self.buckets if b >= rows)
 
     @torch.no_grad()
-    def prefill(self) -> None:
-        """Start the rollout of the prompts in the state (again): K/V of the prompt slots, the first token."""
-        t0 = time.perf_counter()
-        prefill(self.weights, self.state, self.spec)
-        self.stats["prefill_s"] = time.perf_counter() - t0
+    def _run(self, prompts: list[list[int]]) -> None:
+        """Decode every sequence to its end, `slots` at a time. Every `check_every` steps the host reads
+        which slots are done (`_poll`), frees them and refills them with pending sequences; once none are
+        pending and the live slots fit a smaller bucket, they move to the front (`State.permute`) and the
+        step runs at that bucket."""
+        n, S = len(prompts), self.spec.slots
+        holder = [-1] * S  # the host's view: the sequence each slot holds, -1 for none
+        first = min(n, S)
+        self._start(prompts, list(range(first)), list(range(first)))
+        holder[:first] = range(first)
+        pending = first  # the next sequence to start
+        self._poll_snapshot = None
+        b = self.bucket(first)
+        while True:
+            occupied = sum(h >= 0 for h in holder[:b])
+            for _ in range(self.check_every):
+                self._run_step(b)
+            self.stats["decode_steps"] += self.check_every
+            self.stats["row_steps"] += self.check_every * b
+            self.stats["occupied_row_steps"] += self.check_every * occupied
+            finished = self._poll(holder)
+            holder = [-1 if h in finished else h for h in holder]
+            free = [i for i, h in enumerate(holder) if h < 0]
+            if pending < n and free:
+                take = free[:n - pending]
+                seqs = list(range(pending, pending + len(take)))
+                self._start(prompts, seqs, take)
+                for slot, seq in zip(take, seqs):
+                    holder[slot] = seq
+                pending += len(take)
+            live = [i for i, h in enumerate(holder) if h >= 0]
+            if not live and pending == n:
+                break
+            if pending == n and self.bucket(len(live)) < self.bucket(live[-1] + 1):
+                self._compact(live)
+                holder = [holder[i] for i in live] + [-1] * (S - len(live))
+                live = list(range(len(live)))
+            b = self.bucket(live[-1] + 1)
 
-    def _run_step(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.step(self.weights, self.state, self.spec)
+    def _poll(self, holder: list[int]) -> set[int]:
+        """The sequences the host now knows are done. On CPU the flags are read as they are; on CUDA
+        from the copy issued at the previous check (its event has long passed: no wait on the step just
+        launched), mapped through the slots' holders at that time (a compaction or refill since then
+        moved them)."""
+        done = self.state.done
+        if self.event is None:
+            return {h for h, d in zip(holder, done.tolist()) if d and h >= 0}
+        finished = set()
+        if self._poll_snapshot is not None:
+            self.event.synchronize()
+            finished = {h for h, d in zip(self._poll_snapshot, self.flags.tolist()) if d and h >= 0}
+        self.flags.copy_(done, non_blocking=True)
+        self.event.record()
+        self._poll_snapshot = list(holder)
+        return finished
 
-    @torch.no_grad()
-    def decode(self) -> int:
-        """R - 1 steps after `prefill`, or fewer once every row has had EOS. Returns the number of
-        columns written."""
-        t0 = time.perf_counter()
-        steps = self._decode_loop(t0)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.stats["decode_s"] = time.perf_counter() - t0
-        self.stats["decode_steps"] = steps
-        return steps + 1
+    def _compact(self, live: list[int]) -> None:
+        """Move the live slots to the front, in order; the slots after them hold nothing."""
+        st = self.state
+        st.permute(torch.tensor(live, dtype=torch.long, device=self.device))
+        st.done[len(live):] = True
+        st.seq[len(live):] = self.spec.rows
+        self.stats["compactions"] += 1
 
-    def _decode_loop(self, t0: float) -> int:
-        """The steps, the all-EOS flag read every CHECK_EVERY steps from a copy issued CHECK_EVERY steps
-        earlier (the host never waits for the step it just launched). Returns the steps run."""
-        pending, t = False, 0
-        for t in range(1, self.spec.new_tokens):
-            if t == 1 and self.compiled and not self.cuda_graph and not self.stats["compile_s"]:
-                self._run_step()  # the first call compiles (a real step all the same): timed apart
-                self.stats["compile_s"] = time.perf_counter() - t0
-                continue
-            self._run_step()
-            if t % CHECK_EVERY == 0 and t < self.spec.new_tokens - 1:
-                if pending:
-                    if self.event is not None:
-                        self.event.synchronize()
-                    if bool(self.flag[0]):
-                        break
-                self.flag.copy_(self.state.all_done, non_blocking=True)
-                if self.event is not None:
-                    self.event.record()
-                pending = True
-        return t
+    def _run_step(self, b: int) -> None:
+        graph = self.graphs.get(b)
+        if graph is not None:
+            graph.replay()
+            return
+        if self.compiled and not self.cuda_graph and b not in self._compiled:
+            t0 = time.perf_counter()  # the first call at a bucket compiles (a real step all the same): timed apart
+            self.step(self.weights, self.views[b], self.spec)
+            self.stats["compile_s"] += time.perf_counter() - t0
+            self._compiled.add(b)
+            return
+        self.step(self.weights, self.views[b], self.spec)
 
     def _capture(self) -> None:
-        """Compile (3 warm-up calls on a side stream), then capture one step as a CUDA graph."""
+        """Compile every bucket's step (3 warm-up calls each on a side stream), then capture each as a
+        CUDA graph, largest first, in one memory pool."""
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(3):
-                self.step(self.weights, self.state, self.spec)
+            for b in reversed(self.buckets):
+                for _ in range(3):
+                    self.step(self.weights, self.views[b], self.spec)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self.stats["compile_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step(self.weights, self.state, self.spec)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.step(self.weights, self.views[b], self.spec)
+            self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
         self.stats["capture_s"] = time.perf_counter() - t0
-        log.info("rollout engine: decode step compiled in %.1f s, captured as one CUDA graph in %.2f s",
-                 self.stats["compile_s"], self.stats["capture_s"])
+        log.info("rollout engine: decode step compiled in %.1f s, captured as %d CUDA graphs (batch sizes %s) in "
+                 "%.2f s", self.stats["compile_s"], len(self.graphs), ", ".join(map(str, self.buckets)),
+                 self.stats["capture_s"])

@@ -198,10 +198,13 @@ def generate(lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str], *, 
 
 
 def _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=None,
-             sampler_values=None) -> Rollout:
+             sampler_values=None, lengths=None) -> Rollout:
     """The Rollout of left-padded prompts [B, P] and sampled tokens [B, R']: tokens after the first EOS
-    become padding and are masked out; columns past the longest response are dropped."""
+    (or past `lengths` [B], where the sampler ended rows at their own limits) become padding and are
+    masked out; columns past the longest response are dropped."""
     response_mask = response_mask_after_eos(responses, tokenizer.eos_token_id)
+    if lengths is not None:
+        response_mask = response_mask * (torch.arange(responses.shape[1], device=responses.device) < lengths[:, None])
     R = max(1, int(response_mask.sum(-1).max()))
     response_mask, responses = response_mask[:, :R], responses[:, :R]
     responses = torch.where(response_mask.bool(), responses, tokenizer.pad_token_id)
@@ -239,10 +242,11 @@ def choose_engine(name: str, lm, device: torch.device) -> tuple[str, str]:
 
 
 def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_tokens: int, temperature: float,
-                device: torch.device, sampler: str = "multinomial"):
+                device: torch.device, sampler: str = "multinomial", slots: int = 0):
     """The decode engine `--rollout_engine name` asks for, or None for the hf path; the choice and
     its reason are logged. Under torchrun each rank builds its own for its share of the rows. `sampler`
-    (--rollout_sampler): `inverse_cdf` draws by inversion in the step, else by the exponential race."""
+    (--rollout_sampler): `inverse_cdf` draws by inversion in the step, else by the exponential race.
+    `slots` (--rollout_slots): the sequences decoded at once, 0 = all `batch`."""
     from fastrlhf.train.engine import DecodeEngine
 
     engine, why = choose_engine(name, lm, device)
@@ -253,17 +257,18 @@ def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_to
     # a sharded policy's gathered tensors are freed after each rollout: the engine keeps copies
     return DecodeEngine(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature,
                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=device, compile=cuda,
-                        cuda_graph=cuda, share_frozen=not distributed.active(), inverse_cdf=sampler == "inverse_cdf")
+                        cuda_graph=cuda, share_frozen=not distributed.active(), inverse_cdf=sampler == "inverse_cdf",
+                        slots=slots or batch)
 
 
 def engine_generate(engine, lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str],
-                    value_head=None) -> Rollout:
+                    value_head=None, limits: list[int] | None = None) -> Rollout:
     """`generate`'s Rollout, sampled by the decode engine from the current weights of `lm` (re-formed
     in place first: the rollout follows the last optimizer step), with the sampler's log-probs, and
     the values of `value_head` (a critic's head on `lm`'s trunk) where one is given."""
-    input_ids, attention_mask, responses, logps, values = engine.generate(lm, prompt_ids, value_head)
+    input_ids, attention_mask, responses, logps, values = engine.generate(lm, prompt_ids, value_head, limits)
     return _rollout(input_ids, attention_mask, responses, tokenizer, prompts, sampler_logp=logps,
-                    sampler_values=values)
+                    sampler_values=values, lengths=None if limits is None else engine.ends)
 
 
 def sampler_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -600,6 +600,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_sampler not in ROLLOUT_SAMPLERS:
         raise ValueError(f"ppo: rollout_sampler must be one of {', '.join(ROLLOUT_SAMPLERS)}, "
                          f"got {cfg.rollout_sampler!r}")
+    if not isinstance(cfg.rollout_slots, int) or cfg.rollout_slots < 0:
+        raise ValueError(f"ppo: rollout_slots must be an int >= 0 (0 = every row at once), got {cfg.rollout_slots!r}")
     if cfg.rollout_engine not in ROLLOUT_ENGINES:
         raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
@@ -727,7 +729,7 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
     engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
                          batch=cfg.rollout_batch_size // distributed.world_size(),
                          prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                         device=device, sampler=cfg.rollout_sampler)  # None: the hf path
+                         device=device, sampler=cfg.rollout_sampler, slots=cfg.rollout_slots)  # None: the hf path
     reader = sampler_logprobs_reader(cfg)
     if engine is None and reader and cfg.rollout_sampler != "inverse_cdf":
         raise ValueError(f"ppo: {reader} needs the sampler's log-probs, and the decode engine cannot run this "
