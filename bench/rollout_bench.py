@@ -18,8 +18,9 @@ Recorded per engine: `rollout_s` (median of the timed rollouts), `step_s` (rollo
 the weights once, the KV cache written so far on average, the fp32 logits once),
 `compile_s` and `capture_s` (graph: the engine's own; static: the first rollout minus the median one),
 the sampler-trainer log-prob gap (graph: |logp_sampler - old_logp| over response tokens, per step),
-and CUDA graph launches, kernel launches and kernels run per decode step (torch.profiler: graph over its
-decode loop; static over one whole generate, dynamic over a NEW_TOKENS_PROFILED-token one, prefill included).
+and CUDA graph launches, kernel launches and kernels run per decode step (torch.profiler: graph over one
+whole rollout, its prefills and polls included; static over one whole generate, dynamic over a
+NEW_TOKENS_PROFILED-token one, prefill included).
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def rest_of_step(model, ac, optimizer, reward_fn, rollout, cfg: PPOConfig, devic
     return gap
 
 
-def launches(fn, device, steps: int) -> dict | None:
+def launches(fn, device, steps) -> dict | None:
     """Per decode step: CUDA graph launches, kernel launches (host API calls) and kernels run on the device
-    (graph-launched ones included), over one call of `fn` (`steps` steps) under torch.profiler. None on CPU."""
+    (graph-launched ones included), over one call of `fn` (`steps` steps: an int, or a function read after
+    the call) under torch.profiler. None on CPU."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -103,6 +105,7 @@ def launches(fn, device, steps: int) -> dict | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         sync(device)
+    steps = steps() if callable(steps) else steps
     graph = kernel_calls = kernels = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -199,9 +202,8 @@ def main(argv=None) -> int:
         compile_s = max(0.0, first_s - rollout_s) if args.engine == "static" else 0.0
         capture_s = None
         record["prefill_s"] = prefill_s
-    if engine is not None:  # the decode loop alone: its replays after a prefill
-        engine.prefill()
-        counts = launches(engine.decode, device, R - 1)
+    if engine is not None:  # one whole rollout (its prefills and polls included) over its decode steps
+        counts = launches(rollout, device, lambda: engine.stats["decode_steps"])
     else:  # a whole generate (its prefill included) over its decode steps
         profiled = R if args.engine == "static" else min(R, NEW_TOKENS_PROFILED)
         counts = launches(lambda: rollout(profiled), device, profiled - 1)

@@ -625,8 +625,10 @@ class DecodeEngine:
                 is refilled with the next pending sequence (continuous batching). Default: batch
     dtype       the rollout weights' and cache's dtype: bf16 on CUDA (what the HF path computes in
                 under autocast), the model's own dtype elsewhere
-    compile     torch.compile(decode_step, fullgraph=True, dynamic=False), one graph per bucket; False
-                runs the same function eagerly (tests)
+    compile     torch.compile(decode_step, fullgraph=True): one graph, dynamic in the slot dimension
+                (marked on every bucket's views of size >= 2), serves every bucket (a bucket of 1 gets
+                its own), so more buckets cost captures, not compiles; False runs the same function
+                eagerly (tests)
     cuda_graph  capture the compiled step once per bucket as a CUDA graph, in one memory pool, and
                 replay it (CUDA only)
     buckets     the batch sizes a step runs at (`buckets_for(slots)`): the live slots are compacted to
@@ -679,10 +681,16 @@ class DecodeEngine:
         self.copied: list[str] = []  # the model-wide tensors (embed, head, norm) refresh copies
         self.state = State.allocate(self.spec, self.dtype, self.device)
         self.views = {b: self.state.head(b) for b in self.buckets}
-        if compile and len(self.buckets) > torch._dynamo.config.recompile_limit:
-            log.info("rollout engine: dynamo's recompile_limit raised to %d, one graph per bucket", len(self.buckets))
-            torch._dynamo.config.recompile_limit = len(self.buckets)
-        self.step = torch.compile(decode_step, fullgraph=True, dynamic=False) if compile else decode_step
+        shared = [b for b in self.buckets if b >= 2]  # size 1 is always specialized by dynamo
+        if compile and len(shared) > 1:
+            # one compile for every bucket: at qwen2-0.5b a static-shape compile is ~38 s on an H200
+            # (bench/results/2026-12-04-h200-rollout_lengths.json), six buckets were past a 140 s budget
+            for b in shared:
+                view = self.views[b]
+                for t in view.k_cache + view.v_cache + [getattr(view, name) for name in SLOT_FIELDS]:
+                    torch._dynamo.mark_dynamic(t, 0, min=shared[0], max=slots)
+        self.step = torch.compile(decode_step, fullgraph=True, dynamic=False if len(shared) <= 1 else None) \
+            if compile else decode_step
         self.compiled = compile
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._compiled: set[int] = set()  # the buckets whose step has been compiled (CPU, no graphs)
@@ -780,8 +788,8 @@ class DecodeEngine:
         tokens [n, R'], 0 after a sequence's end (its length, EOS included, in `self.ends` [n]); the
         sampler's log-probs [n, R'] fp32; the values [n, R'] fp32 of `value_head` (a critic's [H -> 1]
         head on the same trunk, read in place: what its forward over the rollout gives, up to
-        rounding), or None). R' is the longest sequence's
-        length (EOS included, at most new_tokens). Equal prompts (a GRPO group) are prefilled once.
+        rounding), or None). R' is the longest sequence's length (EOS included, at most new_tokens).
+        Equal prompts (a GRPO group) are prefilled once.
         Sequence i's tokens depend on (seed, i, position) only: not on the slots, the buckets, or the
         other sequences. `limits`: each sequence's most tokens (<= new_tokens; the bench's drawn lengths,
         with an EOS the model never samples). Whether a value head is given is fixed by the first call
