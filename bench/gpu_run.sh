@@ -28,6 +28,8 @@
 #   e2e          fastrlhf's GRPO iteration beside TRL's GRPOTrainer      -> e2e.json
 #   decode_attention  bench/decode_attention.py: the decode attention op beside SDPA, flex attention and flash-attn
 #                at the Qwen2.5 head shapes, its goals judged in the run (issue 41)  -> decode_attention.json
+#   rollout_lengths  bench/rollout_lengths.py: rollouts at RL shapes (N 256 = 32 x G 8, P 512, R 4096, log-normal
+#                lengths): this engine, the one before issue 42, transformers' continuous batching -> rollout_lengths.json
 # and always status.json (every step's rc, seconds and limit; commit, kernels tree hash; the environment) and
 # logs.tar.gz (every step's log, env.json and what the parts add to WORK). The device tool returns at most 8
 # files, 16 MiB each, and no folders: keep a call's parts within that.

@@ -23,14 +23,15 @@ SCRIPT = ROOT / "bench" / "gpu_run.sh"
 # each part's steps and the files it leaves in OUT (bench/parts/PART.sh); every run also leaves these two
 PART_STEPS = {"tests": ["tests"], "ops": ["ops"], "ppo": ["ppo"], "experiments": ["dist", "coop", "chunks", "few_rows"],
               "rollout": ["rollout_graph", "rollout_static", "rollout_dynamic"], "update": ["update"], "e2e": ["e2e"],
-              "decode_attention": ["decode_attention"]}
+              "decode_attention": ["decode_attention"],
+              "rollout_lengths": ["lengths_new", "lengths_before", "lengths_hf_cb"]}
 PART_FILES = {"tests": {"tests.log"}, "ops": {"bench.json", "bench.png"}, "ppo": {"ppo.json"},
               "experiments": {"coop.json", "linear_chunks.json", "dist_peak_memory.json", "few_rows.json"},
               "rollout": {"rollout.json"}, "update": {"update.json"}, "e2e": {"e2e.json"},
-              "decode_attention": {"decode_attention.json"}}
+              "decode_attention": {"decode_attention.json"}, "rollout_lengths": {"rollout_lengths.json"}}
 ALWAYS = {"status.json", "logs.tar.gz"}
 # the parts the shared dry run runs, in this order: the default three, then the others (e2e: tests/bench/test_e2e_bench)
-DRY_PARTS = ["tests", "ops", "ppo", "experiments", "rollout", "update", "decode_attention"]
+DRY_PARTS = ["tests", "ops", "ppo", "experiments", "rollout", "update", "decode_attention", "rollout_lengths"]
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                                 reason="needs bash and timeout")
 on_cpu = pytest.mark.skipif(torch.cuda.is_available(),
@@ -263,3 +264,28 @@ def test_decode_attention_dry_run(dry_run):
     assert sum("prompt once" in n for n in names) == 1
     assert all(g["met"] is None and g["value"] is not None for g in record["goals"])
     assert "decode_attention (" in proc.stdout  # gpu_record.py's summary
+
+
+@needs_bash
+@on_cpu
+def test_rollout_lengths_dry_run(dry_run):
+    """The rollout_lengths part of the dry run (issue 42): the three engines, each in its own step, merged
+    into rollout_lengths.json on the same drawn lengths: the new engine decodes exactly the drawn tokens
+    (the old one its whole static batch), prefills each group's prompt once, and its sampler's log-probs are
+    the trainer's in fp32; nothing is judged on CPU."""
+    out, proc = dry_run
+    record = json.loads((out / "rollout_lengths.json").read_text())
+    engines = {e["engine"]: e for e in record["engines"]}
+    assert list(engines) == ["new", "before", "hf_cb"] and record["missing"] == []
+    assert all(e["finished"] and e["rollout_s"] > 0 for e in engines.values())
+    new, before, cb = engines["new"], engines["before"], engines["hf_cb"]
+    sizes, drawn = new["sizes"], new["lengths"]
+    assert new["tokens"] == cb["tokens"] == drawn["sum"] and drawn["max"] == sizes["new_tokens"]
+    assert before["tokens"] == sizes["rows"] * sizes["new_tokens"]  # no per-row limit: the batch runs to R
+    stats = new["stats"]
+    assert stats["prefill_rows"] == sizes["rows"] // sizes["group"] and stats["row_steps"] < before["stats"][
+        "decode_steps"] * sizes["rows"]
+    assert new["full_batch_step"]["steps"] >= 8 and new["full_batch_step"]["floor"]["ms"] > 0
+    assert record["logp_gap"]["rollout/logp_gap_max"] < 1e-5  # fp32 on CPU
+    assert [g["met"] for g in record["goals"]] == [None] * 4
+    assert "rollout new" in proc.stdout
