@@ -98,8 +98,12 @@ def timed(fn, device):
 
 def before_engine_module():
     """fastrlhf/train/engine.py of commit BEFORE, imported from a temporary file."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:fastrlhf/train/engine.py"],
-                            capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:fastrlhf/train/engine.py"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--engine before: commit {BEFORE} is not in {ROOT}'s git history (a shallow clone?): "
+                         f"{shown.stderr.strip()}")
+    source = shown.stdout
     path = Path(tempfile.mkdtemp(prefix="engine_before_")) / "engine_before.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("engine_before", path)

@@ -235,8 +235,9 @@ def _engine_tensors(engine) -> list[torch.Tensor]:
 @pytest.mark.slow  # inductor's compile of the decode step, once per bucket: two minutes on a 2-core CPU
 def test_compiled_step_is_one_graph_for_every_bucket_replayed_without_recompiles():
     """inductor on CPU (no CUDA graph here): the decode step compiles to one graph, dynamic in the slot
-    dimension, for both buckets, with no graph break; a second rollout recompiles nothing; inside the decode loop nothing runs outside the
-    compiled regions but the prefill and the compaction to the smaller bucket; buffers keep their
+    dimension, for both buckets, with no graph break; a second rollout recompiles nothing; inside the
+    decode loop nothing runs outside the compiled regions but the prefill and the compaction to the
+    smaller bucket; buffers keep their
     addresses; the compiled step draws the eager step's tokens, and its log-probs are the HF + peft
     model's."""
     from torch._dynamo.utils import counters
