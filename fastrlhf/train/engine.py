@@ -683,8 +683,8 @@ class DecodeEngine:
         self.views = {b: self.state.head(b) for b in self.buckets}
         shared = [b for b in self.buckets if b >= 2]  # size 1 is always specialized by dynamo
         if compile and len(shared) > 1:
-            # one compile for every bucket: at qwen2-0.5b a static-shape compile is ~38 s on an H200
-            # (bench/results/2026-12-04-h200-rollout_lengths.json), six buckets were past a 140 s budget
+            # one compile for every bucket: a static-shape compile of qwen2-0.5b's step took 38 s on an
+            # H200 (bench/results/2026-12-04-h200-rollout_lengths.json), so six buckets would take minutes
             for b in shared:
                 view = self.views[b]
                 for t in view.k_cache + view.v_cache + [getattr(view, name) for name in SLOT_FIELDS]:
