@@ -49,6 +49,7 @@ import torch
 
 from fastrlhf.bench.environment import environment
 from fastrlhf.bench.measure import Settings, probes
+from fastrlhf.train.engine import DecodeEngine
 from fastrlhf.train.heads import ActorCritic
 from fastrlhf.train.models import hidden_states, load_causal_lm
 from fastrlhf.train.rollout import engine_generate, sampler_gap, token_logprobs
@@ -182,7 +183,7 @@ def run_engine(args, sizes, save) -> dict:
         ac = ActorCritic(lm, lora_rank=sizes["lora_rank"], lora_alpha=2 * sizes["lora_rank"], value_head=False)
         cuda = device.type == "cuda"
         module = before_engine_module() if args.engine == "before" else None
-        Engine = module.DecodeEngine if module else __import__("fastrlhf.train.engine", fromlist=["x"]).DecodeEngine
+        Engine = module.DecodeEngine if module else DecodeEngine
         engine = Engine(ac.policy, batch=N, prompt_len=P, new_tokens=R, temperature=TEMPERATURE, eos_id=eos,
                         pad_id=tokenizer.pad_token_id, device=device, dtype=dtype, compile=cuda, cuda_graph=cuda)
 
