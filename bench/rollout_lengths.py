@@ -42,10 +42,10 @@ import math
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from rollout_bench import floor_bytes, timed  # bench/, this script's folder
 
 from fastrlhf.bench.environment import environment
 from fastrlhf.bench.measure import Settings, probes
@@ -84,19 +84,6 @@ def prompts(rows: int, group: int, prompt_len: int, vocab: int, seed: int = 1) -
     return [distinct[i // group].tolist() for i in range(rows)]
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device):
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - t0
-
-
 def before_engine_module():
     """fastrlhf/train/engine.py of commit BEFORE, imported from a temporary file."""
     shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE}:fastrlhf/train/engine.py"],
@@ -112,20 +99,6 @@ def before_engine_module():
     sys.modules["engine_before"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-def floor_ms(config, rows: int, kv_len: int, dtype_bytes: int, copy_gbps: float) -> dict:
-    """A decode step's least bytes at `rows` rows of `kv_len` written slots: the weights once (a tied
-    embedding read as the lm_head), the K/V of those rows, the fp32 logits once; over the copy probe."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    H, layers, V, inter = config.hidden_size, config.num_hidden_layers, config.vocab_size, config.intermediate_size
-    kv_dim = config.num_key_value_heads * head_dim
-    per_layer = H * (H + 2 * kv_dim) + H * H + 3 * H * inter
-    weights = (layers * per_layer + V * H) * dtype_bytes
-    kv = rows * kv_len * layers * 2 * kv_dim * dtype_bytes
-    logits = rows * V * 4
-    total = weights + kv + logits
-    return {"weights": weights, "kv": kv, "logits": logits, "ms": total / (copy_gbps * 1e9) * 1e3}
 
 
 def run_engine(args, sizes, save) -> dict:
@@ -203,7 +176,8 @@ def run_engine(args, sizes, save) -> dict:
             rollout(caps=[STEP_PROBE] * N)
             steps = engine.stats["decode_steps"]
             step_ms = engine.stats["decode_s"] / steps * 1e3
-            floor = floor_ms(lm.config, N, P + steps // 2, 2 if dtype != torch.float32 else 4, probe["copy_gbps"])
+            floor = floor_bytes(lm.config, N, P, steps + 1, 2 if dtype != torch.float32 else 4)  # K/V at P + steps / 2
+            floor["ms"] = sum(floor.values()) / (probe["copy_gbps"] * 1e9) * 1e3
             record["full_batch_step"] = {"ms": step_ms, "steps": steps, "floor": floor,
                                          "over_floor": step_ms / floor["ms"]}
             save(record)
