@@ -226,6 +226,11 @@ class PPOConfig(RunConfig):
     (0 = every row of the rank's rollout). With fewer, a finished sequence's slot is refilled with the
     next pending one (continuous batching): the KV cache is slots x (max_prompt_len + max_new_tokens)
     instead of rows x that, and the tokens are the same (each is keyed by its sequence and position)."""
+    rollout_keep_memory: bool = False
+    """With --rollout_engine graph: keep the engine's KV pool, its copy of the weights and its CUDA graphs
+    allocated through the update. Default: freed at the end of each rollout, so the update has that
+    memory, and re-formed for the next (the compiled step is kept; the CUDA graphs are captured again,
+    counted in the engine's stats as captures and capture_s)."""
     rollout_correction: str = "none"
     """Weigh each token's policy loss by how much likelier the trained policy makes it than the sampler
     did (importance weights pi_train / pi_sampler from the sampler's own log-probs, ops.rollout_correction:

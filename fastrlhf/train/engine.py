@@ -518,8 +518,10 @@ def prefill(weights: Weights, state: State, spec: Spec, prompts: list[list[int]]
     x = weights.embed[ids]
     for i, w in enumerate(weights.layers):
         def store(k, v, k_cache=state.k_cache[i], v_cache=state.v_cache[i]):  # the prompts' K/V into their slots
-            k_cache[slots, :, :P] = k[which]
-            v_cache[slots, :, :P] = v[which]
+            for at in range(0, len(slots), len(prompts)):  # a gathered copy of no more rows than k itself has
+                chunk = slice(at, at + len(prompts))
+                k_cache[slots[chunk], :, :P] = k[which[chunk]]
+                v_cache[slots[chunk], :, :P] = v[which[chunk]]
             return k, v
 
         window = spec.windows[i]
@@ -641,13 +643,16 @@ class DecodeEngine:
                 the exponential race over one uniform per vocabulary entry (`sample`)
     share_prompts  prefill equal prompts started together (a GRPO group) once, their K/V copied to each
                 sequence's slot; False prefills every sequence's own (the same tokens: a test's baseline)
+    keep_memory  keep the KV pool, the weight copy and the CUDA graphs between rollouts; False: `release`
+                them at the end of each `generate` (the trainer's default, --rollout_keep_memory), so the
+                update has that memory, and re-form them at the next
     """
 
     def __init__(self, lm, *, batch: int, prompt_len: int, new_tokens: int, temperature: float, eos_id: int,
                  pad_id: int, device: torch.device, dtype: torch.dtype | None = None, compile: bool = True,
                  cuda_graph: bool | None = None, share_frozen: bool = True, inverse_cdf: bool = False,
                  slots: int | None = None, buckets: tuple[int, ...] | None = None, check_every: int = CHECK_EVERY,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, keep_memory: bool = True):
         reason = unsupported_reason(lm)
         if reason is not None:
             raise ValueError(f"rollout engine: {reason}")
@@ -672,6 +677,7 @@ class DecodeEngine:
         self.share_frozen = share_frozen
         self.check_every = check_every
         self.share_prompts = share_prompts
+        self.keep_memory = keep_memory
         fp32_mm = self.dtype in (torch.bfloat16, torch.float16) and _mm_has_fp32_out(self.device, self.dtype)
         self.spec = _config_spec(lm, slots=slots, rows=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                                  temperature=temperature, eos_id=eos_id, fp32_out_mm=fp32_mm,
@@ -679,25 +685,49 @@ class DecodeEngine:
         self.weights: Weights | None = None
         self.shared: list[torch.Tensor] = []  # the policy's own tensors the engine reads in place
         self.copied: list[str] = []  # the model-wide tensors (embed, head, norm) refresh copies
-        self.state = State.allocate(self.spec, self.dtype, self.device)
-        self.views = {b: self.state.head(b) for b in self.buckets}
-        shared = [b for b in self.buckets if b >= 2]  # size 1 is always specialized by dynamo
-        if compile and len(shared) > 1:
-            # one compile for every bucket: a static-shape compile of qwen2-0.5b's step took 38 s on an
-            # H200 (bench/results/2026-12-04-h200-rollout_lengths.json), so six buckets would take minutes
-            for b in shared:
-                view = self.views[b]
-                for t in view.k_cache + view.v_cache + [getattr(view, name) for name in SLOT_FIELDS]:
-                    torch._dynamo.mark_dynamic(t, 0, min=shared[0], max=slots)
-        self.step = torch.compile(decode_step, fullgraph=True, dynamic=False if len(shared) <= 1 else None) \
-            if compile else decode_step
         self.compiled = compile
+        self.state: State | None = None
+        self._allocate_state()
+        self.step = torch.compile(decode_step, fullgraph=True, dynamic=None if self._dynamic_buckets() else False) \
+            if compile else decode_step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._compiled: set[int] = set()  # the buckets whose step has been compiled (CPU, no graphs)
         self.flags = torch.zeros(slots, dtype=torch.bool, pin_memory=self.device.type == "cuda")
         self.event = torch.cuda.Event() if self.device.type == "cuda" else None
         self.stats = {"compile_s": 0.0, "capture_s": 0.0, "refresh_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0,
-                      "decode_steps": 0}
+                      "decode_steps": 0, "captures": 0, "releases": 0}
+
+    def _dynamic_buckets(self) -> list[int]:
+        """The buckets one compiled graph serves, dynamic in the slot dimension (size 1 is always
+        specialized by dynamo); none when there is at most one such bucket (a static compile)."""
+        shared = [b for b in self.buckets if b >= 2]
+        return shared if self.compiled and len(shared) > 1 else []
+
+    def _allocate_state(self) -> None:
+        """The KV pool and per-rollout buffers, and each bucket's views of them. One compile serves every
+        bucket: a static-shape compile of qwen2-0.5b's step took 38 s on an H200
+        (bench/results/2026-12-04-h200-rollout_lengths.json), so six buckets would take minutes."""
+        self.state = State.allocate(self.spec, self.dtype, self.device)
+        self.views = {b: self.state.head(b) for b in self.buckets}
+        dynamic = self._dynamic_buckets()
+        for b in dynamic:
+            view = self.views[b]
+            for t in view.k_cache + view.v_cache + [getattr(view, name) for name in SLOT_FIELDS]:
+                torch._dynamo.mark_dynamic(t, 0, min=dynamic[0], max=self.spec.slots)
+
+    def release(self) -> None:
+        """Free what the engine holds between rollouts, for the update: the KV pool and the other
+        per-rollout buffers, its own copy of the weights (the policy's tensors it reads in place stay the
+        policy's) and the CUDA graphs with their memory pool. The compiled step is kept: the next
+        `generate` allocates the same shapes again (no recompile), re-forms the weights (as every rollout
+        does) and re-captures the graphs (stats["captures"] counts the captures, "capture_s" their time)."""
+        self.graphs.clear()
+        self.views = {}
+        self.state = None
+        self.weights = None
+        self.shared, self.copied = [], []
+        self._poll_snapshot = None
+        self.stats["releases"] += 1
 
     # ------------------------------------------------------------ weights
 
@@ -707,6 +737,8 @@ class DecodeEngine:
         the new values): merged LoRA in fp32, cast once. The first call allocates them."""
         t0 = time.perf_counter()
         top, norms, linears = _sources(lm)
+        if self.state is None:
+            self._allocate_state()
         if self.weights is None:
             self.weights = self._allocate(lm, top, norms, linears)
         w = self.weights
@@ -763,10 +795,11 @@ class DecodeEngine:
         tensors = [] if weights is None else [weights.embed, weights.norm, weights.head, weights.head_bias]
         tensors += [getattr(lw, f.name) for lw in (weights.layers if weights else []) for f in dataclasses.fields(lw)]
         unique = {t.data_ptr(): t.nbytes for t in tensors if t is not None}
-        kv = sum(t.nbytes for t in self.state.k_cache + self.state.v_cache)
+        st = self.state
+        kv = 0 if st is None else sum(t.nbytes for t in st.k_cache + st.v_cache)
         return {"weights": sum(b for p, b in unique.items() if p not in shared),
                 "weights_shared": sum(b for p, b in unique.items() if p in shared), "kv_cache": kv,
-                "state": sum(t.nbytes for t in self.state.tensors()) - kv}
+                "state": 0 if st is None else sum(t.nbytes for t in st.tensors()) - kv}
 
     def memory_summary(self, weights: Weights | None = None) -> str:
         m, s = self.memory_bytes(weights), self.spec
@@ -831,9 +864,14 @@ class DecodeEngine:
         self.stats["tokens"] = int(self.ends.sum())
         self.stats["kv_read"] = int(st.kv_read)
         self.stats["decode_s"] = time.perf_counter() - t0 - self.stats["prefill_s"]
+        held = self.memory_bytes()
+        self.stats["held_bytes"] = held["weights"] + held["kv_cache"] + held["state"]  # freed by `release`
         ids, mask = left_pad(prompts, self.pad_id)
-        return (ids.to(self.device), mask.to(self.device), tokens[:, :columns].clone(), st.logps[:n, :columns].clone(),
-                None if value_head is None else st.values[:n, :columns].clone())
+        out = (ids.to(self.device), mask.to(self.device), tokens[:, :columns].clone(), st.logps[:n, :columns].clone(),
+               None if value_head is None else st.values[:n, :columns].clone())
+        if not self.keep_memory:
+            self.release()
+        return out
 
     def _reset(self, n: int) -> None:
         """No sequence in any slot; the outputs of the n sequences cleared; the counters at 0."""
@@ -952,8 +990,10 @@ class DecodeEngine:
         self.step(self.weights, self.views[b], self.spec)
 
     def _capture(self) -> None:
-        """Compile every bucket's step (3 warm-up calls each on a side stream), then capture each as a
+        """Compile every bucket's step (3 warm-up calls each on a side stream; after a `release` the
+        compiled step is reused and this is warm-up alone, counted in capture_s), then capture each as a
         CUDA graph, largest first, in one memory pool."""
+        first = self.stats["captures"] == 0
         t0 = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -963,7 +1003,7 @@ class DecodeEngine:
                     self.step(self.weights, self.views[b], self.spec)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        self.stats["compile_s"] = time.perf_counter() - t0
+        self.stats["compile_s" if first else "capture_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
@@ -972,7 +1012,8 @@ class DecodeEngine:
                 self.step(self.weights, self.views[b], self.spec)
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
-        self.stats["capture_s"] = time.perf_counter() - t0
+        self.stats["capture_s"] += time.perf_counter() - t0
+        self.stats["captures"] += len(self.graphs)
         log.info("rollout engine: decode step compiled in %.1f s, captured as %d CUDA graphs (batch sizes %s) in "
                  "%.2f s", self.stats["compile_s"], len(self.graphs), ", ".join(map(str, self.buckets)),
                  self.stats["capture_s"])

@@ -242,11 +242,13 @@ def choose_engine(name: str, lm, device: torch.device) -> tuple[str, str]:
 
 
 def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_tokens: int, temperature: float,
-                device: torch.device, sampler: str = "multinomial", slots: int = 0):
+                device: torch.device, sampler: str = "multinomial", slots: int = 0, keep_memory: bool = False):
     """The decode engine `--rollout_engine name` asks for, or None for the hf path; the choice and
     its reason are logged. Under torchrun each rank builds its own for its share of the rows. `sampler`
     (--rollout_sampler): `inverse_cdf` draws by inversion in the step, else by the exponential race.
-    `slots` (--rollout_slots): the sequences decoded at once, 0 = all `batch`."""
+    `slots` (--rollout_slots): the sequences decoded at once, 0 = all `batch`. `keep_memory`
+    (--rollout_keep_memory): keep the engine's KV pool and weight copy between rollouts, else free them
+    after each (DecodeEngine.release)."""
     from fastrlhf.train.engine import DecodeEngine
 
     engine, why = choose_engine(name, lm, device)
@@ -258,7 +260,7 @@ def make_engine(name: str, lm, tokenizer, *, batch: int, prompt_len: int, new_to
     return DecodeEngine(lm, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature,
                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, device=device, compile=cuda,
                         cuda_graph=cuda, share_frozen=not distributed.active(), inverse_cdf=sampler == "inverse_cdf",
-                        slots=slots or batch)
+                        slots=slots or batch, keep_memory=keep_memory)
 
 
 def engine_generate(engine, lm, tokenizer, prompt_ids: list[list[int]], prompts: list[str],

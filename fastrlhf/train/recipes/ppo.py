@@ -729,7 +729,8 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
     engine = make_engine(cfg.rollout_engine, ac.policy, tokenizer,
                          batch=cfg.rollout_batch_size // distributed.world_size(),
                          prompt_len=cfg.max_prompt_len, new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                         device=device, sampler=cfg.rollout_sampler, slots=cfg.rollout_slots)  # None: the hf path
+                         device=device, sampler=cfg.rollout_sampler, slots=cfg.rollout_slots,
+                         keep_memory=cfg.rollout_keep_memory)  # None: the hf path
     reader = sampler_logprobs_reader(cfg)
     if engine is None and reader and cfg.rollout_sampler != "inverse_cdf":
         raise ValueError(f"ppo: {reader} needs the sampler's log-probs, and the decode engine cannot run this "
