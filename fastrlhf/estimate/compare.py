@@ -215,6 +215,9 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
     # critic-free advantages (grpo, rloo, ...) train no value head: the planner's grpo stage, G samples per prompt
     critic_free = c.get("advantage", "gae") != "gae"
     generations = int(c.get("num_generations") or 1) if critic_free else 1
+    # the sampler the run used: its decode engine with --rollout_engine graph (auto: on CUDA), else hf generate
+    engine = c.get("rollout_engine") or "hf"
+    gen_engine = "graph" if engine == "graph" or (engine == "auto" and on_cuda) else "hf"
     return Spec(model=arch_from_config(record.model_config, record.config.get("model") or "policy"),
                 stage="grpo" if critic_free else "ppo", gpus=1, engine="fsdp2", zero=0, dtype=dtype,
                 lora_rank=int(c["lora_rank"]), gradient_checkpointing=bool(c.get("gradient_checkpointing")),
@@ -222,7 +225,8 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 mean_gen_len=max(1, min(gen_len, round(record.mean_response_length()))),
                 rollout_batch=int(c["rollout_batch_size"]) // generations, num_generations=generations,
                 mini_batch=int(c["mini_batch_size"]), ppo_epochs=int(c["ppo_epochs"]), critic="shared",
-                reward=reward, gen_engine="hf", rollout_cache=c.get("rollout_cache") or "dynamic",
+                reward=reward, gen_engine=gen_engine, rollout_slots=int(c.get("rollout_slots") or 0) if
+                gen_engine == "graph" else 0, rollout_cache=c.get("rollout_cache") or "dynamic",
                 old_logprobs=c.get("old_logprobs") or "recompute",
                 kl_in_loss=bool(c.get("kl_in_loss")) or c.get("kl_coef") == 0, gpu=dev,
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)

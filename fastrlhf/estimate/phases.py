@@ -327,6 +327,34 @@ def _generate_rollout(ctx: Context, actor: ModelState, sequences: float, work: W
     return calls
 
 
+def _graph_rollout(ctx: Context, actor: ModelState, sequences: float, work: Work, mem: Memory) -> None:
+    """fastrlhf's decode engine on each GPU for its `sequences`: each distinct prompt (a group's G samples share
+    one) prefilled once; a pool of rollout_slots rows (0: all) decoded at once, a finished row's slot refilled
+    with a pending sequence, then the live rows compacted into smaller batches: the rows computed follow the tokens
+    (sequences x mean length), over at least the longest response's steps. Its memory: the KV pool, its own merged
+    copy of the layer weights (the embedding and lm_head read in place for LoRA on one process), the step's fp32
+    logits; all freed before the update (the trainer's default, --rollout_keep_memory off)."""
+    spec, arch, db = ctx.spec, actor.arch, ctx.db
+    p, g, m = spec.seq_len, spec.gen_len, spec.mean_gen_len or spec.gen_len
+    slots = min(sequences, spec.rollout_slots or sequences)
+    prompts = sequences / max(1, spec.num_generations)
+    weights = gen_weight_bytes(spec, actor)
+    work.step(count=1, flops=W.forward_flops(arch, prompts * p, p / 2, head_tokens=prompts), weight_bytes=weights,
+              bytes=W.activation_traffic(arch, prompts * p, db), kernels=arch.layers * W.layer_ops(work.kind, 0),
+              ops=arch.layers * W.layer_ops(work.kind, 0), width=arch.hidden)
+    steps = max(g, sequences * m / slots)
+    work.step(count=steps, **W.graph_decode_step(arch, running=sequences * m / steps, context=p + m / 2,
+                                                 weight_bytes=weights, db=db, kind=work.kind))
+    shares_head = bool(spec.lora_rank) and spec.gpus == 1
+    read_in_place = arch.vocab * arch.embed * (1 if arch.tied else 2) if shares_head else 0  # embedding, head
+    copy = (arch.params() - read_in_place) * db
+    mem.kv_cache += kv_cache_bytes(arch, sequences=slots, length=p + g, dtype=spec.dtype)
+    mem.logits += slots * arch.vocab * 4
+    mem.weights += copy
+    mem.activations += forward_working_bytes(arch, tokens=prompts * p, seq=p, dtype=spec.dtype,
+                                             flash_attention=True)
+
+
 @register_phase(("ppo", "grpo"), "rollout")
 def rollout(ctx: Context, sampler: str = "actor") -> Phase:
     """Generation on the gen pool (colocated: every GPU): vllm, or hf / ds-he with the weights of `sampler` (the
@@ -346,6 +374,9 @@ def rollout(ctx: Context, sampler: str = "actor") -> Phase:
         # the actor's new weights, to every engine, once per iteration
         work.comm += W.collective(dev, gather, ctx.pools[gen_pool] + (actor.gpus if spec.placement ==
                                                                          "disaggregated" else 0))
+        mem.buffers += actor.gathered
+    elif spec.gen_engine == "graph":
+        _graph_rollout(ctx, actor, sequences, work, mem)
         mem.buffers += actor.gathered
     else:
         calls = _generate_rollout(ctx, actor, sequences, work, mem)

@@ -20,7 +20,7 @@ from fastrlhf.estimate.memory import DTYPE_BYTES, ENGINES, OFFLOADS
 STAGES = ("sft", "rm", "ppo", "grpo", "dpo", "distill", "serve")
 POOLS = ("gen", "actor", "critic", "reference", "reward")
 ZERO_MODELS = ("actor", "critic", "reference", "reward", "ema", "student", "teacher", "all")
-GEN_ENGINES = ("hf", "ds-he", "vllm")
+GEN_ENGINES = ("hf", "ds-he", "vllm", "graph")
 ROLLOUT_CACHES = ("auto", "dynamic", "static")
 LOGITS = ("linear", "fused", "materialised")
 PLACEMENTS = ("colocated", "disaggregated")
@@ -94,8 +94,12 @@ class Spec:
     reward: str = "actor"
     """actor: a reward model like the actor; rule: a Python function; or a model / parameter count."""
     gen_engine: str = "hf"
-    """hf: Hugging Face generate; ds-he: DeepSpeed hybrid engine; vllm: vLLM (paged KV, continuous batching).
-    --stage serve: vLLM."""
+    """hf: Hugging Face generate; ds-he: DeepSpeed hybrid engine; vllm: vLLM (paged KV, continuous batching);
+    graph: fastrlhf's decode engine (`fastrlhf ppo --rollout_engine graph`: a group's prompt prefilled once, only
+    live rows decode, a pool of rollout_slots KV rows refilled as sequences end). --stage serve: vLLM."""
+    rollout_slots: int = 0
+    """gen_engine graph: the KV pool's rows, the sequences decoded at once per GPU (`fastrlhf ppo
+    --rollout_slots`); 0 = the GPU's whole share of the rollout."""
     gen_tp: int = 1
     """Tensor-parallel GPUs per generation engine (serve: per serving replica)."""
     pin_parameters: bool = True
@@ -261,7 +265,7 @@ CHOICES = {"stage": (*STAGES, "all"), "engine": ENGINES, "dtype": tuple(DTYPE_BY
            "gen_engine": GEN_ENGINES, "rollout_cache": ROLLOUT_CACHES, "old_logprobs": OLD_LOGPROBS,
            "offload": OFFLOADS, "logits": LOGITS, "serve_weights": SERVE_WEIGHTS}
 POSITIVE = ("gpus", "micro_batch", "seq_len", "rollout_batch", "ppo_epochs", "steps", "num_generations", "gen_tp")
-NON_NEGATIVE = ("gen_len", "lora_rank")
+NON_NEGATIVE = ("gen_len", "lora_rank", "rollout_slots")
 POSITIVE_OR_NONE = ("mean_gen_len", "micro_rollout_batch", "mini_batch", "cpu_threads", "concurrency")
 
 
@@ -319,6 +323,10 @@ def _check_lora(spec: Spec) -> None:
 
 
 def _check_generation(spec: Spec) -> None:
+    if spec.gen_engine == "graph" and spec.gen_tp != 1:
+        raise ValueError(f"gen_tp: the graph engine runs on each GPU for its own rows (gen_tp 1), got {spec.gen_tp}")
+    if spec.rollout_slots and spec.gen_engine != "graph":
+        raise ValueError(f"rollout_slots: the graph engine's KV pool; gen_engine {spec.gen_engine!r} has its own")
     if spec.rollout_cache == "static" and spec.gen_engine != "hf":
         raise ValueError(f"rollout_cache: static is hf generate's cache; gen_engine {spec.gen_engine!r} has its own")
     if spec.placement == "disaggregated":

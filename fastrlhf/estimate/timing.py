@@ -102,6 +102,18 @@ DS_HE_LAYER_KERNELS = 14
 VLLM_LAYER_KERNELS = 10
 VLLM_STEP_OPS = 40
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs
+# fastrlhf's decode engine (fastrlhf/train/engine.py decode_step, compiled and captured per bucket): per layer
+# the qkv, o, gate_up and down GEMMs, decode attention's split and merge launches, and the fused pointwise groups
+# inductor makes of the two RMSNorms with their residuals, rotary with the KV store, SiLU-and-mul: 11, read from
+# the step's code, not yet counted on a GPU (bench/rollout_bench.py counts launches there); outside the layers the
+# embedding, final norm, lm_head, the sampler's hash and argmax and the state's updates. On the host one graph
+# replay per step and, every CHECK_EVERY = 4 steps, the done flags' copy, its event and the refill bookkeeping.
+GRAPH_LAYER_KERNELS = 11
+GRAPH_STEP_KERNELS = 12
+GRAPH_STEP_OPS = 1 + 4 / 4
+# on a CPU the step runs eagerly and ops.decode_attention's torch path attends row by row: 24 aten ops per row
+# and layer, 7 per call (TorchDispatchMode over one call at B = 1, 8, 32: 31, 199, 775 ops)
+CPU_DECODE_ATTENTION_ROW_OPS = 24
 # elementwise traffic of a layer per token and pass (norms, rotary, residuals, activation, casts): about 24 tensor
 # passes of the hidden size and 5 of the intermediate size (the layer's op list), in the compute dtype
 ACT_PASSES_HIDDEN = 24

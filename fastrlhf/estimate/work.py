@@ -198,6 +198,23 @@ def vllm_decode_step(arch: Arch, *, running: float, context: float, weight_bytes
             "kernels": arch.layers * T.VLLM_LAYER_KERNELS + T.EAGER_MODEL_OPS, "ops": T.VLLM_STEP_OPS}
 
 
+def graph_decode_step(arch: Arch, *, running: float, context: float, weight_bytes: float, db: int, kind: str) -> dict:
+    """One step of fastrlhf's decode engine over `running` live rows at mean `context` (their written slots only):
+    the merged weights once, each row's K/V, sampling. On a GPU one CUDA-graph replay; on a CPU the same step
+    eagerly, every op from Python (merged weights: no adapter ops)."""
+    kv = kv_cache_bytes(arch, sequences=running, length=context, dtype="bf16" if db == 2 else "fp32")
+    step = {"flops": decode_flops(arch, running, context), "weight_bytes": weight_bytes,
+            "bytes": kv + sample_bytes(arch, running, db), "width": arch.hidden}
+    if kind == "cpu":
+        ops = arch.layers * layer_ops(kind, 0) + T.EAGER_MODEL_OPS
+        rows = arch.layers * running * T.CPU_DECODE_ATTENTION_ROW_OPS  # bare aten calls: the device's probed latency
+        step.update(kernels=ops + rows, ops=ops, bare_ops=rows)
+    else:
+        step["kernels"] = arch.layers * T.GRAPH_LAYER_KERNELS + T.GRAPH_STEP_KERNELS
+        step["ops"] = T.GRAPH_STEP_OPS
+    return step
+
+
 def tp_allreduce(dev: Device, arch: Arch, tokens: float, db: int, tp: int) -> float:
     """Tensor parallelism's two all-reduces per layer of the hidden states of `tokens` tokens (seconds at nominal
     bandwidth)."""

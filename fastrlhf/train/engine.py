@@ -783,7 +783,8 @@ class DecodeEngine:
             layers.append(LayerWeights(**fields))
         inv_freq = trunk(lm).rotary_emb.inv_freq.detach().float().to(self.device).clone()
         weights = Weights(embed, empty(*top["norm"][0].shape), head, head_bias, inv_freq, layers)
-        log.info("rollout engine: %s", self.memory_summary(weights))
+        if not self.stats["releases"]:  # said once, not at every re-allocation after a release
+            log.info("rollout engine: %s", self.memory_summary(weights))
         return weights
 
     def memory_bytes(self, weights: Weights | None = None) -> dict[str, int]:

@@ -400,6 +400,36 @@ def test_vllm_runs_what_its_kv_cache_holds_and_queues_the_rest():
         est.estimate(placement="disaggregated", pools={"gen": 1, "actor": 1, "reference": 1, "reward": 1})
 
 
+def test_graph_engine_prefills_each_group_once_and_decodes_the_live_rows():
+    """gen_engine graph (`fastrlhf ppo --rollout_engine graph`): the prefill runs the N / G distinct prompts; the
+    decode computes about N x the mean length rows over at least the longest response's steps (compaction and
+    refill), so a long tail costs what its tokens cost; the KV pool is rollout_slots x (P + R); the pool and the
+    engine's weight copy live in the rollout phase only (released for the update)."""
+    base = dict(model="qwen2.5-0.5b", stage="grpo", gpu="h100", lora_rank=16, seq_len=512, gen_len=4096,
+                rollout_batch=32, num_generations=8, gen_engine="graph")
+    arch = est.estimate(**base)["stages"]["grpo"]
+    roll = lambda **kw: est.estimate(**(base | kw))["stages"]["grpo"]["phases"]["rollout"]  # noqa: E731
+    whole, pooled = roll(mean_gen_len=820), roll(mean_gen_len=820, rollout_slots=64)
+    kv_per_token = 2 * 24 * 128 * 2  # K and V, layers, kv dim (2 heads x 64), bf16
+    assert whole["memory_per_gpu_bytes"]["kv_cache"] == 256 * (512 + 4096) * kv_per_token
+    assert pooled["memory_per_gpu_bytes"]["kv_cache"] == 64 * (512 + 4096) * kv_per_token
+    assert arch["phases"]["update"]["memory_per_gpu_bytes"]["kv_cache"] == 0
+    # the long tail: at mean 0.2 R the decode is a fraction of every row decoding to R
+    assert roll(mean_gen_len=820)["seconds"] < 0.5 * roll()["seconds"]
+    # the group's prompt once: at one new token the rollout is the prefill, and G = 8 runs an eighth of the
+    # prompt tokens of G = 1 at the same 256 sequences (its GEMM time; the one decode step is the same)
+    one = roll(rollout_batch=256, num_generations=1, gen_len=1)["terms"]["gemm"]
+    eight = roll(gen_len=1)["terms"]["gemm"]
+    assert eight < 0.2 * one
+    # fastrlhf's engine against hf generate at the same shapes: a CUDA graph per step, not every op from Python
+    hf = roll(gen_engine="hf", mean_gen_len=820)
+    assert whole["seconds"] < 0.2 * hf["seconds"]
+    with pytest.raises(ValueError, match="rollout_slots"):
+        est.estimate(**(base | {"gen_engine": "hf", "rollout_slots": 64}))
+    with pytest.raises(ValueError, match="gen_tp"):
+        est.estimate(**(base | {"gpus": 2, "gen_tp": 2}))
+
+
 def test_generation_tensor_parallel_splits_weights_and_kv():
     base = dict(model="llama-2-13b", rollout_batch=64, gpus=8, zero=3, gen_engine="vllm", gpu="a100-80g")
     one, four = _ppo(**base), _ppo(**base, gen_tp=4)
