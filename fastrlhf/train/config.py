@@ -283,7 +283,16 @@ class PPOConfig(RunConfig):
     lam: float = 0.95
     """GAE lambda (advantage gae only)."""
     clip: float = 0.2
-    """PPO policy ratio clip."""
+    """PPO policy ratio clip (the mode's clip_low, and clip_high unless loss_options sets it)."""
+    loss_mode: str = "vanilla"
+    """The policy loss (fastrlhf.ops.policy_loss's loss_mode, verl's policy_loss.loss_mode): vanilla, ppo,
+    gspo, gspo_token, luspo, cispo, sapo, gpg, reinforce, dro, ... (`fastrlhf.ops.policy_modes.MODES`; an
+    unknown name lists them). Its aggregation is loss_agg, except geo_mean's own one loss per sequence."""
+    loss_options: str = ""
+    """The mode's options as `name=value,name=value` (e.g. `clip_high=0.28` for a DAPO-style upper clip,
+    `tau_pos=1.0,tau_neg=1.05` for sapo, `ratio_max=5` for cispo): numbers, `none`, or a name
+    (ratio_level=sequence). Checked against the mode's own options before a model loads; the error
+    lists what the mode takes."""
     value_clip: float = 0.2
     """Value clip around the rollout values (advantage gae only)."""
     vf_coef: float = 0.5

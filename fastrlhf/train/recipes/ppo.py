@@ -51,6 +51,7 @@ from fastrlhf.constants import (
     OLD_LOGPROBS,
     PPO_PHASES,
 )
+from fastrlhf.ops import losses, policy_modes
 from fastrlhf.ops.advantages import DEFAULT_WHITEN, GROUPED
 from fastrlhf.ops.gae import mean_var
 from fastrlhf.train import distributed, packing, task
@@ -381,10 +382,38 @@ def corrected(exp: Experience, cfg: PPOConfig) -> Experience:
 # ---------------------------------------------------------------- 5. the update
 
 
+def loss_options(cfg: PPOConfig) -> dict:
+    """--loss_options `name=value,...` as keywords: numbers as floats, `none` as None, other values as
+    they are (ratio_level=sequence)."""
+    out = {}
+    for item in filter(None, (part.strip() for part in cfg.loss_options.split(","))):
+        name, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not name:
+            raise ValueError(f"ppo: --loss_options takes name=value pairs separated by commas, got {item!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            out[name] = None if value.lower() == "none" else value
+    return out
+
+
+def check_loss_mode(cfg: PPOConfig, key_prefix: str = "") -> None:
+    """--loss_mode and --loss_options, checked by the policy-loss registry (its own errors name what
+    the mode takes)."""
+    try:
+        losses.resolve_mode(cfg.loss_mode, cfg.clip, None, None, loss_options(cfg))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ppo: --{key_prefix}loss_mode {cfg.loss_mode!r} with --{key_prefix}loss_options "
+                         f"{cfg.loss_options!r}: {e}") from None
+
+
 def aggregation(cfg: PPOConfig, exp: Experience, counts: tuple[float, float]) -> dict:
     """The ops' aggregation keywords: loss_agg with the minibatch's global token count (token-mean) or
     sequence count (seq-mean-*), so a micro-batch's loss is its share of the minibatch's, however it
-    is split into micro-batches, packs and ranks."""
+    is split into micro-batches, packs and ranks. A mode with one loss per sequence (geo_mean) takes
+    its own mean over the minibatch's sequences."""
+    if cfg.loss_mode in policy_modes.ROW_LOSS:
+        return {"agg": None, "global_num_seqs": max(1.0, counts[1])}
     if cfg.loss_agg == "token-mean":
         return {"agg": "token-mean", "global_num_tokens": max(1.0, counts[0])}
     if cfg.loss_agg == "token-sum":
@@ -419,9 +448,11 @@ def micro_batch_losses(ac: ActorCritic, exp: Experience, mb: packing.MicroBatch,
     # stay true shares that sum over ranks.
     loss, stats = ops.linear_ppo_actor_loss(
         hidden, head.weight.to(hidden.dtype), labels, mb.take(exp.old_logp), mb.take(exp.advantages), mask,
-        bias=head.bias, temperature=cfg.temperature, clip_low=cfg.clip, entropy_coef=cfg.entropy_coef,
+        bias=head.bias, temperature=cfg.temperature, loss_mode=cfg.loss_mode, clip_low=cfg.clip,
+        entropy_coef=cfg.entropy_coef,
         ref_logp=mb.take(exp.ref_logp) if cfg.kl_in_loss else None, kl_coef=kl_coef if cfg.kl_in_loss else 0.0,
-        kl_estimator="k3", is_weights=None if exp.is_weights is None else mb.take(exp.is_weights), **agg)
+        kl_estimator="k3", is_weights=None if exp.is_weights is None else mb.take(exp.is_weights), **agg,
+        **loss_options(cfg))
     if "kl" in stats:  # the loss term's k3 per token; the logged "kl" is the per-sequence k1 of the rollout
         stats["kl_k3"] = stats.pop("kl")
     if exp.values is not None:
@@ -605,6 +636,7 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     if cfg.rollout_engine not in ROLLOUT_ENGINES:
         raise ValueError(f"ppo: rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {cfg.rollout_engine!r}")
     check_advantage(cfg)
+    check_loss_mode(cfg, key_prefix)
     check_update(cfg, key_prefix)
     check_correction(cfg, key_prefix)
     if cfg.num_generations >= 1 and (cfg.rollout_batch_size // cfg.num_generations) % distributed.world_size():

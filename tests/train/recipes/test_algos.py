@@ -94,6 +94,27 @@ def test_critic_free_resume_gives_the_same_metrics(tmp_path):
     assert metric_rows(split, "ppo", timing=False) == metric_rows(full, "ppo", timing=False)
 
 
+def test_loss_mode_and_its_options_reach_the_actor_loss(tmp_path, monkeypatch):
+    """--loss_mode / --loss_options: every micro-batch's actor loss gets the mode and its options as keywords
+    (numbers as floats), and the registry's check runs before a model loads."""
+    calls = _spy(monkeypatch, ("linear_ppo_actor_loss",))
+    ppo.train(PPOConfig(out=str(tmp_path), steps=1, loss_mode="sapo", loss_options="tau_pos=0.9, tau_neg=1.1",
+                        **TINY_GRPO))
+    actor = calls["linear_ppo_actor_loss"]
+    assert len(actor) == 8 and all(c["loss_mode"] == "sapo" and c["tau_pos"] == 0.9 and c["tau_neg"] == 1.1
+                                   for c in actor)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(loss_mode="clipped"), r"loss_mode 'clipped'.*loss_mode must be one of"),
+    (dict(loss_mode="cispo", loss_options="tau_pos=1.0"), r"takes no option\(s\) \['tau_pos'\]"),
+    (dict(loss_options="clip_high"), "name=value pairs"),
+])
+def test_bad_loss_mode_settings(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ppo.prepare(PPOConfig(out=str(tmp_path), **dict(TINY_GRPO, **kwargs)))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(advantage="ppo"), "advantage must be one of gae, grpo"),
     (dict(num_generations=3), r"num_generations \(3\) must be >= 1 and divide rollout_batch_size \(8\)"),
@@ -202,4 +223,13 @@ def test_grpo_raises_the_true_score_from_sft(engine, sft_model, tmp_path):
                             mini_batch_size=32, micro_batch_size=32, eval_prompts=64, device="cpu",
                             rollout_engine=engine))
     assert s["rollout_engine"] == engine
+    assert s["true_score_after"] - s["true_score_before"] >= 0.2, s
+
+
+def test_grpo_with_the_cispo_loss_raises_the_true_score_from_sft(sft_model, tmp_path):
+    """`fastrlhf ppo --loss_mode cispo` (MiniMax-M1's clipped-weight REINFORCE, verl's compute_policy_loss_cispo)."""
+    s = ppo.train(PPOConfig(out=str(tmp_path), model=sft_model, reward="fastrlhf.train.task:true_score",
+                            advantage="grpo", loss_mode="cispo", num_generations=4, kl_in_loss=True, kl_coef=0.05,
+                            steps=15, rollout_batch_size=32, mini_batch_size=32, micro_batch_size=32, eval_prompts=64,
+                            device="cpu"))
     assert s["true_score_after"] - s["true_score_before"] >= 0.2, s
