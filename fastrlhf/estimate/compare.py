@@ -223,7 +223,7 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 rollout_batch=int(c["rollout_batch_size"]) // generations, num_generations=generations,
                 mini_batch=int(c["mini_batch_size"]), ppo_epochs=int(c["ppo_epochs"]), critic="shared",
                 reward=reward, gen_engine="hf", rollout_cache=c.get("rollout_cache") or "dynamic",
-                old_logprobs=c.get("old_logprobs") or "recompute",
+                old_logprobs=c.get("old_logprobs") or "recompute", shared_prompt=c.get("shared_prompt") or "off",
                 kl_in_loss=bool(c.get("kl_in_loss")) or c.get("kl_coef") == 0, gpu=dev,
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 

@@ -21,12 +21,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fastrlhf.constants import SHARED_PROMPT_MIN_SAVING, SHARED_PROMPT_MODES
 from fastrlhf.train.packing import Lengths, Units, partition
 
-MODES = ("auto", "on", "off")
-MIN_SAVING = 0.1
-"""`auto` shares the prompt when it saves at least this share of the tokens a pack of the same rows
-processes (below it the saving is not worth a block mask over a varlen kernel)."""
+MODES = SHARED_PROMPT_MODES
+MIN_SAVING = SHARED_PROMPT_MIN_SAVING
 
 
 class Saving(NamedTuple):
