@@ -346,6 +346,11 @@ class DPOConfig(RunConfig):
     ipo_per_token: bool = False
     """With loss_type ipo, divide each log-ratio by its response's token count (TRL) instead of summing
     (OpenRLHF, the IPO paper)."""
+    shared_prompt: str = "off"
+    """Forward each pair's prompt once, [prompt, chosen, rejected] (each response attending to the prompt
+    and to itself; fastrlhf.train.shared_prompt), for the reference and the policy: the same sums and
+    gradients from fewer tokens. `on`, `off`, or `auto` (on where it saves at least 10% of the batch's
+    tokens; the log says which and how many)."""
     lora_rank: int = 0
     """LoRA rank, the reference being the model with the adapter disabled; 0 = full fine-tuning with a
     frozen reference copy."""

@@ -41,7 +41,7 @@ class Saving(NamedTuple):
         return 1.0 - self.shared / max(1, self.unshared)
 
     def describe(self) -> str:
-        counts = f"{self.shared} tokens per pass over the rollout instead of {self.unshared}"
+        counts = f"{self.shared} tokens per pass instead of {self.unshared}"
         saving = f"{self.unshared - self.shared} fewer, {100 * self.fraction:.0f}%"
         if self.on:
             return f"shared prompt on: {counts} ({saving})"
@@ -49,9 +49,12 @@ class Saving(NamedTuple):
                 f"{100 * MIN_SAVING:.0f}% with 2 or more responses per prompt)")
 
 
-def token_counts(lengths: Lengths) -> tuple[int, int]:
-    """(shared, unshared) tokens of one pass over every row: a group with the same prompt counts its
-    prompt once."""
+def token_counts(lengths: Lengths, found: list[np.ndarray] | None = None) -> tuple[int, int]:
+    """(shared, unshared) tokens of one pass over every row (`found`: over these units instead of the
+    groups of `lengths`): a unit of rows with the same prompt counts its prompt once."""
+    if found is not None:
+        rows = np.concatenate(found)
+        return sum(unit_tokens(lengths, u) for u in found), int(lengths.total[rows].sum())
     unshared = int(lengths.total.sum())
     if lengths.same_prompt is None:
         return unshared, unshared
@@ -60,16 +63,18 @@ def token_counts(lengths: Lengths) -> tuple[int, int]:
     return unshared - repeats, unshared
 
 
-def decide(mode: str, lengths: Lengths) -> Saving:
-    """Whether this rollout's forwards share their prompts: `on`, `off`, or `auto` (on when G > 1 and
-    the saving is at least MIN_SAVING)."""
+def decide(mode: str, lengths: Lengths, found: list[np.ndarray] | None = None) -> Saving:
+    """Whether this rollout's forwards share their prompts (`found`: the units that would share, else the
+    groups of `lengths`): `on`, `off`, or `auto` (on where units have 2 or more rows and the saving is at
+    least MIN_SAVING)."""
     if mode not in MODES:
         raise ValueError(f"shared_prompt must be one of {', '.join(MODES)}, got {mode!r}")
-    shared, unshared = token_counts(lengths)
+    shared, unshared = token_counts(lengths, found)
+    grouped = lengths.group_size > 1 if found is None else any(len(u) > 1 for u in found)
     if mode == "auto":
-        on = lengths.group_size > 1 and 1.0 - shared / max(1, unshared) >= MIN_SAVING
+        on = grouped and 1.0 - shared / max(1, unshared) >= MIN_SAVING
     else:
-        on = mode == "on" and lengths.group_size > 1
+        on = mode == "on" and grouped
     return Saving(shared, unshared, on)
 
 

@@ -172,7 +172,7 @@ def test_auto_shares_where_the_saving_passes_the_threshold():
     short_prompts = packing.Lengths(np.array([2] * 8), np.array([40] * 8), 4, np.array([True, True]))
     saving = shared_prompt.decide("auto", long_prompts)
     assert saving.on and (saving.shared, saving.unshared) == (2 * 40 + 8 * 5, 8 * 45)
-    assert "shared prompt on: 120 tokens per pass over the rollout instead of 360 (240 fewer, 67%)" == saving.describe()
+    assert "shared prompt on: 120 tokens per pass instead of 360 (240 fewer, 67%)" == saving.describe()
     assert not shared_prompt.decide("auto", short_prompts).on  # 6 of 336 tokens: under 10%
     assert not shared_prompt.decide("auto", packing.Lengths(np.array([40] * 8), np.array([5] * 8))).on  # G = 1
     different = packing.Lengths(np.array([40] * 8), np.array([5] * 8), 4, np.array([True, False]))
@@ -214,3 +214,47 @@ def test_read_lengths_finds_the_groups_whose_prompts_match():
     assert lengths.same_prompt.tolist() == [True, False, True]
     with pytest.raises(ValueError, match="6 rows are not whole groups of group_size 4"):
         packing.read_lengths(batch, 4)
+
+
+@pytest.mark.parametrize("family, lora_rank", [("tiny", 4), ("qwen2-gqa", 0)])
+def test_dpo_pairs_sharing_their_prompt_give_the_unshared_loss_and_gradients(family, lora_rank):
+    """DPO's chosen and rejected responses of a pair share its prompt: one pack [prompt, chosen, rejected]
+    per pair gives the same reference sums, loss, stats and parameter gradients as the padded rows."""
+    from fastrlhf.train.config import DPOConfig
+    from fastrlhf.train.recipes import dpo
+    from fastrlhf.train.recipes.rm import pair_batch
+
+    torch.manual_seed(0)
+    lm, tok = _lm(family)
+    policy = ActorCritic(lm, lora_rank=lora_rank, value_head=False)
+    with torch.no_grad():  # the reference (adapters off, or the frozen copy) differs from the policy
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.02)
+    g = torch.Generator().manual_seed(2)
+    tokens = lambda n: torch.randint(5, 30, (n,), generator=g).tolist()  # noqa: E731
+    enc = {"prompt": [tokens(n) for n in (3, 9, 5, 7)], "chosen": [tokens(n) for n in (4, 1, 8, 6)],
+           "rejected": [tokens(n) for n in (8, 3, 2, 6)]}
+    batch = pair_batch(enc, range(4), tok.pad_token_id)
+    cfg = DPOConfig(beta=0.5)
+    shared, saving = dpo.shared_pairs(batch, "on", CPU)
+    # prompts 3 + 9 + 5 + 7 = 24 tokens, once per pair; responses 19 chosen and 19 rejected
+    assert saving.on and (saving.shared, saving.unshared) == (24 + 38, 2 * 24 + 38)
+    assert dpo.shared_pairs(batch, "auto", CPU)[1].on  # 24 of 86 tokens saved
+    out = {}
+    for key, mb in (("off", None), ("on", shared)):
+        policy.zero_grad(set_to_none=True)
+        loss, stats = dpo.dpo_step_loss(policy, batch, cfg, CPU, mb)
+        loss.backward()
+        ref = dpo.reference_sums(policy, batch, CPU, mb)
+        out[key] = (loss.detach(), {k: v.detach() for k, v in stats.items()}, ref,
+                    [p.grad.clone() for p in policy.parameters() if p.requires_grad])
+    (loss0, stats0, ref0, grads0), (loss1, stats1, ref1, grads1) = out["off"], out["on"]
+    _assert_close(loss1, loss0, "loss")
+    for a, b in zip(ref1, ref0):
+        _assert_close(a, b, "reference sums")
+    for k in stats0:
+        torch.testing.assert_close(stats1[k], stats0[k], rtol=RTOL, atol=1e-6, msg=k)
+    assert sum(g.abs().sum() for g in grads0) > 0
+    for i, (a, b) in enumerate(zip(grads1, grads0)):
+        _assert_close(a, b, f"gradient {i}")
