@@ -38,6 +38,8 @@ VESPO_LAMBDA_MIN = 1e-4  # TRL's VESPO clamps lambda to >= 1e-4
 CORRECTION_LEVELS = ("token", "sequence", "geometric")  # a token's ratio; the row's product; the row's geometric mean
 CORRECTION_MODES = ("truncate", "mask")  # clamp a weight into [low, high]; zero a unit outside [low, high]
 OLD_LOGPROBS = ("recompute", "sampler")  # a policy forward in phase 3; the sampler's own (verl's bypass_mode)
+SHARED_PROMPT_MODES = ("auto", "on", "off")  # phases 3 and 5 forward a group's prompt once (--shared_prompt)
+SHARED_PROMPT_MIN_SAVING = 0.1  # auto shares from this share of the tokens saved (below it not worth a block mask)
 CORRECTION_GATES = ("ratio", "binary_kl", "tv")  # the statistic a mask compares with [low, high] (OpenRLHF's gating)
 CORRECTION_WEIGHTS = ("level", "token")  # what a kept unit weighs: its level's ratio, or each token its own ratio
 CORRECTION_MISSING = ("propagate", "ignore")  # a NaN sampler log-prob: NaN on (verl, OpenRLHF); log-ratio 0 (TRL)

@@ -10,7 +10,8 @@ For every case rank 0 saves the full gradients after one optimizer step (AdamW a
 weights do not move, the gradients and optimizer states stay), the stats, every rank's
 bytes of parameters, gradients and optimizer states, and how far the decode engine's log-probs,
 its weights merged from the gathered policy, are from the policy's own (`engine_vs_policy`); the
-PACKED cases again with padded and packed micro-batches for each loss aggregation of AGGS. Then
+PACKED cases again with padded and packed micro-batches for each loss aggregation of AGGS, and the
+SHARED case on groups sharing their prompt with --shared_prompt off and on. Then
 `fastrlhf dpo` trains 3 steps (`dpo_rows`), and, under torchrun, `fastrlhf sft` starts with
 another learning rate on rank 1 (`configured_differently`).
 """
@@ -45,6 +46,7 @@ GROUP = 2  # responses per prompt of the critic-free cases
 PACKED = ("full", "grpo_kl_in_loss")  # also run packed (micro_batch_tokens=BUDGET), for each of AGGS
 AGGS = ("token-mean", "seq-mean-token-mean")
 BUDGET = 16  # tokens per pack: the sequences hold 4-13, so packs hold 1-4 of them
+SHARED = "grpo_kl_in_loss"  # also run on groups sharing their prompt, --shared_prompt off and on (rows and packs)
 
 
 def dpo_config(folder: Path) -> DPOConfig:
@@ -59,13 +61,16 @@ def dpo_config(folder: Path) -> DPOConfig:
                      eval_every=3, save_every=10, lora_rank=4, device="cpu")
 
 
-def fixed_rollout(tokenizer, device) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+def fixed_rollout(tokenizer, device, grouped: bool = False) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
     """(rollout, scores [B], old_logp noise [B, R]) of a fixed global batch: prompts of 3-7
-    tokens, responses of 1-6 (uneven over the ranks' shares)."""
+    tokens, responses of 1-6 (uneven over the ranks' shares); `grouped`: rows 2i and 2i + 1 share
+    row 2i's prompt (groups of GROUP = 2, as a rollout lays them)."""
     g = torch.Generator().manual_seed(1234)
     letters = list(range(5, 30))
     prompts = [[letters[i] for i in torch.randint(len(letters), (int(n),), generator=g)]
                for n in torch.randint(3, 8, (B,), generator=g)]
+    if grouped:
+        prompts = [prompts[i - i % GROUP] for i in range(B)]
     lengths = [6, 1, 5, 2, 6, 6, 3, 4]
     responses = [[letters[i] for i in torch.randint(len(letters), (n,), generator=g)] for n in lengths]
     batch = pack(prompts, responses, tokenizer.pad_token_id).to(device)
@@ -84,20 +89,23 @@ def share(rollout: Rollout, *tensors):
     return (Rollout(mine, rollout.prompts[rows], rollout.responses[rows]), *(t[rows] for t in tensors))
 
 
-def one_update(case: str, dtype: torch.dtype, device, micro_batch_tokens: int = 0, loss_agg: str = "token-mean"
-               ) -> dict:
+def one_update(case: str, dtype: torch.dtype, device, micro_batch_tokens: int = 0, loss_agg: str = "token-mean",
+               shared_prompt: str | None = None) -> dict:
+    """`shared_prompt`: on a rollout of groups sharing their prompt, with --shared_prompt this (None: the
+    fixed rollout, off)."""
     lora, checkpointing, shard, advantage = CASES[case]
     critic = advantage == "gae"
     torch.manual_seed(0)
     lm, tokenizer = load_causal_lm("tiny", device=device, dtype=dtype, gradient_checkpointing=checkpointing)
     ac = ActorCritic(lm, lora_rank=lora, value_head=critic)
     model = distributed.shard_model(ac, shard, device)
-    rollout, scores, noise = share(*fixed_rollout(tokenizer, device))
+    rollout, scores, noise = share(*fixed_rollout(tokenizer, device, grouped=shared_prompt is not None))
     mask = rollout.batch.response_mask
     kl_in_loss = case == "grpo_kl_in_loss"
     cfg = PPOConfig(rollout_batch_size=B, mini_batch_size=B, micro_batch_size=4, ppo_epochs=1, max_grad_norm=1e9,
                     advantage=advantage, num_generations=GROUP if advantage != "gae" else 1, lam=0.95,
-                    kl_in_loss=kl_in_loss, micro_batch_tokens=micro_batch_tokens, loss_agg=loss_agg)
+                    kl_in_loss=kl_in_loss, micro_batch_tokens=micro_batch_tokens, loss_agg=loss_agg,
+                    shared_prompt=shared_prompt or "off")
     exp = model.run(experience, rollout, cfg, device)
     exp.ref_logp = exp.ref_logp + 0.1 * noise
     exp = with_advantages(exp, scores, 0.1, dataclasses.replace(cfg, kl_in_loss=False), advantage_estimator(cfg))
@@ -137,6 +145,11 @@ def packed_runs(device, dtypes) -> dict:
             for dtype in dtypes:
                 runs[f"{case}/{agg}/padded/{str(dtype)[6:]}"] = one_update(case, dtype, device, loss_agg=agg)
             runs[f"{case}/{agg}/packed/float32"] = one_update(case, torch.float32, device, BUDGET, agg)
+    for dtype in dtypes:  # groups sharing their prompt: unshared padded, the reference
+        runs[f"{SHARED}/shared_off/{str(dtype)[6:]}"] = one_update(SHARED, dtype, device, shared_prompt="off")
+    for tokens in (0, BUDGET):
+        runs[f"{SHARED}/shared_on/{tokens}/float32"] = one_update(SHARED, torch.float32, device, tokens,
+                                                                 shared_prompt="on")
     return runs
 
 

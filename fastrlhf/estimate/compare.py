@@ -227,7 +227,7 @@ def spec_from_run(record: RunRecord, gpu: str = "a100-80g"):
                 mini_batch=int(c["mini_batch_size"]), ppo_epochs=int(c["ppo_epochs"]), critic="shared",
                 reward=reward, gen_engine=gen_engine, rollout_slots=int(c.get("rollout_slots") or 0) if
                 gen_engine == "graph" else 0, rollout_cache=c.get("rollout_cache") or "dynamic",
-                old_logprobs=c.get("old_logprobs") or "recompute",
+                old_logprobs=c.get("old_logprobs") or "recompute", shared_prompt=c.get("shared_prompt") or "off",
                 kl_in_loss=bool(c.get("kl_in_loss")) or c.get("kl_coef") == 0, gpu=dev,
                 cpu_threads=record.cpu_threads if dev == "cpu" else None)
 

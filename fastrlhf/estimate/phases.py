@@ -138,6 +138,26 @@ class Context:
         return self.spec.seq_len + self.spec.gen_len
 
     @property
+    def shared(self) -> bool:
+        """Phases 3 and 5 forward each group's prompt once (--shared_prompt on, resolved)."""
+        return self.spec.shared_prompt == "on" and self.spec.num_generations > 1 and self.stage in ("ppo", "grpo")
+
+    @property
+    def scored_seq(self) -> float:
+        """Tokens per sequence that phases 3 and 5 forward: seq_len / G + gen_len with a shared prompt."""
+        spec = self.spec
+        return spec.seq_len / spec.num_generations + spec.gen_len if self.shared else self.seq
+
+    @property
+    def scored_context(self) -> float:
+        """Keys a token of phases 3 and 5 attends to on average: seq / 2 (causal); with a shared prompt a
+        group's P prompt tokens P / 2 each and its G R response tokens P + R / 2 each."""
+        if not self.shared:
+            return self.seq / 2
+        P, R, G = self.spec.seq_len, self.spec.gen_len, self.spec.num_generations
+        return (P * P / 2 + G * R * (P + R / 2)) / (P + G * R)
+
+    @property
     def total_seqs(self) -> int:
         return self.spec.rollout_batch * self.spec.num_generations
 
@@ -397,15 +417,18 @@ def rollout(ctx: Context, sampler: str = "actor") -> Phase:
     return Phase("rollout", {gen_pool: mem}, {gen_pool: work}, flops, engines=engines)
 
 
-def _forward_of(ctx: Context, m: ModelState, rows: float | None = None, lm_head: bool | None = None) -> Work:
+def _forward_of(ctx: Context, m: ModelState, rows: float | None = None, lm_head: bool | None = None,
+                scored: bool = False) -> Work:
     """One model's no-grad forward over `rows` sequences per GPU (its share of the rollout), with its lm_head
-    (`lm_head`: the model's own), with ZeRO-3's per-call gathers."""
+    (`lm_head`: the model's own), with ZeRO-3's per-call gathers; `scored`: phase 3's (a shared prompt's
+    tokens)."""
     rows = ctx.share(m) if rows is None else rows
     lm_head = m.lm_head if lm_head is None else lm_head
     mb = min(rows, ctx.micro_forward(m))
-    work = W.forward_work(ctx.work(m.arch), m.arch, rows, ctx.seq, micro=mb, db=ctx.db, lm_head=lm_head,
+    seq, context = (ctx.scored_seq, ctx.scored_context) if scored else (ctx.seq, None)
+    work = W.forward_work(ctx.work(m.arch), m.arch, rows, seq, micro=mb, db=ctx.db, lm_head=lm_head,
                           adapters=ctx.adapters(m), head_tokens=ctx.head_tokens(rows) if lm_head else None,
-                          host_bytes=m.host_bytes if m.offloaded else 0.0, pcie=ctx.dev.pcie)
+                          host_bytes=m.host_bytes if m.offloaded else 0.0, pcie=ctx.dev.pcie, context=context)
     if m.zero == 3:
         work.comm += W.collective(ctx.dev, ctx.gather_bytes(m), m.gpus, math.ceil(rows / mb))
     return work
@@ -453,10 +476,10 @@ def logprobs(ctx: Context) -> Phase:
         rows, lm_head = actor_scoring(ctx, m) if name == "actor" else (ctx.share(m), m.lm_head)
         if rows <= 0:
             continue
-        w = _forward_of(ctx, m, rows, lm_head)
+        w = _forward_of(ctx, m, rows, lm_head, scored=True)
         by_model[name] = w
         work.setdefault(m.pool, ctx.work(m.arch)).add(w)
-        tokens = min(rows, ctx.micro_forward(m)) * ctx.seq
+        tokens = min(rows, ctx.micro_forward(m)) * ctx.scored_seq
         mem = memory.setdefault(m.pool, ctx.base(m.pool)).at_least(buffers=m.gathered)
         mem.at_least(activations=forward_working_bytes(m.arch, tokens=tokens, seq=ctx.seq, dtype=spec.dtype,
                                                         flash_attention=spec.flash_attention))
@@ -464,7 +487,7 @@ def logprobs(ctx: Context) -> Phase:
             mem.at_least(logits=logit_bytes(m.arch, tokens=tokens, dtype=spec.dtype, mode=spec.logits,
                                             backward=False))
         sequences = rows * m.gpus
-        flops += W.forward_flops(m.arch, sequences * ctx.seq, ctx.seq / 2, lm_head,
+        flops += W.forward_flops(m.arch, sequences * ctx.scored_seq, ctx.scored_context, lm_head,
                                  head_tokens=ctx.head_tokens(sequences) if lm_head else None)
     return Phase("forward", memory, work, flops, work_by_model=by_model)
 
@@ -495,14 +518,15 @@ def trainable_tensors(arch: Arch, lora_rank: int, lora_targets: tuple[str, ...])
     return arch.layers * per_layer + 3
 
 
-def train_model(ctx: Context, m: ModelState, sequences: float, seq: int, *, micro: float, steps: int,
-                lm_head: bool) -> Work:
-    """A trained model's forward + backward over `sequences`, its optimizer `steps` and their collectives."""
+def train_model(ctx: Context, m: ModelState, sequences: float, seq: float, *, micro: float, steps: int,
+                lm_head: bool, context: float | None = None) -> Work:
+    """A trained model's forward + backward over `sequences` of `seq` tokens (`context`: keys per token, None
+    causal), its optimizer `steps` and their collectives."""
     spec = ctx.spec
     lora = spec.lora_rank > 0 and m.name in LORA_TRAINED
     work = W.train_work(ctx.work(m.arch), m.arch, sequences, seq, micro=micro, db=ctx.db, lm_head=lm_head,
                         lora=lora, adapters=ctx.adapters(m), checkpointing=spec.gradient_checkpointing,
-                        head_tokens=ctx.head_tokens(sequences) if lm_head else None)
+                        head_tokens=ctx.head_tokens(sequences) if lm_head else None, context=context)
     per_gpu = m.trainable_params / (m.gpus if m.zero >= 1 else 1)
     tensors = trainable_tensors(m.arch, spec.lora_rank if lora else 0, spec.lora_targets)
     W.optimizer_work(work, per_gpu, tensors, steps, offload=spec.offload != "none", engine=spec.engine,
@@ -538,13 +562,14 @@ def update(ctx: Context) -> Phase:
         if m is None:
             continue
         mb = min(spec.micro_batch, ctx.share(m))
-        w = train_model(ctx, m, ctx.share(m) * spec.ppo_epochs, ctx.seq, micro=mb, steps=steps, lm_head=m.lm_head)
+        w = train_model(ctx, m, ctx.share(m) * spec.ppo_epochs, ctx.scored_seq, micro=mb, steps=steps,
+                        lm_head=m.lm_head, context=ctx.scored_context)
         by_model[name] = w
         work.setdefault(m.pool, ctx.work(m.arch)).add(w)
-        training_memory(ctx, m, memory.setdefault(m.pool, ctx.base(m.pool)), mb * ctx.seq, lm_head=m.lm_head)
+        training_memory(ctx, m, memory.setdefault(m.pool, ctx.base(m.pool)), mb * ctx.scored_seq, lm_head=m.lm_head)
         lora = spec.lora_rank > 0
         flops += spec.ppo_epochs * W.train_passes(lora, spec.gradient_checkpointing) * W.forward_flops(
-            m.arch, ctx.total_seqs * ctx.seq, ctx.seq / 2, m.lm_head)
+            m.arch, ctx.total_seqs * ctx.scored_seq, ctx.scored_context, m.lm_head)
     return Phase("train", memory, work, flops, work_by_model=by_model, optimizer_steps=steps)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastrlhf.constants import OLD_LOGPROBS
+from fastrlhf.constants import OLD_LOGPROBS, SHARED_PROMPT_MIN_SAVING, SHARED_PROMPT_MODES
 from fastrlhf.estimate.arch import LINEARS, Arch, parse_params, resolve_model, scaled
 from fastrlhf.estimate.hardware import device
 from fastrlhf.estimate.memory import DTYPE_BYTES, ENGINES, OFFLOADS
@@ -117,6 +117,10 @@ class Spec:
     """--stage grpo: the KL to the reference in the loss, or no KL penalty (`fastrlhf ppo --kl_in_loss` or
     --kl_coef 0). The update's first minibatch then forms its own old log-probs, so phase 3's actor forward scores
     the other rows only (`fastrlhf.train.recipes.ppo.old_from_first_update`, with old_logprobs recompute)."""
+    shared_prompt: str = "off"
+    """PPO / GRPO's phases 3 and 5 forward each group's prompt once (`fastrlhf ppo --shared_prompt`): on, off, or
+    auto (on with num_generations > 1 where it saves at least 10% of those phases' tokens): seq_len / G + gen_len
+    tokens per sequence instead of seq_len + gen_len."""
     offload: str = "none"
     """none; optimizer: DeepSpeed ZeRO-Offload (optimizer states and fp32 gradient partitions on the host, stage
     1-3); params: the weights too (ZeRO-3 / FSDP2 CPUOffloadPolicy)."""
@@ -221,10 +225,20 @@ def student_arch(spec: Spec) -> Arch:
     return student
 
 
+def shared_prompt_saving(spec: Spec) -> float:
+    """The share of phases 3 and 5's tokens a shared prompt saves: G (P + R) -> P + G R per group (0 with one
+    response per prompt, or outside PPO / GRPO)."""
+    G, P, R = spec.num_generations, spec.seq_len, spec.gen_len
+    if G < 2 or spec.stage not in ("ppo", "grpo"):
+        return 0.0
+    return (G - 1) * P / (G * (P + R))
+
+
 def resolved(spec: Spec) -> Spec:
     """`spec` with its text fields parsed and what it leaves to the device filled in: dtype None = fp32 on cpu,
     else bf16; rollout_cache auto = static for hf generate on one GPU, else dynamic
-    (fastrlhf.train.recipes.ppo.rollout_cache)."""
+    (fastrlhf.train.recipes.ppo.rollout_cache); shared_prompt auto = on where it saves enough
+    (`shared_prompt_saving`)."""
     changes = {}
     if isinstance(spec.zero, str):
         changes["zero"] = parse_zero(spec.zero)
@@ -234,6 +248,8 @@ def resolved(spec: Spec) -> Spec:
         changes["lora_targets"] = tuple(t.strip() for t in spec.lora_targets.split(",") if t.strip())
     if spec.dtype is None:
         changes["dtype"] = "fp32" if spec.gpu == "cpu" else "bf16"
+    if spec.shared_prompt == "auto":
+        changes["shared_prompt"] = "on" if shared_prompt_saving(spec) >= SHARED_PROMPT_MIN_SAVING else "off"
     if spec.rollout_cache == "auto":
         one_gpu = spec.gpu != "cpu" and spec.placement == "colocated" and spec.gpus == 1 and spec.gen_engine == "hf"
         changes["rollout_cache"] = "static" if one_gpu else "dynamic"
@@ -263,7 +279,7 @@ def zero_of(spec: Spec, name: str) -> int:
 
 CHOICES = {"stage": (*STAGES, "all"), "engine": ENGINES, "dtype": tuple(DTYPE_BYTES), "placement": PLACEMENTS,
            "gen_engine": GEN_ENGINES, "rollout_cache": ROLLOUT_CACHES, "old_logprobs": OLD_LOGPROBS,
-           "offload": OFFLOADS, "logits": LOGITS, "serve_weights": SERVE_WEIGHTS}
+           "offload": OFFLOADS, "logits": LOGITS, "serve_weights": SERVE_WEIGHTS, "shared_prompt": SHARED_PROMPT_MODES}
 POSITIVE = ("gpus", "micro_batch", "seq_len", "rollout_batch", "ppo_epochs", "steps", "num_generations", "gen_tp")
 NON_NEGATIVE = ("gen_len", "lora_rank", "rollout_slots")
 POSITIVE_OR_NONE = ("mean_gen_len", "micro_rollout_batch", "mini_batch", "cpu_threads", "concurrency")

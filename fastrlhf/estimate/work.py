@@ -73,16 +73,17 @@ def train_passes(lora: bool, checkpointing: bool) -> int:
     return (2 if lora else 3) + (1 if checkpointing else 0)
 
 
-def forward_work(work: Work, arch: Arch, sequences: float, seq: int, *, micro: float, db: int, lm_head: bool,
+def forward_work(work: Work, arch: Arch, sequences: float, seq: float, *, micro: float, db: int, lm_head: bool,
                  adapters: int = 0, head_tokens: float | None = None, weight_bytes: float | None = None,
-                 host_bytes: float = 0.0, pcie: float = 0.0) -> Work:
-    """A no-grad forward of `sequences` sequences of `seq` tokens, `micro` at a time; an offloaded model streams
-    its weights (`host_bytes`) over the host link for every call."""
+                 host_bytes: float = 0.0, pcie: float = 0.0, context: float | None = None) -> Work:
+    """A no-grad forward of `sequences` sequences of `seq` tokens, `micro` at a time, each token attending to
+    `context` keys on average (None: seq / 2, causal); an offloaded model streams its weights (`host_bytes`) over
+    the host link for every call."""
     calls = math.ceil(sequences / micro) if sequences else 0
     if not calls:
         return work
     ops = arch.layers * layer_ops(work.kind, adapters) + T.EAGER_MODEL_OPS
-    flops = forward_flops(arch, sequences * seq, seq / 2, lm_head, head_tokens)
+    flops = forward_flops(arch, sequences * seq, seq / 2 if context is None else context, lm_head, head_tokens)
     weights = arch.params() * db if weight_bytes is None else weight_bytes
     work.step(count=calls, flops=flops / calls, weight_bytes=weights,
               bytes=activation_traffic(arch, sequences * seq / calls, db), kernels=ops, ops=ops, width=arch.hidden)
@@ -91,15 +92,18 @@ def forward_work(work: Work, arch: Arch, sequences: float, seq: int, *, micro: f
     return work
 
 
-def train_work(work: Work, arch: Arch, sequences: float, seq: int, *, micro: float, db: int, lm_head: bool,
-               lora: bool, adapters: int, checkpointing: bool, head_tokens: float | None = None) -> Work:
-    """Forward + backward of `sequences` sequences, `micro` at a time."""
+def train_work(work: Work, arch: Arch, sequences: float, seq: float, *, micro: float, db: int, lm_head: bool,
+               lora: bool, adapters: int, checkpointing: bool, head_tokens: float | None = None,
+               context: float | None = None) -> Work:
+    """Forward + backward of `sequences` sequences of `seq` tokens, `micro` at a time (`context`: as
+    forward_work's)."""
     calls = math.ceil(sequences / micro) if sequences else 0
     if not calls:
         return work
     passes = train_passes(lora, checkpointing)
     ops = arch.layers * layer_ops(work.kind, adapters, backward=True, recompute=checkpointing) + 2 * T.EAGER_MODEL_OPS
-    flops = passes * forward_flops(arch, sequences * seq, seq / 2, lm_head, head_tokens)
+    flops = passes * forward_flops(arch, sequences * seq, seq / 2 if context is None else context, lm_head,
+                                   head_tokens)
     return work.step(count=calls, flops=flops / calls, weight_bytes=passes * arch.params() * db,
                      bytes=passes * activation_traffic(arch, sequences * seq / calls, db), kernels=ops, ops=ops,
                      train=True, width=arch.hidden)

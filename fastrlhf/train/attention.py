@@ -19,7 +19,12 @@ gradient checkpointing's recomputation included:
 - a pack (sequences end to end): `cu_seq_lens_q` [n_seq + 1] int32 and `max_length_q` (a host int),
   per-sequence causal attention by a varlen kernel on CUDA: flash-attn's `flash_attn_varlen_func`
   where flash-attn is installed, else PyTorch's own (`torch.nn.attention.varlen.varlen_attn`);
-  without one (the CPU) `fastrlhf_mask`, the block-diagonal causal mask, through SDPA.
+  without one (the CPU) `fastrlhf_mask`, the block-diagonal causal mask, through SDPA;
+- a shared-prompt pack (units [prompt, response 1, ..., response k], each response seeing its unit's
+  prompt and itself, causally): on CUDA `fastrlhf_block_mask`, flex attention's BlockMask, made
+  block-sparse from the tokens' segments without a dense [N, N] mask, through transformers'
+  `flex_attention_forward` (its compiled flex_attention); on the CPU `fastrlhf_mask`, the same mask as
+  a 4-D bool [1, 1, N, N] through SDPA (dense: fine at the CPU's sizes).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import inspect
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -91,7 +97,8 @@ def _varlen(query, key, value, cu_seqlens, max_length, scaling):
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, *, fastrlhf_planned=False,
-              fastrlhf_mask=None, cu_seq_lens_q=None, max_length_q=None, fastrlhf_own=None, **kwargs):
+              fastrlhf_mask=None, fastrlhf_block_mask=None, cu_seq_lens_q=None, max_length_q=None, fastrlhf_own=None,
+              **kwargs):
     """transformers' attention-function interface (query [B, H, T, D] -> ([B, T, H, D], weights)):
     a planned forward runs its plan (module docstring); any other runs the model's own
     implementation `fastrlhf_own` with transformers' mask."""
@@ -99,6 +106,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         own = ALL_ATTENTION_FUNCTIONS[fastrlhf_own]
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                    cu_seq_lens_q=cu_seq_lens_q, max_length_q=max_length_q, **kwargs)
+    if fastrlhf_block_mask is not None:
+        return flex_attention_forward(module, query, key, value, fastrlhf_block_mask, scaling=scaling, dropout=dropout)
     if cu_seq_lens_q is not None and fastrlhf_mask is None:
         return _varlen(query, key, value, cu_seq_lens_q, max_length_q, scaling)
     return sdpa_attention_forward(module, query, key, value, fastrlhf_mask, dropout=dropout, scaling=scaling)
@@ -142,3 +151,37 @@ def block_causal_mask(sequence: torch.Tensor) -> torch.Tensor:
     N = sequence.shape[0]
     causal = torch.ones(N, N, dtype=torch.bool, device=sequence.device).tril()
     return (causal & (sequence[:, None] == sequence[None, :]))[None, None]
+
+
+def shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[1, 1, N, N] bool of a shared-prompt pack whose token i is in unit segments[0, i] as member
+    segments[1, i] (0: the prompt): key j is seen by query i when j <= i, both are in one unit, and j
+    is in the prompt or in i's own response."""
+    unit, member = segments
+    N = unit.shape[0]
+    causal = torch.ones(N, N, dtype=torch.bool, device=unit.device).tril()
+    same_unit = unit[:, None] == unit[None, :]
+    seen = (member[None, :] == 0) | (member[:, None] == member[None, :])
+    return (causal & same_unit & seen)[None, None]
+
+
+def shared_prompt_block_mask(segments: torch.Tensor):
+    """flex attention's BlockMask of `shared_prompt_mask`, built block by block on the device (compiled:
+    the [N, N] mask is never materialised)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    unit, member = segments
+
+    def mask_mod(b, h, q, k):
+        return (k <= q) & (unit[q] == unit[k]) & ((member[k] == 0) | (member[k] == member[q]))
+
+    N = unit.shape[0]
+    return create_block_mask(mask_mod, None, None, N, N, device=unit.device, _compile=unit.is_cuda)
+
+
+def shared_prompt_plan(segments: torch.Tensor) -> dict:
+    """The attention plan of a shared-prompt pack: its BlockMask on CUDA (flex attention), its 4-D mask
+    elsewhere (SDPA)."""
+    if segments.is_cuda:
+        return {"fastrlhf_block_mask": shared_prompt_block_mask(segments)}
+    return {"fastrlhf_mask": shared_prompt_mask(segments)}

@@ -176,6 +176,14 @@ class PPOConfig(RunConfig):
     sequence (max_prompt_len + max_new_tokens); 0 = micro_batch_size padded rows (fastrlhf.train.packing). On CUDA
     a varlen attention kernel keeps the sequences apart; on the CPU a block-diagonal mask, whose attention
     grows with the square of the pack's length."""
+    shared_prompt: str = "off"
+    """Forward each prompt once per group of num_generations responses in phases 3 and 5: one pack
+    [prompt, response 1, ..., response G] (each response attending to the prompt and to itself;
+    fastrlhf.train.shared_prompt), P + sum R_i tokens instead of sum (P + R_i), the same log-probs,
+    values and gradients. `on`, `off`, or `auto` (on when num_generations > 1 and it saves at least 10%
+    of the tokens; the log says which and how many). A group is never split across micro-batches: with
+    micro_batch_tokens one over the budget goes unshared (logged), without it a micro-batch holds
+    micro_batch_size rows' worth of whole groups (at least one). On CUDA flex attention runs it."""
     loss_agg: str = "token-mean"
     """How the per-token losses of a minibatch aggregate (verl's loss_agg_mode; fastrlhf.agg_loss): token-mean,
     token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm; the global token or
@@ -352,6 +360,11 @@ class DPOConfig(RunConfig):
     ipo_per_token: bool = False
     """With loss_type ipo, divide each log-ratio by its response's token count (TRL) instead of summing
     (OpenRLHF, the IPO paper)."""
+    shared_prompt: str = "off"
+    """Forward each pair's prompt once, [prompt, chosen, rejected] (each response attending to the prompt
+    and to itself; fastrlhf.train.shared_prompt), for the reference and the policy: the same sums and
+    gradients from fewer tokens. `on`, `off`, or `auto` (on where it saves at least 10% of the batch's
+    tokens; the log says which and how many)."""
     lora_rank: int = 0
     """LoRA rank, the reference being the model with the adapter disabled; 0 = full fine-tuning with a
     frozen reference copy."""

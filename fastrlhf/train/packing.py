@@ -35,27 +35,39 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from fastrlhf.train.attention import block_causal_mask, causal_padding_mask, varlen_kernel
+from fastrlhf.train.attention import block_causal_mask, causal_padding_mask, shared_prompt_plan, varlen_kernel
 from fastrlhf.train.data import Batch
 
 
 class Lengths(NamedTuple):
     """Real tokens per row of a Batch (host arrays [B] int64): the prompt's (left-padded) and the
-    response's (EOS included)."""
+    response's (EOS included); with `group_size` G > 1, `same_prompt` [B / G] bool: whether rows
+    g G .. g G + G - 1 hold the same prompt (a group whose prompt can be shared)."""
 
     prompt: np.ndarray
     response: np.ndarray
+    group_size: int = 1
+    same_prompt: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
         return self.prompt + self.response
 
 
-def read_lengths(batch: Batch) -> Lengths:
-    """The batch's `Lengths`: one read of the device."""
+def read_lengths(batch: Batch, group_size: int = 1) -> Lengths:
+    """The batch's `Lengths` (with G = `group_size` > 1, whether each group's prompt columns are the
+    same on every row): one read of the device."""
     P = batch.prompt_len
-    both = torch.stack([batch.attention_mask[:, :P].sum(-1), batch.response_mask.sum(-1).long()]).cpu().numpy()
-    return Lengths(both[0].astype(np.int64), both[1].astype(np.int64))
+    if group_size > 1 and batch.input_ids.shape[0] % group_size:
+        raise ValueError(f"read_lengths: {batch.input_ids.shape[0]} rows are not whole groups of group_size "
+                         f"{group_size}")
+    parts = [batch.attention_mask[:, :P].sum(-1), batch.response_mask.sum(-1).long()]
+    if group_size > 1:
+        prompts = torch.cat([batch.input_ids[:, :P], batch.attention_mask[:, :P]], dim=1).view(-1, group_size, 2 * P)
+        same = (prompts == prompts[:, :1]).all(-1).all(-1)
+        parts.append(same.long().repeat_interleave(group_size))
+    read = torch.stack(parts).cpu().numpy().astype(np.int64)
+    return Lengths(read[0], read[1], group_size, read[2, ::group_size].astype(bool) if group_size > 1 else None)
 
 
 def partition(lengths: np.ndarray, rows: np.ndarray, budget: int) -> list[np.ndarray]:
@@ -79,6 +91,17 @@ def partition(lengths: np.ndarray, rows: np.ndarray, budget: int) -> list[np.nda
     return groups
 
 
+class Units(NamedTuple):
+    """The rows of a shared-prompt pack: units of rows that share one prompt (a group, or one row),
+    each laid out as [prompt, response 1, ..., response k], the prompt's real tokens once."""
+
+    units: tuple[np.ndarray, ...]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return np.concatenate(self.units)
+
+
 @dataclasses.dataclass
 class MicroBatch:
     """Rows of a Batch processed together, on the device: padded rows (`tokens` None: the rows as the
@@ -98,6 +121,9 @@ class MicroBatch:
     """A pack: [n_seq + 1] int32 offsets of its sequences (a varlen kernel's cu_seqlens)."""
     max_length: int = 0
     """A pack: its longest sequence (host)."""
+    segments: torch.Tensor | None = None
+    """A shared-prompt pack: [2, n], each token's unit and its member in it (0: the prompt, i: response
+    i), what its attention mask is made of (fastrlhf.train.attention.shared_prompt_plan)."""
     has_padding: bool = True
     """Padded rows: whether any row is shorter than the Batch's width (host)."""
     live: bool = True
@@ -137,9 +163,12 @@ def forward_responses(fn: Callable, batch: Batch, mb: MicroBatch) -> tuple:
         return tuple(None if o is None else o[:, P - 1:-1] for o in outs)
     ids = batch.input_ids.reshape(-1)[mb.tokens].unsqueeze(0)
     positions = batch.position_ids.reshape(-1)[mb.tokens].unsqueeze(0)
-    planned = {"cu_seq_lens_q": mb.cu_seqlens, "max_length_q": mb.max_length}
-    if not (ids.is_cuda and varlen_kernel() is not None):  # SDPA with the block-diagonal causal mask
-        planned["fastrlhf_mask"] = block_causal_mask((positions[0] == 0).cumsum(0))
+    if mb.segments is not None:  # a response sees its unit's prompt and itself
+        planned = shared_prompt_plan(mb.segments)
+    else:
+        planned = {"cu_seq_lens_q": mb.cu_seqlens, "max_length_q": mb.max_length}
+        if not (ids.is_cuda and varlen_kernel() is not None):  # SDPA with the block-diagonal causal mask
+            planned["fastrlhf_mask"] = block_causal_mask((positions[0] == 0).cumsum(0))
     outs = fn(ids, None, positions, attention=planned)
     return tuple(None if o is None else o[0, mb.slots] for o in outs)
 
@@ -166,44 +195,86 @@ def _pack_index(lengths: Lengths, rows: np.ndarray, batch: Batch, flat: bool) ->
     return [tokens, index, slots, cu]
 
 
-def micro_batches(batch: Batch, groups: Sequence[Sequence[np.ndarray]], lengths: Lengths, *, packed: bool,
+def _shared_index(lengths: Lengths, units: Units, batch: Batch, flat: bool) -> list[np.ndarray]:
+    """[tokens, index, slots, segments] of a shared-prompt pack: a unit of rows sharing a prompt of p
+    tokens, starting at pack position s, holds that prompt once (the Batch's columns [P - p, P) of its
+    first row), then each row's response (columns [P, P + r_i)); response i's token 0 is predicted at the
+    prompt's last position s + p - 1, its token j > 0 at its own token j - 1."""
+    P, width, R = batch.prompt_len, batch.input_ids.shape[1], batch.response_mask.shape[1]
+    tokens, unit, member, slots, start = [], [], [], [], 0
+    for u, rows in enumerate(units.units):
+        p, r = lengths.prompt[rows], lengths.response[rows]
+        if (p != p[0]).any() or p[0] < 1:
+            raise ValueError(f"shared prompt: rows {rows.tolist()} have prompts of {p.tolist()} tokens (one shared "
+                             "prompt of at least one token expected)")
+        p = int(p[0])
+        tokens += [rows[0] * width + np.arange(P - p, P)]
+        tokens += [row * width + np.arange(P, P + n) for row, n in zip(rows, r)]
+        unit.append(np.full(p + int(r.sum()), u))
+        member += [np.zeros(p, np.int64)] + [np.full(n, i + 1) for i, n in enumerate(r)]
+        begins = start + p + np.concatenate([[0], np.cumsum(r)[:-1]])  # each response's first pack position
+        slots += [np.concatenate([[start + p - 1], first + np.arange(n - 1)])[:n] for first, n in zip(begins, r)]
+        start += p + int(r.sum())
+    rows = units.rows
+    if flat:
+        index = np.concatenate([row * R + np.arange(n) for row, n in zip(rows, lengths.response[rows])])[None]
+        slot = np.concatenate(slots)[None]
+    else:
+        index = rows[:, None] * R + np.arange(max(1, int(lengths.response[rows].max())))
+        slot = np.zeros(index.shape, np.int64)  # 0 past a row's end, as a pack's
+        for i, s in enumerate(slots):
+            slot[i, :len(s)] = s
+    return [np.concatenate(tokens), index, slot, np.stack([np.concatenate(unit), np.concatenate(member)])]
+
+
+def micro_batches(batch: Batch, groups: Sequence[Sequence[np.ndarray | Units]], lengths: Lengths, *, packed: bool,
                   flat: bool = False, device: torch.device, stand_ins: Sequence[int] = ()) -> list[list[MicroBatch]]:
     """Device micro-batches of `groups` (per minibatch, the row groups of its micro-batches): packs
-    (their losses read only the real response tokens with `flat`), or padded rows. `stand_ins[k]`:
-    how many non-live micro-batches (one short sequence each) to append to minibatch k
-    (data-parallel ranks with fewer micro-batches than another). Every index goes to the device in
-    one transfer."""
+    (their losses read only the real response tokens with `flat`), or padded rows; a `Units` group is a
+    shared-prompt pack, packed or not. `stand_ins[k]`: how many non-live micro-batches (one short
+    sequence each) to append to minibatch k (data-parallel ranks with fewer micro-batches than
+    another). Every index goes to the device in one transfer."""
     width = batch.input_ids.shape[1]
     arrays, layout = [], []
     for k, minibatch in enumerate(groups):
-        specs = [(np.asarray(rows, dtype=np.int64), True) for rows in minibatch]
+        specs = [(spec, True) for spec in minibatch]
         if stand_ins and stand_ins[k]:
-            every = np.concatenate(minibatch)
+            every = np.concatenate([rows_of(spec) for spec in minibatch])
             specs += [(every[np.argmin(lengths.total[every])].reshape(1), False)] * stand_ins[k]
         layout.append([])
-        for rows, live in specs:
+        for spec, live in specs:
+            rows = rows_of(spec)
             host = {"live": live, "n_tokens": int(lengths.response[rows].sum()) if live else 0,
                     "n_sequences": int((lengths.response[rows] > 0).sum()) if live else 0}
-            if packed:
+            if isinstance(spec, Units):
+                arrays += [rows, *_shared_index(lengths, spec, batch, flat)]
+                kind = "shared"
+            elif packed:
                 arrays += [rows, *_pack_index(lengths, rows, batch, flat)]
-                host["max_length"] = int(lengths.total[rows].max())
+                host["max_length"], kind = int(lengths.total[rows].max()), "pack"
             else:
                 arrays.append(rows)
-                host["has_padding"] = bool((lengths.total[rows] < width).any())
-            layout[-1].append(host)
-    flat_arrays = _upload(arrays, device)
-    out, i = [], 0
+                host["has_padding"], kind = bool((lengths.total[rows] < width).any()), "rows"
+            layout[-1].append((kind, host))
+    flat_arrays = iter(_upload(arrays, device))
+    out = []
     for specs in layout:
         out.append([])
-        for host in specs:
-            if "max_length" in host:
-                rows, tokens, index, slots, cu = flat_arrays[i:i + 5]
-                i += 5
-                out[-1].append(MicroBatch(rows, tokens, index, slots, cu.to(torch.int32), **host))
+        for kind, host in specs:
+            if kind == "rows":
+                out[-1].append(MicroBatch(next(flat_arrays), **host))
+                continue
+            rows, tokens, index, slots, last = (next(flat_arrays) for _ in range(5))
+            if kind == "shared":
+                out[-1].append(MicroBatch(rows, tokens, index, slots, segments=last, **host))
             else:
-                out[-1].append(MicroBatch(flat_arrays[i], **host))
-                i += 1
+                out[-1].append(MicroBatch(rows, tokens, index, slots, last.to(torch.int32), **host))
     return out
+
+
+def rows_of(spec: np.ndarray | Units) -> np.ndarray:
+    """The Batch rows of a micro-batch's spec (its rows, or a shared-prompt pack's)."""
+    return spec.rows if isinstance(spec, Units) else np.asarray(spec, dtype=np.int64)
 
 
 def _upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

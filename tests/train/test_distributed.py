@@ -125,6 +125,25 @@ def test_packed_micro_batches_give_the_padded_gradients_on_1_and_2_ranks(case, a
     assert abs(other["stats"]["pg_loss"] - ref["stats"]["pg_loss"]) > 1e-4
 
 
+@pytest.mark.parametrize("tokens", [0, dist_worker.BUDGET])
+def test_shared_prompt_packs_give_the_unshared_gradients_on_1_and_2_ranks(tokens, one_rank, two_ranks):
+    """--shared_prompt on (each group's prompt forwarded once; micro-batches of rows' worth of groups, or
+    packs of BUDGET tokens) against off, on groups sharing their prompt: the error of the shared float32
+    gradients and stats against the unshared float64 run is at most 2x the unshared float32 run's, + atol,
+    + the float32 result's last bit, on one rank and on two (each rank its own groups)."""
+    case = dist_worker.SHARED
+    ref, unshared = one_rank[f"{case}/shared_off/float64"], one_rank[f"{case}/shared_off/float32"]
+    for where, shared in (("1 rank", one_rank[f"{case}/shared_on/{tokens}/float32"]),
+                          ("2 ranks", two_ranks["runs"][f"{case}/shared_on/{tokens}/float32"])):
+        assert set(shared["grads"]) == set(ref["grads"]) and len(ref["grads"]) > 0
+        for name in ref["grads"]:
+            assert_close_to_ref(shared["grads"][name], ref["grads"][name], unshared["grads"][name], atol=1e-6,
+                                name=f"{where} {name}, shared prompt")
+        for k in ("pg_loss", "clipfrac", "approx_kl", "entropy", "grad_norm"):
+            stat = (torch.tensor(run["stats"][k], dtype=torch.float64) for run in (shared, ref, unshared))
+            assert_close_to_ref(*stat, atol=1e-6, name=f"{where} {k}, shared prompt")
+
+
 def test_whitening_and_loss_normalisation_are_global(one_rank, two_ranks):
     """The two shares differ: whitening a share with its own moments gives other advantages
     (GAE, REINFORCE++), and the shares hold different token counts (per-rank token means would

@@ -8,7 +8,9 @@ c_ref, r_ref under the reference (the starting model: a frozen copy, or the LoRA
 Each step, top to bottom:
   1. batch      B pairs: the chosen and the rejected responses of the same prompts, one packed
                 batch of 2B rows
-  2. reference  the reference's per-sequence sums (no gradient), from its hidden states
+  2. reference  the reference's per-sequence sums (no gradient), from its hidden states; with
+                --shared_prompt each pair's prompt is forwarded once, [prompt, chosen, rejected]
+                (fastrlhf.train.shared_prompt), in this phase and the next
   3. loss       one policy forward; ops.linear_dpo_loss: the chosen and rejected sums in one
                 chunked pass over the 2B rows (no [N, V] logits), then ops.dpo_loss
   4. update     warm-up, gradient clipping; a non-finite loss or gradient skips the step
@@ -29,11 +31,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import Dataset
 
 from fastrlhf import ops
-from fastrlhf.train import distributed, task
+from fastrlhf.train import distributed, packing, shared_prompt, task
 from fastrlhf.train.checkpoint import check_run_dir
 from fastrlhf.train.config import DPOConfig, run_cli, to_dict
 from fastrlhf.train.data import BUILTIN, Batch, Encoder, truncate_prompts
@@ -60,10 +63,33 @@ MODEL_LR = 1e-5  # any other model, full fine-tuning: OpenRLHF 0.11's train_dpo 
 LORA_LR = 1e-4  # any other model with LoRA adapters
 
 
-def response_hidden(policy: ActorCritic, batch: Batch, *, reference: bool):
+def shared_pairs(batch: Batch, mode: str, device) -> tuple[packing.MicroBatch | None, shared_prompt.Saving]:
+    """The batch's pairs (rows i and B + i share their prompt) as one shared-prompt pack [prompt, chosen,
+    rejected] per pair where --shared_prompt `mode` says so (None: the padded rows), and the tokens it
+    saves. One read of the device (the lengths)."""
+    lengths = packing.read_lengths(batch)
+    B = batch.input_ids.shape[0] // 2
+    pairs = [np.array([i, B + i]) for i in range(B)]
+    saving = shared_prompt.decide(mode, lengths, pairs)
+    if not saving.on:
+        return None, saving
+    (mb,), = packing.micro_batches(batch, [[packing.Units(tuple(pairs))]], lengths, packed=False, device=device)
+    return mb, saving
+
+
+def response_hidden(policy: ActorCritic, batch: Batch, *, reference: bool, shared: packing.MicroBatch | None = None):
     """(hidden [2B, R, H] that predict the response tokens, the lm_head) of the policy, or of
-    the reference (no gradient)."""
+    the reference (no gradient); from the padded rows, or from the `shared` pack (its states put back in
+    the rows' places: the same hidden states, 0 past each response)."""
     P = batch.prompt_len
+    if shared is not None:
+        fn = (lambda *x, **kw: (policy.reference_hidden(*x, **kw),)) if reference else (lambda *x, **kw: policy(
+            *x, **kw)[:1])
+        h, = packing.forward_responses(fn, batch, shared)
+        H = h.shape[-1]
+        rows = h.new_zeros(batch.response_mask.numel(), H)
+        rows[shared.index.reshape(-1)] = h.reshape(-1, H)
+        return rows.view(*batch.response_mask.shape, H), policy.reference_lm_head() if reference else policy.lm_head
     if reference:
         hidden = policy.reference_hidden(batch.input_ids, batch.attention_mask, batch.position_ids)
         return hidden[:, P - 1:-1], policy.reference_lm_head()
@@ -72,21 +98,23 @@ def response_hidden(policy: ActorCritic, batch: Batch, *, reference: bool):
 
 
 @torch.no_grad()
-def reference_sums(policy: ActorCritic, batch: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_sums(policy: ActorCritic, batch: Batch, device,
+                   shared: packing.MicroBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Phase 2: the reference's summed log-probs of the chosen rows and of the rejected rows."""
     with autocast(device):
-        h, head = response_hidden(policy, batch, reference=True)
+        h, head = response_hidden(policy, batch, reference=True, shared=shared)
         sums = ops.linear_sequence_logprobs(h, head.weight.to(h.dtype), batch.responses, batch.response_mask,
                                             bias=head.bias)
     B = sums.shape[0] // 2
     return sums[:B], sums[B:]
 
 
-def dpo_step_loss(policy: ActorCritic, batch: Batch, cfg: DPOConfig, device):
-    """Phases 2-3: (loss, stats) of one packed batch of pairs."""
-    ref_chosen, ref_rejected = reference_sums(policy, batch, device)
+def dpo_step_loss(policy: ActorCritic, batch: Batch, cfg: DPOConfig, device,
+                  shared: packing.MicroBatch | None = None):
+    """Phases 2-3: (loss, stats) of one packed batch of pairs (`shared`: its shared-prompt pack)."""
+    ref_chosen, ref_rejected = reference_sums(policy, batch, device, shared)
     with autocast(device):
-        h, head = response_hidden(policy, batch, reference=False)
+        h, head = response_hidden(policy, batch, reference=False, shared=shared)
     return ops.linear_dpo_loss(h, head.weight.to(h.dtype), batch.responses, batch.response_mask, ref_chosen,
                                ref_rejected, bias=head.bias, beta=cfg.beta, loss_type=cfg.loss_type,
                                label_smoothing=cfg.label_smoothing, ipo_per_token=cfg.ipo_per_token)
@@ -148,6 +176,9 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
         raise type(e)(f"dpo: {e}") from None
     if cfg.ipo_per_token and cfg.loss_type != "ipo":
         raise ValueError(f"dpo: ipo_per_token applies to loss_type ipo only, got loss_type {cfg.loss_type!r}")
+    if cfg.shared_prompt not in shared_prompt.MODES:
+        raise ValueError(f"dpo: --{key_prefix}shared_prompt must be one of {', '.join(shared_prompt.MODES)}, got "
+                         f"{cfg.shared_prompt!r}")
     model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "dpo", "sft")
     cfg.model = model.spec
     enc, train_idx, eval_idx = prepare_pairs(cfg, model, "dpo", key_prefix)
@@ -197,6 +228,7 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
         log.info("dpo: true score before DPO %.3f", true_before)
     pad_id = tokenizer.pad_token_id
     policy.train()
+    shared_on = None  # whether the last batch shared its prompts (the log says when it changes)
 
     while step < run.stop:
         # 1. batch: B pairs (rank 0's draw; each rank its share) -> 2B rows, the chosen responses
@@ -206,7 +238,11 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
         batch = pair_batch(rows, range(len(rows["prompt"])), pad_id).to(device)
         # 2-3. reference sums, then the policy's sums and the DPO loss in one fused pass (a mean over
         #      this rank's equal share: FSDP's gradient average makes it the global batch's mean)
-        loss, stats = model.run(dpo_step_loss, batch, cfg, device)
+        shared, saving = shared_pairs(batch, cfg.shared_prompt, device) if cfg.shared_prompt != "off" else (None, None)
+        if saving is not None and saving.on != shared_on:
+            log.info("dpo: %s (--shared_prompt %s)", saving.describe(), cfg.shared_prompt)
+            shared_on = saving.on
+        loss, stats = model.run(dpo_step_loss, batch, cfg, device, shared)
         # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
         if not guarded_step(optimizer, loss, trainable, step, lr=cfg.lr):
             skipped += 1

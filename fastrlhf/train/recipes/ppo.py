@@ -54,7 +54,7 @@ from fastrlhf.constants import (
 from fastrlhf.ops import losses, policy_modes
 from fastrlhf.ops.advantages import DEFAULT_WHITEN, GROUPED
 from fastrlhf.ops.gae import mean_var
-from fastrlhf.train import distributed, packing, task
+from fastrlhf.train import distributed, packing, shared_prompt, task
 from fastrlhf.train.checkpoint import check_run_dir
 from fastrlhf.train.config import PPOConfig, run_cli, to_dict
 from fastrlhf.train.data import (
@@ -165,6 +165,8 @@ class Experience:
     old_from_update: bool = False
     """The first minibatch's old log-probs are not in old_logp yet: its own update forward forms them
     (`old_from_first_update`)."""
+    shared: shared_prompt.Saving | None = None
+    """--shared_prompt on or auto: whether phases 3 and 5 share each group's prompt, and the tokens it saves."""
 
 
 def global_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -201,11 +203,15 @@ def across_ranks(counts: list[tuple[int, int]], n_micro: list[int]) -> tuple[lis
 
 
 def scoring_micro_batches(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig, device,
-                          rows: np.ndarray | None = None) -> list[packing.MicroBatch]:
-    """Phase 3's forwards over `rows` (None: all): in one padded forward, or packs of micro_batch_tokens."""
+                          rows: np.ndarray | None = None, shared: bool = False) -> list[packing.MicroBatch]:
+    """Phase 3's forwards over `rows` (None: all): in one padded forward, or packs of micro_batch_tokens;
+    `shared`: shared-prompt packs, one of every row or of micro_batch_tokens."""
     rows = np.arange(batch.input_ids.shape[0]) if rows is None else rows
     packed = cfg.micro_batch_tokens > 0
-    groups = [packing.partition(lengths.total, rows, cfg.micro_batch_tokens) if packed else [rows]]
+    if shared:
+        groups = [shared_packs(lengths, rows, cfg, "phase 3")]
+    else:
+        groups = [packing.partition(lengths.total, rows, cfg.micro_batch_tokens) if packed else [rows]]
     _, stand_ins = across_ranks([(0, 0)], [len(groups[0])]) if packed else (None, [])
     return packing.micro_batches(batch, groups, lengths, packed=packed, flat=True, device=device,
                                  stand_ins=stand_ins)[0]
@@ -213,36 +219,56 @@ def scoring_micro_batches(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig
 
 def update_plan(exp: Experience, cfg: PPOConfig, device) -> UpdatePlan:
     """Phase 5's plan for `exp` (`plan_update`)."""
-    return plan_update(exp.batch, exp.lengths, cfg, device)
+    return plan_update(exp.batch, exp.lengths, cfg, device, shared=exp.shared is not None and exp.shared.on)
 
 
-def update_groups(lengths: packing.Lengths, cfg: PPOConfig) -> list[list[np.ndarray]]:
+def update_groups(lengths: packing.Lengths, cfg: PPOConfig, shared: bool = False) -> list[list[np.ndarray]]:
     """Phase 5's rows on the host, per minibatch the rows of its micro-batches: ppo_epochs passes over
     this rank's rows, each a fresh permutation cut into minibatches of mini_batch_size / ranks rows,
-    each cut into micro-batches of micro_batch_size / ranks rows or packed into micro_batch_tokens."""
+    each cut into micro-batches of micro_batch_size / ranks rows or packed into micro_batch_tokens.
+    `shared`: the permutation is of whole groups, and the micro-batches are shared-prompt packs
+    (`shared_packs`)."""
     B = len(lengths.total)
     n = distributed.world_size()
     mini, micro = cfg.mini_batch_size // n, cfg.micro_batch_size // n
+    G = lengths.group_size if shared else 1
     groups = []
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(B).numpy()  # the CPU generator: host data
+        order = torch.randperm(B // G).numpy()  # the CPU generator: host data
+        order = (order[:, None] * G + np.arange(G)).reshape(-1)  # a group's rows stay together
         for start in range(0, B, mini):
             rows = order[start:start + mini]
-            groups.append(packing.partition(lengths.total, rows, cfg.micro_batch_tokens) if cfg.micro_batch_tokens > 0
-                          else [rows[m:m + micro] for m in range(0, len(rows), micro)])
+            if shared:
+                groups.append(shared_packs(lengths, rows, cfg, "phase 5"))
+            elif cfg.micro_batch_tokens > 0:
+                groups.append(packing.partition(lengths.total, rows, cfg.micro_batch_tokens))
+            else:
+                groups.append([rows[m:m + micro] for m in range(0, len(rows), micro)])
     return groups
 
 
+def shared_packs(lengths: packing.Lengths, rows: np.ndarray, cfg: PPOConfig, phase: str) -> list[packing.Units]:
+    """Shared-prompt packs of `rows`: into micro_batch_tokens, or micro_batch_size / ranks rows' worth of
+    groups each (phase 3: all in one); a group over the budget falls back to its rows one by one (logged)."""
+    per_pack = 0 if phase == "phase 3" else cfg.micro_batch_size // distributed.world_size()
+    found, fallbacks = shared_prompt.packs(lengths, rows, cfg.micro_batch_tokens, per_pack)
+    if fallbacks:
+        log.info("ppo: %s: %d group(s) of %d responses exceed micro_batch_tokens (%d) with their prompt shared: "
+                 "their responses go unshared", phase, fallbacks, lengths.group_size, cfg.micro_batch_tokens)
+    return found
+
+
 def plan_update(batch: Batch, lengths: packing.Lengths, cfg: PPOConfig, device,
-                groups: list[list[np.ndarray]] | None = None) -> UpdatePlan:
+                groups: list[list[np.ndarray]] | None = None, shared: bool = False) -> UpdatePlan:
     """Phase 5's plan, made on the host from the rollout's lengths: the micro-batches of `groups`
-    (update_groups'; drawn here when None), with each minibatch its global (token, sequence) counts,
-    the losses' divisors. The indices reach the device in one transfer; nothing is read from it
-    (under torchrun: one all-reduce and one read)."""
-    groups = update_groups(lengths, cfg) if groups is None else groups
+    (update_groups'; drawn here when None, shared-prompt packs with `shared`), with each minibatch its
+    global (token, sequence) counts, the losses' divisors. The indices reach the device in one
+    transfer; nothing is read from it (under torchrun: one all-reduce and one read)."""
+    groups = update_groups(lengths, cfg, shared) if groups is None else groups
     packed = cfg.micro_batch_tokens > 0
     response = lengths.response
-    counts = [(int(response[np.concatenate(g)].sum()), int((response[np.concatenate(g)] > 0).sum())) for g in groups]
+    rows = [np.concatenate([packing.rows_of(spec) for spec in g]) for g in groups]
+    counts = [(int(response[r].sum()), int((response[r] > 0).sum())) for r in rows]
     counts, stand_ins = across_ranks(counts, [len(g) for g in groups])
     micro_batches = packing.micro_batches(batch, groups, lengths, packed=packed,
                                           flat=cfg.loss_agg in TOKEN_AGGS, device=device, stand_ins=stand_ins)
@@ -272,8 +298,10 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
     from the rollout (None where the sampler reports none). The Experience's batch is the rollout's, its
     width rounded up by `width_multiple` (phase 5 runs over it too)."""
     b = pad_to_width_multiple(rollout.batch, width_multiple(cfg, device), pad_id=0)  # masked columns
-    lengths = packing.read_lengths(b)
-    groups = update_groups(lengths, cfg)
+    lengths = packing.read_lengths(b, cfg.num_generations if cfg.shared_prompt != "off" else 1)
+    saving = shared_prompt.decide(cfg.shared_prompt, lengths)
+    shared = saving.on
+    groups = update_groups(lengths, cfg, shared)
     from_update = old_from_first_update(cfg, ac)
     head, ref_head = ac.lm_head, ac.reference_lm_head()
     dtype = torch.float64 if head.weight.dtype == torch.float64 else torch.float32  # the ops' output dtype
@@ -289,12 +317,13 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
         old_logp = rollout.sampler_logp.to(dtype)  # 0 past each response, as the ops' output
         if values is not None and rollout.sampler_values is not None:  # the graph engine's, on one process
             values = rollout.sampler_values
-    every = policy = scoring_micro_batches(b, lengths, cfg, device)
+    every = policy = scoring_micro_batches(b, lengths, cfg, device, shared=shared)
     if from_sampler and (values is None or values is rollout.sampler_values):  # nothing left to score
         policy = []
     elif from_update:  # the policy scores the rows outside the first minibatch only
-        scored = np.setdiff1d(np.arange(b.input_ids.shape[0]), np.concatenate(groups[0]))
-        policy = scoring_micro_batches(b, lengths, cfg, device, scored) if len(scored) else []
+        first = np.concatenate([packing.rows_of(spec) for spec in groups[0]])
+        scored = np.setdiff1d(np.arange(b.input_ids.shape[0]), first)
+        policy = scoring_micro_batches(b, lengths, cfg, device, scored, shared) if len(scored) else []
     for mb in policy:
         with autocast(device):
             hidden, v = packing.forward_responses(ac, b, mb)
@@ -311,7 +340,8 @@ def experience(ac: ActorCritic, rollout: Rollout, cfg: PPOConfig, device) -> Exp
         if mb.live:
             mb.put(ref_logp, ref)
     return Experience(b, old_logp, ref_logp, values, sampler_logp=rollout.sampler_logp, lengths=lengths,
-                      plan=plan_update(b, lengths, cfg, device, groups), old_from_update=from_update)
+                      plan=plan_update(b, lengths, cfg, device, groups), old_from_update=from_update,
+                      shared=saving if cfg.shared_prompt != "off" else None)
 
 
 def old_from_first_update(cfg: PPOConfig, ac: ActorCritic) -> bool:
@@ -571,7 +601,8 @@ def check_advantage(cfg: PPOConfig) -> None:
 def check_update(cfg: PPOConfig, key_prefix: str = "") -> None:
     """The update's own keys: compile mode, loss aggregation, the packing budget (against the longest
     sequence once the lengths are resolved: `prepare`)."""
-    for name, value, choices in (("compile", cfg.compile, COMPILE_MODES), ("loss_agg", cfg.loss_agg, AGG_MODES)):
+    for name, value, choices in (("compile", cfg.compile, COMPILE_MODES), ("loss_agg", cfg.loss_agg, AGG_MODES),
+                                 ("shared_prompt", cfg.shared_prompt, shared_prompt.MODES)):
         if value not in choices:
             raise ValueError(f"ppo: --{key_prefix}{name} must be one of {', '.join(choices)}, got {value!r}")
     if cfg.micro_batch_tokens < 0:
@@ -731,6 +762,8 @@ class PPORun:
     true_before: float | None = None
     held: dict | None = None
     """state_bytes after the last update (with the gradients), for the summary."""
+    shared_on: bool | None = None
+    """Whether the last rollout shared its prompts (--shared_prompt; None: not yet): the log says when it changes."""
 
     def true_score(self) -> float:
         """The built-in task's score of responses sampled for the held-out prompts."""
@@ -851,6 +884,12 @@ def end_iteration(s: PPORun, rollout: Rollout, exp: Experience, update_stats: di
         names = list(exp.correction)
         stats.update(zip((f"rollout_corr/{k}" for k in names),
                          torch.stack([exp.correction[k].double() for k in names]).tolist()))
+    if exp.shared is not None:
+        saved = exp.shared.unshared - exp.shared.shared if exp.shared.on else 0
+        stats.update(shared_prompt=float(exp.shared.on), shared_prompt_tokens_saved=saved)
+        if exp.shared.on != s.shared_on:
+            log.info("ppo: %s (--shared_prompt %s)", exp.shared.describe(), cfg.shared_prompt)
+            s.shared_on = exp.shared.on
     if compiled:  # graphs compiled so far: a recompile per step would show here
         stats["compiled_graphs"] = compiled["graphs"]
     if exp.values is not None:
