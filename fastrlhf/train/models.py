@@ -40,7 +40,7 @@ from fastrlhf.train.attention import planned_inputs
 from fastrlhf.train.checkpoint import read_json
 from fastrlhf.train.data import Encoder, ensure_pad_token
 from fastrlhf.train.devices import attention_backend, cpu_threads_for
-from fastrlhf.train.distributed import decoder_layers
+from fastrlhf.train.distributed import decoder_layers, quant_stats
 from fastrlhf.train.task import build_char_tokenizer
 
 log = logging.getLogger("fastrlhf")
@@ -307,43 +307,45 @@ def bnb_config(dtype: torch.dtype):
                               bnb_4bit_compute_dtype=dtype)
 
 
-def _load_4bit(source: ModelSource, *, attn: str, device: torch.device, dtype: torch.dtype):
-    """The model with its decoder linears in NF4 and the rest in float32, ready for LoRA training."""
-    Linear4bit = import_bitsandbytes().nn.Linear4bit
+def load_4bit(path, *, attn: str, device: torch.device, dtype: torch.dtype):
+    """The model directory `path` with its decoder linears in NF4 and the rest in float32, every parameter
+    frozen, ready for LoRA training."""
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    with tempfile.TemporaryDirectory(prefix="fastrlhf-qlora-") as tmp:
-        path = source.spec
-        if not Path(source.spec).is_dir():  # a built-in config: its random weights as without --qlora
-            AutoModelForCausalLM.from_config(source.config).save_pretrained(tmp)
-            path = tmp
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype,
-                                                     quantization_config=bnb_config(dtype),
-                                                     device_map={"": str(device)})
-    # what the adapters' config names as their base (peft's base_model_name_or_path): the user's directory, or
-    # nothing for a built-in config (never the temporary folder)
-    model.name_or_path = model.config._name_or_path = str(Path(path).resolve()) if path == source.spec else ""
+    Linear4bit = import_bitsandbytes().nn.Linear4bit
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype,
+                                                 quantization_config=bnb_config(dtype), device_map={"": str(device)})
     for m in model.modules():
         if isinstance(m, Linear4bit):
             # bitsandbytes repacks CPU weights for a faster no-grad kernel of other rounding: the rollout and the
             # scoring would then run another function than the one training runs
             m.support_avx512bf16_for_cpu = False
-    # every parameter frozen; embeddings, norms and lm_head in float32 (checkpointing is enabled below)
+    # embeddings, norms and lm_head in float32 (fastrlhf enables checkpointing itself, without reentrancy)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def nf4_bytes(model: nn.Module) -> int:
-    """Bytes of the NF4 weights and their quantisation statistics (absmax, nested absmax, code books)."""
-    from bitsandbytes.nn import Params4bit
+def _load_4bit(source: ModelSource, *, attn: str, device: torch.device, dtype: torch.dtype):
+    """`load_4bit` of a model directory, or of a built-in config built as without --qlora (its random
+    weights under the same seed) and saved to a temporary folder first."""
+    from transformers import AutoModelForCausalLM
 
-    total = 0
-    for p in model.parameters():
-        if isinstance(p, Params4bit):
-            qs = p.quant_state
-            stats = [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code] if qs.nested else [])
-            total += p.numel() * p.element_size() + sum(t.numel() * t.element_size() for t in stats)
-    return total
+    with tempfile.TemporaryDirectory(prefix="fastrlhf-qlora-") as tmp:
+        path = source.spec
+        if not Path(source.spec).is_dir():
+            AutoModelForCausalLM.from_config(source.config).save_pretrained(tmp)
+            path = tmp
+        model = load_4bit(path, attn=attn, device=device, dtype=dtype)
+    # what the adapters' config names as their base (peft's base_model_name_or_path): the user's directory, or
+    # nothing for a built-in config (never the temporary folder)
+    model.name_or_path = model.config._name_or_path = str(Path(path).resolve()) if path == source.spec else ""
+    return model
+
+
+def nf4_bytes(model: nn.Module) -> int:
+    """Bytes of the NF4 weights and their quantisation statistics."""
+    return sum(p.numel() * p.element_size() + sum(t.numel() * t.element_size() for t in quant_stats(p))
+               for p in model.parameters() if quant_stats(p))
 
 
 def parameter_count(model: nn.Module) -> int:
