@@ -168,3 +168,33 @@ def test_qlora_stage_resumes_exactly_and_its_final_model_reloads(stage, family, 
     base, _ = models.load_causal_lm(model_dirs[family], device=torch.device("cpu"), qlora=True)
     adapted = PeftModel.from_pretrained(base, final / ADAPTER_DIR)
     assert (_probe_logprobs(adapted) - trained).abs().max().item() < 1e-4
+
+
+def test_qlora_rm_critic_free_ppo_and_distill_student(tmp_path, capsys, caplog):
+    """The other stages on a 4-bit base of the built-in `tiny`: the reward model (LoRA trunk, float32 score
+    head), critic-free PPO (GRPO), and on-policy distillation into a 4-bit student, whose --rollout_engine
+    graph declines the 4-bit base (the hf path samples from it) and whose teacher stays unquantised."""
+    from safetensors.torch import load_file
+
+    def cli(*args):
+        r = main_in_process(*args, capsys=capsys, caplog=caplog)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    rm_out = tmp_path / "rm"
+    cli("rm", "--model", "tiny", "--data", "builtin", "--out", str(rm_out), "--qlora", "--lora_rank", "4", "--steps",
+        "3", "--batch_size", "4", "--num_pairs", "40", "--eval_every", "3")
+    saved = load_file(rm_out / "rm" / "checkpoints" / "step_000003" / "model.safetensors")
+    assert any(k.startswith("head.") for k in saved) and all("lora_" in k or k.startswith("head.") for k in saved)
+    assert (rm_out / "rm" / "final" / "score_head.safetensors").is_file()
+    assert (rm_out / "rm" / "final" / ADAPTER_DIR / "adapter_config.json").is_file()
+    r = cli("ppo", *[f"--{k}={v}" for k, v in helpers.TINY_PPO.items()], "--out", str(tmp_path / "grpo"), "--qlora",
+            "--advantage", "grpo", "--num_generations", "2", "--steps", "2", "--reward", str(rm_out / "rm" / "final"))
+    assert "NF4 block linears" in r.stderr
+    summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())["ppo"]
+    assert summary["steps"] == 2
+    r = cli("distill", "--teacher", "tiny", "--model", "tiny-student", "--out", str(tmp_path / "d"), "--qlora",
+            "--lora_rank", "4", "--steps", "2", "--batch_size", "4", "--eval_prompts", "4", "--mode", "on_policy",
+            "--rollout_engine", "graph")
+    assert "rollout: engine hf (--rollout_engine graph, but the base is 4-bit (--qlora)" in r.stderr
+    assert json.loads((tmp_path / "d" / "summary.json").read_text())["distill"]["steps"] == 2
