@@ -3,6 +3,8 @@
 The tiny model is held as this trainer holds its policy: on CPU fp32 weights and AdamW; on CUDA
 full fine-tuning keeps fp32 weights under bf16 autocast (fp32 gradients and AdamW states), LoRA a
 bf16 base with fp32 adapters (peft upcasts them). Those are the fsdp2 engine's bytes per parameter.
+QLoRA (`qlora=True`, bitsandbytes installed): the block linears in NF4 as `fastrlhf sft --qlora` loads
+them (fastrlhf.train.models.load_4bit), their weights counted with their quantisation statistics.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, 
 
 
 def _tensor_bytes(tensors) -> int:
+    from fastrlhf.train.distributed import quant_stats
+
+    tensors = list(tensors)
+    tensors += [q for t in tensors for q in quant_stats(t)]  # an NF4 weight's absmax and code books
     seen, total = set(), 0
     for t in tensors:
         if t is None or t.data_ptr() in seen:
@@ -22,15 +28,25 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
-def build_tiny_model(lora_rank: int = 0, config: dict | None = None, dtype=None):
-    """A small transformers LlamaForCausalLM (+ peft LoRA on every linear when lora_rank > 0)."""
+def build_tiny_model(lora_rank: int = 0, config: dict | None = None, dtype=None, qlora: bool = False,
+                     device: str = "cpu"):
+    """A small transformers LlamaForCausalLM (+ peft LoRA on every linear when lora_rank > 0; its block
+    linears in NF4 with `qlora`)."""
+    import tempfile
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = {k: v for k, v in (config or TINY_LLAMA).items() if k != "model_type"}
     model = LlamaForCausalLM(LlamaConfig(**cfg))
-    if dtype is not None:
+    if qlora:
+        from fastrlhf.train.models import load_4bit
+
+        with tempfile.TemporaryDirectory(prefix="fastrlhf-measure-") as tmp:
+            model.save_pretrained(tmp)
+            model = load_4bit(tmp, attn="sdpa", device=torch.device(device), dtype=dtype or torch.float32)
+    elif dtype is not None:
         model = model.to(dtype)
     if lora_rank:
         from peft import LoraConfig, get_peft_model
@@ -73,9 +89,9 @@ def measure_states(model, steps: int = 2, batch: int = 2, seq: int = 16) -> dict
     return out
 
 
-def measure(lora_rank: int = 0, device: str | None = None) -> dict:
-    """Predicted vs measured bytes for one SFT step of the tiny model (fp32 on CPU; the trainer's
-    CUDA precision on CUDA)."""
+def measure(lora_rank: int = 0, device: str | None = None, *, qlora: bool = False, config: dict | None = None) -> dict:
+    """Predicted vs measured bytes for one SFT step of the tiny model, or of `config` (fp32 on CPU; the
+    trainer's CUDA precision on CUDA; `qlora`: its block linears in NF4)."""
     import torch
 
     from fastrlhf.estimate.plan import estimate
@@ -84,9 +100,14 @@ def measure(lora_rank: int = 0, device: str | None = None) -> dict:
     dtype = "bf16" if device == "cuda" else "fp32"
     storage = torch.bfloat16 if (device == "cuda" and lora_rank) else torch.float32
     batch, seq = 2, 16
-    model = build_tiny_model(lora_rank, dtype=storage).to(device)
+    config = config or TINY_LLAMA
+    if qlora:  # loaded onto its device quantised
+        model = build_tiny_model(lora_rank, config, dtype=torch.bfloat16 if device == "cuda" else None, qlora=True,
+                                 device=device)
+    else:
+        model = build_tiny_model(lora_rank, config, dtype=storage).to(device)
     measured = measure_states(model, batch=batch, seq=seq)
-    result = estimate(model=TINY_LLAMA, stage="sft", engine="fsdp2", dtype=dtype, lora_rank=lora_rank,
+    result = estimate(model=config, stage="sft", engine="fsdp2", dtype=dtype, lora_rank=lora_rank, qlora=qlora,
                       micro_batch=batch, seq_len=seq, gen_len=0, logits="materialised", flash_attention=False,
                       gpu="cpu" if device == "cpu" else "h100")
     predicted = result["stages"]["sft"]["memory_per_gpu_bytes"]

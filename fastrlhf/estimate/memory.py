@@ -60,6 +60,8 @@ from fastrlhf.estimate.arch import LINEARS, Arch
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4 bits + double-quantised constants (QLoRA paper sec. 3)
+# per NF4 tensor: its code books, bitsandbytes' quant_state.code (16 fp32) and the nested state2.code (256 fp32)
+NF4_TENSOR_BYTES = (16 + 256) * 4
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default (deepspeed/runtime/zero/config.py)
 ENGINES = ("fsdp2", "deepspeed")
 OFFLOADS = ("none", "optimizer", "params")
@@ -181,7 +183,8 @@ def weight_bytes(arch: Arch, dtype_bytes: float, qlora: bool = False) -> float:
     if not qlora:
         return total * dtype_bytes
     quantised = arch.layers * arch.layer_linear_params() * total / arch.formula_params()
-    return quantised * NF4_BYTES_PER_PARAM + (total - quantised) * dtype_bytes
+    tensors = arch.layers * len(arch.linear_shapes())
+    return quantised * NF4_BYTES_PER_PARAM + tensors * NF4_TENSOR_BYTES + (total - quantised) * dtype_bytes
 
 
 def largest_layer_params(arch: Arch) -> int:

@@ -65,6 +65,7 @@ LATEST = "latest"
 CONFIG_FILE = "config.json"
 MANIFEST = "manifest.json"  # in each checkpoint: {"files": {name: {"bytes", "sha256"}}}
 LOCK_FILE = ".fastrlhf.lock"  # in OUT: flock-ed by the run that works there
+ADAPTER_DIR = "adapter"  # in a final model of --qlora: the LoRA adapters alone (peft's save_pretrained)
 STAGE_FILES = (CONFIG_FILE, "checkpoints", "final")  # what a stage writes in OUT/<stage>/ (and --overwrite deletes)
 # keys a resumed run may change (the run folder may move; sharded checkpoints reshard; guards and timeouts)
 RESUME_FREE_KEYS = ("out", "steps", "stop_after", "resume", "overwrite", "log_every", "save_every", "eval_every",
@@ -194,13 +195,16 @@ def publish_dir(tmp: Path, path: Path) -> None:
 
 
 def save_model_dir(lm, tokenizer, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None,
-                   lineage: dict | None = None) -> None:
+                   lineage: dict | None = None, adapter=None) -> None:
     """A Hugging Face model directory (+ tokenizer, + extra safetensors files, + `lineage` as
-    fastrlhf.json: see fastrlhf.train.models), published atomically."""
+    fastrlhf.json: see fastrlhf.train.models, + `adapter`'s LoRA adapters alone in adapter/, peft's
+    format), published atomically."""
     tmp = staging_dir(path)
     try:
         with writing(tmp):
             lm.save_pretrained(tmp)
+            if adapter is not None:
+                adapter.save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)  # embeddings stay frozen
             tokenizer.save_pretrained(tmp)
             for filename, tensors in (extra or {}).items():
                 save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / filename)

@@ -63,6 +63,13 @@ class RunConfig:
     """Also write TensorBoard event files under OUT/tb/."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    qlora: bool = False
+    """QLoRA: load the base's decoder-layer linears in 4-bit NF4 with double quantisation (bitsandbytes,
+    `pip install "fastrlhf[qlora]"`; one process), computing in the stage's dtype, and train LoRA adapters
+    (--lora_rank > 0) on it; embeddings, norms, lm_head, value and score heads stay float32. The final model
+    is the LoRA merged into the dequantised base (a plain model directory) with the adapters alone in
+    final/adapter/; checkpoints hold the adapters and heads, the base reloads from its source. Distillation:
+    the student's base; the teacher stays unquantised."""
     shard: str = "full"
     """Under torchrun, FSDP2 sharding over the ranks: `full` (parameters, gradients and optimizer
     states; ZeRO-3), `grad_op` (gradients and optimizer states; parameters stay gathered from
@@ -106,6 +113,10 @@ class SFTConfig(RunConfig):
     the assistant's answer); false, or no template: prompt tokens then response tokens + EOS."""
     num_examples: int = 4000
     """Built-in task only: number of (prompt, response) pairs to make."""
+    lora_rank: int = 0
+    """LoRA rank (adapters on every linear but the lm_head); 0 = full fine-tuning. --qlora needs > 0."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
 
 
 @dataclass
@@ -142,6 +153,11 @@ class RMConfig(RunConfig):
     eval_every: int = 50
     """Measure the held-out accuracy every this many steps (and at the end), independently of
     log_every: an evaluation step writes its metrics.jsonl row too."""
+    lora_rank: int = 0
+    """LoRA rank of the trunk (adapters on every linear; the score head trains whole); 0 = full fine-tuning.
+    --qlora needs > 0."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
 
 
 @dataclass
@@ -462,6 +478,9 @@ class PipelineConfig:
     """Seed for every stage; overrides the stages' own `seed`."""
     dist_timeout_s: float = 600.0
     """Under torchrun, the collective timeout of every stage; overrides the stages' own `dist_timeout_s`."""
+    qlora: bool = False
+    """Every stage trains LoRA adapters on a 4-bit NF4 base (the stages' `--qlora`; the distillation's
+    student, not its teacher); a stage whose lora_rank is 0 gets rank 16. False: each stage's own `qlora`."""
     resume: bool = False
     """Skip finished stages and resume the unfinished one from its latest checkpoint (the
     configuration must match the recorded one)."""

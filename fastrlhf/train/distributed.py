@@ -501,6 +501,15 @@ def gradient_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def quant_stats(param) -> list[torch.Tensor]:
+    """The tensors of an NF4 weight's quantisation state (absmax, code book; double-quantised: theirs too);
+    [] for any other parameter."""
+    qs = getattr(param, "quant_state", None)
+    if qs is None:
+        return []
+    return [qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code] if qs.nested else [])
+
+
 def state_bytes(module: nn.Module, optimizer) -> dict[str, int]:
     """Bytes this rank holds for the parameters, gradients and optimizer states of `module`
     (its shards under FSDP, padding included: the storage sizes)."""
@@ -517,7 +526,8 @@ def state_bytes(module: nn.Module, optimizer) -> dict[str, int]:
 
     params = list(module.parameters())
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
+    stats = [t for p in params for t in quant_stats(p)]  # an NF4 weight's absmax and code books
+    return {"params": nbytes(params + stats), "grads": nbytes(p.grad for p in params if p.grad is not None),
             "optimizer": nbytes(states)}
 
 

@@ -5,6 +5,10 @@
   policy is the same model with the adapter disabled; with full fine-tuning it is a frozen copy.
   Without a value head (critic-free PPO, DPO) it is the policy and its reference.
 - `RewardModel`: the trunk of a causal LM plus a score head read at the last attended token.
+
+`with_lora` is the one LoRA wrapping every stage uses; `plain_model` is what a stage saves: the LoRA
+merged, into the dequantised base when it is 4-bit (QLoRA), whose adapters `save_trained` also writes
+alone, in peft's format, under `adapter/`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import nn
 
 from fastrlhf.train.attention import install as install_attention
 from fastrlhf.train.checkpoint import save_model_dir
-from fastrlhf.train.models import hidden_states, lm_head, load_causal_lm, unwrap
+from fastrlhf.train.models import hidden_states, lm_head, load_causal_lm, merged_full_precision, unwrap
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 SCORE_HEAD_FILE = "score_head.safetensors"
@@ -47,6 +51,36 @@ def no_adapter_input_cast(model: nn.Module) -> None:
             m.cast_input_dtype_enabled = False
 
 
+def is_4bit(lm) -> bool:
+    """Whether the causal LM under `lm` was loaded with NF4 block linears (`--qlora`)."""
+    return bool(getattr(unwrap(lm), "is_loaded_in_4bit", False))
+
+
+def with_lora(lm, rank: int, alpha: float):
+    """`lm` under peft LoRA adapters on every linear layer but the lm_head (the trainable part)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear")
+    # peft itself reads transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(lm, config)
+
+
+def plain_model(lm):
+    """The trained model as a plain HF causal LM: the LoRA merged (into the dequantised NF4 base with
+    --qlora), or `lm` itself without adapters."""
+    if is_4bit(lm):
+        return merged_full_precision(lm)
+    return copy.deepcopy(lm).merge_and_unload() if hasattr(lm, "merge_and_unload") else lm
+
+
+def save_trained(lm, tokenizer, path: Path, heads: dict | None = None, lineage: dict | None = None) -> None:
+    """`plain_model(lm)` as a model directory (+ heads, lineage); with --qlora also the adapters in
+    `adapter/` (peft's format, for the 4-bit base they were trained on)."""
+    save_model_dir(plain_model(lm), tokenizer, path, heads, lineage, adapter=lm if is_4bit(lm) else None)
+
+
 class ActorCritic(nn.Module):
     """Policy and critic on one trunk: `forward` returns (hidden [B,T,H], values [B,T] float32),
     values None with `value_head=False`.
@@ -61,15 +95,10 @@ class ActorCritic(nn.Module):
         if lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
         self.lora = lora_rank > 0
+        if is_4bit(lm) and not self.lora:
+            raise ValueError("a 4-bit (--qlora) model trains LoRA adapters: lora_rank must be > 0")
         if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear")
-            # peft itself reads transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                        category=FutureWarning)
-                self.policy = get_peft_model(lm, config)
+            self.policy = with_lora(lm, lora_rank, lora_alpha)
             if lm_head(lm).weight.device.type == "cuda":  # its forwards run under bf16 autocast (devices.autocast)
                 no_adapter_input_cast(self.policy)
             self.reference = None
@@ -107,18 +136,20 @@ class ActorCritic(nn.Module):
 
     def save_pretrained(self, path: Path, tokenizer, lineage: dict | None = None) -> None:
         """A plain HF directory (LoRA merged) + the value head if any, loadable with `--model`."""
-        lm = copy.deepcopy(self.policy).merge_and_unload() if self.lora else self.policy
         heads = {VALUE_HEAD_FILE: self.value_head.state_dict()} if self.value_head is not None else {}
-        save_model_dir(lm, tokenizer, path, heads, lineage)
+        save_trained(self.policy, tokenizer, path, heads, lineage)
 
 
 class RewardModel(nn.Module):
-    """Trunk of a causal LM + a scalar head read at the last attended token of each row."""
+    """Trunk of a causal LM + a scalar head read at the last attended token of each row; `lora_rank > 0`:
+    the trunk trains LoRA adapters only (a 4-bit trunk needs them)."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, *, lora_rank: int = 0, lora_alpha: float = 32.0):
         super().__init__()
-        self.lm = lm
-        self.head = _scalar_head(lm.config.hidden_size, lm_head(lm).weight.device)
+        if is_4bit(lm) and lora_rank <= 0:
+            raise ValueError("a 4-bit (--qlora) model trains LoRA adapters: lora_rank must be > 0")
+        self.lm = with_lora(lm, lora_rank, lora_alpha) if lora_rank > 0 else lm
+        self.head = _scalar_head(unwrap(lm).config.hidden_size, lm_head(lm).weight.device)
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         """scores [B] float32 at the last position where attention_mask = 1 (right-padded responses)."""
@@ -135,7 +166,7 @@ class RewardModel(nn.Module):
         self.head.bias.sub_(mean).div_(std)
 
     def save_pretrained(self, path: Path, tokenizer, lineage: dict | None = None) -> None:
-        save_model_dir(self.lm, tokenizer, path, {SCORE_HEAD_FILE: self.head.state_dict()}, lineage)
+        save_trained(self.lm, tokenizer, path, {SCORE_HEAD_FILE: self.head.state_dict()}, lineage)
 
     @classmethod
     def from_pretrained(cls, path, *, device: torch.device, dtype: torch.dtype = torch.float32):

@@ -12,13 +12,23 @@ they were last trained on (`trained_on`); a reward model also records how its te
 encoded (`max_prompt_len`, `max_response_len`, `chat_template`). A directory without that file
 is its own origin, by its resolved path, whatever its name: only a built-in config, or a model a
 stage trained from one, counts as built-in.
+
+QLoRA (`load_causal_lm(..., qlora=True)`, checked first by `check_qlora`): the decoder layers' linears
+load in NF4 with double quantisation through transformers' bitsandbytes path (a built-in config is
+built as without it, saved to a temporary folder and loaded from there), computing in the load dtype;
+embeddings, norms and the lm_head stay unquantised in float32 (peft's prepare_model_for_kbit_training).
+`merged_full_precision` turns a LoRA-wrapped 4-bit model back into a plain model: each NF4 weight
+dequantised plus its adapter's delta.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import logging
+import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,7 +40,7 @@ from fastrlhf.train.attention import planned_inputs
 from fastrlhf.train.checkpoint import read_json
 from fastrlhf.train.data import Encoder, ensure_pad_token
 from fastrlhf.train.devices import attention_backend, cpu_threads_for
-from fastrlhf.train.distributed import decoder_layers
+from fastrlhf.train.distributed import decoder_layers, quant_stats
 from fastrlhf.train.task import build_char_tokenizer
 
 log = logging.getLogger("fastrlhf")
@@ -227,33 +237,199 @@ def same_encoding(a: Encoder, b: Encoder, probe: tuple[str, str] = PROBE) -> boo
 # ---------------------------------------------------------------- loading
 
 
+QLORA_INSTALL = 'pip install "fastrlhf[qlora]"'
+
+
+def quantisable_linears(config) -> int:
+    """How many linears of the decoder layers transformers' bitsandbytes path turns into NF4 (plain
+    nn.Linear and GPT-2's Conv1D), counted on a copy built on the meta device."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(1 for layer in decoder_layers(model) for m in layer.modules()
+               if type(m) is nn.Linear or isinstance(m, Conv1D))
+
+
+def check_qlora(source: ModelSource, lora_rank: int, where: str, key_prefix: str = "") -> None:
+    """`--qlora`'s refusals, before any weights load: bitsandbytes missing, no LoRA adapters to train,
+    one process only, a model already quantised or whose decoder layers hold no linear to quantise."""
+    flag = f"--{key_prefix}qlora"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"{where}: {flag} needs bitsandbytes, which is not installed: {QLORA_INSTALL}")
+    if lora_rank <= 0:
+        raise ValueError(f"{where}: {flag} trains LoRA adapters on a frozen 4-bit base: --{key_prefix}lora_rank "
+                         f"must be > 0 (e.g. 16), got {lora_rank}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"{where}: {flag} runs in one process; FSDP2 does not shard bitsandbytes' NF4 weights "
+                         "(run without torchrun, or without --qlora)")
+    family = getattr(source.config, "model_type", type(source.config).__name__)
+    quantised = getattr(source.config, "quantization_config", None)
+    if quantised is not None:
+        method = quantised.get("quant_method") if isinstance(quantised, dict) else getattr(quantised, "quant_method",
+                                                                                             quantised)
+        raise ValueError(f"{where}: {flag}: model {source.spec!r} is already quantised (quant_method {method}); "
+                         "--qlora quantises a full-precision model: pass its unquantised weights")
+    try:
+        n = quantisable_linears(source.config)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # not a causal LM transformers can build
+        raise ValueError(f"{where}: {flag}: cannot build model family {family!r} to find its linears ({e})") from None
+    if n == 0:
+        raise ValueError(f"{where}: {flag}: model family {family!r} has no nn.Linear in its decoder layers for "
+                         "bitsandbytes to quantise into NF4; train it without --qlora")
+
+
+def import_bitsandbytes():
+    """bitsandbytes, imported with the Hugging Face Hub offline: on CPUs with AVX512-BF16 its import looks up an
+    optional kernel on the Hub (kernels-community), and fastrlhf contacts no server; its bundled kernels serve."""
+    import huggingface_hub.constants as hub
+
+    offline, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    quiet = [logging.getLogger(name) for name in ("bitsandbytes", "kernels")]
+    levels = [q.level for q in quiet]
+    try:
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        import bitsandbytes
+    finally:
+        hub.HF_HUB_OFFLINE = offline
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return bitsandbytes
+
+
+def bnb_config(dtype: torch.dtype):
+    """NF4 with double quantisation, computing in `dtype` (QLoRA's recipe)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def load_4bit(path, *, attn: str, device: torch.device, dtype: torch.dtype):
+    """The model directory `path` with its decoder linears in NF4 and the rest in float32, every parameter
+    frozen, ready for LoRA training."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    Linear4bit = import_bitsandbytes().nn.Linear4bit
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=dtype,
+                                                 quantization_config=bnb_config(dtype), device_map={"": str(device)})
+    for m in model.modules():
+        if isinstance(m, Linear4bit):
+            # bitsandbytes repacks CPU weights for a faster no-grad kernel of other rounding: the rollout and the
+            # scoring would then run another function than the one training runs
+            m.support_avx512bf16_for_cpu = False
+    # embeddings, norms and lm_head in float32 (fastrlhf enables checkpointing itself, without reentrancy)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _load_4bit(source: ModelSource, *, attn: str, device: torch.device, dtype: torch.dtype):
+    """`load_4bit` of a model directory, or of a built-in config built as without --qlora (its random
+    weights under the same seed) and saved to a temporary folder first."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="fastrlhf-qlora-") as tmp:
+        path = source.spec
+        if not Path(source.spec).is_dir():
+            AutoModelForCausalLM.from_config(source.config).save_pretrained(tmp)
+            path = tmp
+        model = load_4bit(path, attn=attn, device=device, dtype=dtype)
+    # what the adapters' config names as their base (peft's base_model_name_or_path): the user's directory, or
+    # nothing for a built-in config (never the temporary folder)
+    model.name_or_path = model.config._name_or_path = str(Path(path).resolve()) if path == source.spec else ""
+    return model
+
+
+def nf4_bytes(model: nn.Module) -> int:
+    """Bytes of the NF4 weights and their quantisation statistics."""
+    return sum(p.numel() * p.element_size() + sum(t.numel() * t.element_size() for t in quant_stats(p))
+               for p in model.parameters() if quant_stats(p))
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of `model`, an NF4 weight counted as the matrix it holds (its storage packs two per byte)."""
+    shape = lambda p: getattr(getattr(p, "quant_state", None), "shape", None)  # noqa: E731
+    return sum(shape(p).numel() if shape(p) is not None else p.numel() for p in model.parameters())
+
+
 def load_causal_lm(source, *, device: torch.device, dtype: torch.dtype = torch.float32,
-                   gradient_checkpointing: bool = False):
+                   gradient_checkpointing: bool = False, qlora: bool = False):
     """(model, tokenizer) of a `ModelSource`, a built-in config name (random weights, the char
-    tokenizer) or a model directory."""
+    tokenizer) or a model directory; `qlora`: the decoder linears in NF4 (module docstring)."""
     from transformers import AutoModelForCausalLM
 
     if not isinstance(source, ModelSource):
         source = model_source(source)
     attn = attention_backend(device)
-    if Path(source.spec).is_dir():
+    if qlora:
+        model = _load_4bit(source, attn=attn, device=device, dtype=dtype)
+    elif Path(source.spec).is_dir():
         model = AutoModelForCausalLM.from_pretrained(source.spec, attn_implementation=attn, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_config(source.config, attn_implementation=attn)
     tokenizer = source.tokenizer
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.to(device=device, dtype=dtype)
+    if not qlora:  # transformers refuses to cast a bitsandbytes model
+        model.to(device=device, dtype=dtype)
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x on (the old one warns)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    n = sum(p.numel() for p in model.parameters())
+    n = parameter_count(model)
     cpu_threads_for(n, device)
-    log.info("model %s: %.2fM parameters, attention=%s, dtype=%s, device=%s",
-             source.spec, n / 1e6, attn, dtype, device)
+    quant = f", NF4 block linears ({nf4_bytes(model) / 2**20:.2f} MiB)" if qlora else ""
+    log.info("model %s: %.2fM parameters, attention=%s, dtype=%s, device=%s%s",
+             source.spec, n / 1e6, attn, dtype, device, quant)
     return model, tokenizer
+
+
+def merged_full_precision(lm, dtype: torch.dtype = torch.float32):
+    """A plain causal LM (no peft, no bitsandbytes) of a LoRA-wrapped NF4 model: each quantised weight
+    dequantised, plus its adapter's delta (`dtype`, the weights' full precision); the rest copied."""
+    import copy
+
+    from bitsandbytes.functional import dequantize_4bit
+    from bitsandbytes.nn import Linear4bit
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    base = unwrap(lm)
+    config = copy.deepcopy(base.config)
+    for key in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, key):
+            delattr(config, key)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
+            if isinstance(layer, Linear4bit):
+                weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype)
+                if isinstance(module, LoraLayer) and not module.merged:
+                    for adapter in module.active_adapters:
+                        weight += module.get_delta_weight(adapter).to(dtype)
+                state[f"{name}.weight"] = weight
+                if layer.bias is not None:
+                    state[f"{name}.bias"] = layer.bias.detach().to(dtype)
+            elif not isinstance(module, LoraLayer) and "lora_" not in name and ".base_layer" not in name:
+                for key, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+                    state[f"{name}.{key}" if name else key] = t.detach().to(dtype) if t.is_floating_point() else t
+    plain.load_state_dict(state, strict=False, assign=True)
+    for name, buffer in list(plain.named_buffers()):  # non-persistent buffers (rotary frequencies) from the source
+        if buffer.is_meta and name in state:
+            owner, _, key = name.rpartition(".")
+            plain.get_submodule(owner)._buffers[key] = state[name].clone()
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    missing = [n for n, t in list(plain.named_parameters()) + list(plain.named_buffers()) if t.is_meta]
+    if missing:
+        raise RuntimeError(f"merged_full_precision: no weights for {missing[:5]}")
+    return plain
 
 
 def empty_copy(lm):

@@ -231,6 +231,10 @@ def choose_engine(name: str, lm, device: torch.device) -> tuple[str, str]:
         raise ValueError(f"rollout_engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {name!r}")
     if name == "hf":
         return "hf", "--rollout_engine hf"
+    if getattr(unwrap(lm), "is_loaded_in_4bit", False):  # declined: the copy would outweigh the 4-bit base ~4x
+        return "hf", (f"--rollout_engine {name}, but the base is 4-bit (--qlora): the graph engine's merged bf16 copy "
+                      "would hold 2 bytes per base weight beside NF4's ~0.52, the memory QLoRA saves; the hf path "
+                      "samples from the 4-bit model")
     reason = unsupported_reason(lm)
     if reason is not None:
         return "hf", f"--rollout_engine {name}, but the graph engine cannot run this model: {reason}"

@@ -28,10 +28,8 @@ OUT/summary.json["distill"] and OUT/plots/distill_curves.png.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -40,7 +38,7 @@ from torch import nn
 
 from fastrlhf import ops
 from fastrlhf.train import distributed, task
-from fastrlhf.train.checkpoint import check_run_dir, save_model_dir
+from fastrlhf.train.checkpoint import check_run_dir
 from fastrlhf.train.config import DistillConfig, run_cli, to_dict
 from fastrlhf.train.data import (
     BUILTIN,
@@ -53,14 +51,17 @@ from fastrlhf.train.data import (
     truncate_responses,
 )
 from fastrlhf.train.devices import autocast
+from fastrlhf.train.heads import is_4bit, save_trained, with_lora
 from fastrlhf.train.metrics import log, setup_logging
 from fastrlhf.train.models import (
     ModelSource,
+    check_qlora,
     empty_copy,
     hidden_states,
     lm_head,
     load_causal_lm,
     model_source,
+    parameter_count,
     same_encoding,
 )
 from fastrlhf.train.recipes.ppo import AUTO_MAX_NEW_TOKENS
@@ -93,14 +94,10 @@ class Distiller(nn.Module):
     def __init__(self, student, teacher, *, lora_rank: int = 0, lora_alpha: float = 32.0):
         super().__init__()
         self.lora = lora_rank > 0
+        if is_4bit(student) and not self.lora:
+            raise ValueError("a 4-bit (--qlora) student trains LoRA adapters: lora_rank must be > 0")
         if self.lora:
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules="all-linear")
-            with warnings.catch_warnings():  # peft reads transformers 5's deprecated is_gradient_checkpointing
-                warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                        category=FutureWarning)
-                student = get_peft_model(student, config)
+            student = with_lora(student, lora_rank, lora_alpha)
         self.student = student
         self.teacher = teacher.eval().requires_grad_(False)
         self.scoring_teacher = False
@@ -119,8 +116,7 @@ class Distiller(nn.Module):
 
     def save_student(self, path: Path, tokenizer, lineage: dict) -> None:
         """The student as a plain HF directory (LoRA merged), loadable with `--model`."""
-        lm = copy.deepcopy(self.student).merge_and_unload() if self.lora else self.student
-        save_model_dir(lm, tokenizer, path, None, lineage)
+        save_trained(self.student, tokenizer, path, None, lineage)
 
 
 def logit_transform(lm) -> tuple[float, float | None]:
@@ -161,7 +157,7 @@ def sample(pair: Distiller, tokenizer, rows: dict, cfg: DistillConfig, device, e
 
 
 def n_params(lm) -> int:
-    return sum(p.numel() for p in lm.parameters())
+    return parameter_count(lm)
 
 
 # ---------------------------------------------------------------- checks before a model loads
@@ -243,6 +239,8 @@ def prepare(cfg: DistillConfig, *, student_upstream: ModelSource | None = None,
     teacher = _model(cfg.teacher, out / "ppo" / "final", teacher_upstream, "teacher", f"--{key_prefix}teacher",
                      "`fastrlhf ppo`")
     cfg.model, cfg.teacher = student.spec, teacher.spec
+    if cfg.qlora:
+        check_qlora(student, cfg.lora_rank, "distill", key_prefix)
     check_vocabulary(student, teacher, cfg.chat_template)
     cfg.data = resolve_data(cfg.data, student, "distill", f"--{key_prefix}data")
     builtin = cfg.data == BUILTIN
@@ -295,7 +293,7 @@ def train(cfg: DistillConfig, plan: DistillPlan | None = None) -> dict:
     # 0. setup: student (+ LoRA) and frozen teacher under one root (sharded under torchrun), optimizer, resume
     torch.manual_seed(cfg.seed)
     student_lm, tokenizer = load_causal_lm(plan.student, device=device,
-                                           gradient_checkpointing=cfg.gradient_checkpointing)
+                                           gradient_checkpointing=cfg.gradient_checkpointing, qlora=cfg.qlora)
     teacher_lm, _ = load_causal_lm(plan.teacher, device=device)
     sizes = {"student_params": n_params(student_lm), "teacher_params": n_params(teacher_lm)}
     pair = Distiller(student_lm, teacher_lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)

@@ -43,7 +43,7 @@ from fastrlhf.train.data import BUILTIN, Batch, Encoder, truncate_prompts
 from fastrlhf.train.devices import autocast
 from fastrlhf.train.heads import ActorCritic
 from fastrlhf.train.metrics import log, setup_logging, to_floats
-from fastrlhf.train.models import ModelSource, empty_copy, load_causal_lm
+from fastrlhf.train.models import ModelSource, check_qlora, empty_copy, load_causal_lm
 from fastrlhf.train.recipes.rm import pair_batch, prepare_pairs
 from fastrlhf.train.run import (
     EVAL_BATCH_SIZE,
@@ -181,6 +181,8 @@ def prepare(cfg: DPOConfig, *, upstream: ModelSource | None = None, key_prefix: 
                          f"{cfg.shared_prompt!r}")
     model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "dpo", "sft")
     cfg.model = model.spec
+    if cfg.qlora:
+        check_qlora(model, cfg.lora_rank, "dpo", key_prefix)
     enc, train_idx, eval_idx = prepare_pairs(cfg, model, "dpo", key_prefix)
     eval_prompts, eval_ids = [], []
     if cfg.data == BUILTIN:
@@ -207,7 +209,8 @@ def train(cfg: DPOConfig, plan: DPOPlan | None = None) -> dict:
     # 0. setup: the policy and its reference (frozen copy, or LoRA disabled; sharded under torchrun),
     #    optimizer, resume
     torch.manual_seed(cfg.seed)
-    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing,
+                                   qlora=cfg.qlora)
     policy = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=False)
     model = distributed.shard_model(policy, cfg.shard, device)
     distributed.seed_per_rank(cfg.seed)  # ranks sample different responses (true score)

@@ -10,7 +10,8 @@ Every stage's configuration is checked before the first model loads (a missing `
 is reported before SFT trains). With a rule reward (`--ppo.reward module:function`), or a
 reward model of your own (`--ppo.reward DIR`), the reward-model stage is skipped. `--resume`
 skips finished stages (their `final` folder exists) and resumes the unfinished one from its
-latest checkpoint; a fresh run in a run directory is refused unless `--overwrite`.
+latest checkpoint; a fresh run in a run directory is refused unless `--overwrite`. `--qlora` trains
+every stage's LoRA adapters on a 4-bit base (rank 16 where a stage's lora_rank is 0).
 
 `--algo distill` on the embedded default trains `tiny` (0.87M parameters) with PPO as the teacher and
 distils it into `tiny-student` (0.29M), SFT'd on the same data first (its own run folder OUT/student);
@@ -42,6 +43,7 @@ OUTPUTS = ("config.json", "sft", "rm", "ppo", "dpo", "student", "distill", "metr
 ALGOS = ("ppo", "dpo", "distill")
 STUDENT_DIR = "student"  # the student's SFT run folder inside OUT (--algo distill)
 STAGE_DIRS = {"student": "sft"}  # a stage whose folder in its run folder is not its name
+QLORA_RANK = 16  # --qlora: the LoRA rank of a stage whose lora_rank is 0 (PPO's default)
 
 
 def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
@@ -54,6 +56,8 @@ def prepare(cfg: PipelineConfig) -> tuple[dict, list]:
     for stage in (cfg.sft, cfg.rm, cfg.ppo, cfg.dpo, cfg.student, cfg.distill):
         stage.out, stage.seed, stage.resume, stage.overwrite = cfg.out, cfg.seed, cfg.resume, cfg.overwrite
         stage.dist_timeout_s = cfg.dist_timeout_s
+        if cfg.qlora:
+            stage.qlora, stage.lora_rank = True, stage.lora_rank or QLORA_RANK
     cfg.student.out = str(out / STUDENT_DIR)
     not_run = f"not run (algo {cfg.algo})"
     sft_plan = sft.prepare(cfg.sft, key_prefix="sft.")

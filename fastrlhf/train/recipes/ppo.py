@@ -72,6 +72,7 @@ from fastrlhf.train.metrics import PhaseTimer, log, setup_logging
 from fastrlhf.train.models import (
     COMPILE_MODES,
     ModelSource,
+    check_qlora,
     compile_layers,
     compile_stats,
     compile_wanted,
@@ -683,6 +684,8 @@ def prepare(cfg: PPOConfig, *, upstream: ModelSource | None = None, reward_upstr
     out = Path(cfg.out)
     model = stage_model(cfg.model, out / "sft" / "final", upstream, "ppo", "sft")
     cfg.model = model.spec
+    if cfg.qlora:
+        check_qlora(model, cfg.lora_rank, "ppo", key_prefix)
     cfg.reward = cfg.reward or str(out / "rm" / "final")
     if is_rule(cfg.reward):
         import_rule(cfg.reward)
@@ -783,7 +786,7 @@ def setup(cfg: PPOConfig, plan: PPOPlan | None = None) -> PPORun:
     torch.manual_seed(cfg.seed)
     dtype = resolve_dtype(cfg.dtype, device, lora=cfg.lora_rank > 0)
     lm, tokenizer = load_causal_lm(plan.model, device=device, dtype=dtype,
-                                   gradient_checkpointing=cfg.gradient_checkpointing)
+                                   gradient_checkpointing=cfg.gradient_checkpointing, qlora=cfg.qlora)
     ac = ActorCritic(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, value_head=cfg.advantage == "gae")
     compiled = compile_wanted(cfg.compile, device)
     if compiled:

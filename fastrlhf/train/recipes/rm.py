@@ -41,7 +41,7 @@ from fastrlhf.train.data import (
 from fastrlhf.train.devices import autocast
 from fastrlhf.train.heads import RewardModel
 from fastrlhf.train.metrics import log, setup_logging
-from fastrlhf.train.models import ModelSource, empty_copy, load_causal_lm
+from fastrlhf.train.models import ModelSource, check_qlora, empty_copy, load_causal_lm
 from fastrlhf.train.run import (
     EVAL_BATCH_SIZE,
     StageRun,
@@ -197,6 +197,8 @@ def prepare(cfg: RMConfig, *, upstream: ModelSource | None = None, key_prefix: s
     distributed.check_global_batch("rm", batch_size=cfg.batch_size)
     model = stage_model(cfg.model, Path(cfg.out) / "sft" / "final", upstream, "rm", "sft")
     cfg.model = model.spec
+    if cfg.qlora:
+        check_qlora(model, cfg.lora_rank, "rm", key_prefix)
     enc, train_idx, eval_idx = prepare_pairs(cfg, model, "rm", key_prefix)
     cfg.lr = cfg.lr or (TINY_LR if model.origin == "tiny" else MODEL_LR)
     check_run_dir(Path(cfg.out) / "rm", to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite,
@@ -217,11 +219,13 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     start_stage_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
     # 0. setup: SFT model + score head (sharded under torchrun), optimizer, resume
     torch.manual_seed(cfg.seed)
-    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
-    model = RewardModel(lm)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing,
+                                   qlora=cfg.qlora)
+    model = RewardModel(lm, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
     sharded = distributed.shard_model(model, cfg.shard, device)
     data, train_idx, eval_idx = Dataset.from_dict(plan.enc), plan.train_idx, plan.eval_idx
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}  # every weight, or adapters + head
+    optimizer = torch.optim.AdamW(trainable.values(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("rm", cfg, model=model, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
     pad_id = tokenizer.pad_token_id
@@ -237,7 +241,7 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
         #    over ranks makes it the global batch's mean)
         loss = bradley_terry_loss(chosen, rejected)
         # 3. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
-        if not guarded_step(optimizer, loss, model.parameters(), step, lr=cfg.lr):
+        if not guarded_step(optimizer, loss, trainable.values(), step, lr=cfg.lr):
             skipped += 1
         step += 1
         run.window.append((loss.item(), (chosen > rejected).float().mean().item()))
@@ -252,7 +256,7 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
                 stats["accuracy"] = accuracy(sharded, data, eval_idx, pad_id, device)
             run.log(step, stats)
         if run.checkpoint_due(step):
-            run.save(step, dict(model.named_parameters()), {"skipped_nonfinite": skipped})
+            run.save(step, trainable, {"skipped_nonfinite": skipped})
 
     if not run.finish(step):
         return {"stopped_at": step}
@@ -263,7 +267,8 @@ def train(cfg: RMConfig, plan: RMPlan | None = None) -> dict:
     mean, std = score_stats(sharded, data, norm_idx, pad_id, device)
     model.normalize_(mean, std)
     # 6. final model (written by rank 0), held-out accuracy, summary, plot
-    distributed.export(model, lambda: RewardModel(empty_copy(lm)), lambda m: m.save_pretrained(
+    build = lambda: RewardModel(empty_copy(lm), lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)  # noqa: E731
+    distributed.export(model, build, lambda m: m.save_pretrained(
         run.dir / "final", tokenizer, lineage=dict(plan.model.lineage(cfg.data), max_prompt_len=cfg.max_prompt_len,
                                                    max_response_len=cfg.max_response_len,
                                                    chat_template=cfg.chat_template)))

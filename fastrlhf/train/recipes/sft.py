@@ -17,7 +17,7 @@ import torch
 from datasets import Dataset
 
 from fastrlhf.train import distributed, task
-from fastrlhf.train.checkpoint import check_run_dir, save_model_dir
+from fastrlhf.train.checkpoint import check_run_dir
 from fastrlhf.train.config import SFTConfig, run_cli, to_dict
 from fastrlhf.train.data import (
     BUILTIN,
@@ -30,8 +30,16 @@ from fastrlhf.train.data import (
     truncate_responses,
 )
 from fastrlhf.train.devices import autocast
+from fastrlhf.train.heads import save_trained, with_lora
 from fastrlhf.train.metrics import log, setup_logging
-from fastrlhf.train.models import ModelSource, empty_copy, hidden_states, load_causal_lm, model_source
+from fastrlhf.train.models import (
+    ModelSource,
+    check_qlora,
+    empty_copy,
+    hidden_states,
+    load_causal_lm,
+    model_source,
+)
 from fastrlhf.train.rollout import token_logprobs
 from fastrlhf.train.run import (
     StageRun,
@@ -71,6 +79,8 @@ def prepare(cfg: SFTConfig, *, key_prefix: str = "") -> SFTPlan:
     distributed.check_shard(cfg.shard, "sft")
     distributed.check_global_batch("sft", batch_size=cfg.batch_size)
     model = model_source(cfg.model, where="sft model")
+    if cfg.qlora:
+        check_qlora(model, cfg.lora_rank, "sft", key_prefix)
     cfg.data = resolve_data(cfg.data, model, "sft", f"--{key_prefix}data")
     builtin = cfg.data == BUILTIN
     if builtin:
@@ -117,10 +127,13 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
     start_stage_dir(stage_dir, to_dict(cfg), resume=cfg.resume, overwrite=cfg.overwrite)
     # 0. setup: model (sharded under torchrun), optimizer; resume from the latest checkpoint if asked
     torch.manual_seed(cfg.seed)
-    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing)
+    lm, tokenizer = load_causal_lm(plan.model, device=device, gradient_checkpointing=cfg.gradient_checkpointing,
+                                   qlora=cfg.qlora)
+    lm = with_lora(lm, cfg.lora_rank, cfg.lora_alpha) if cfg.lora_rank else lm
     model = distributed.shard_model(lm, cfg.shard, device)
     data = Dataset.from_dict({"prompt_ids": plan.prompt_ids, "response_ids": plan.response_ids})
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=0.0)
+    trainable = {n: p for n, p in lm.named_parameters() if p.requires_grad}  # every weight, or the adapters
+    optimizer = torch.optim.AdamW(trainable.values(), lr=cfg.lr, weight_decay=0.0)
     run = StageRun("sft", cfg, model=lm, optimizer=optimizer)
     step, skipped = run.step, run.extra.get("skipped_nonfinite", 0)
     lm.train()
@@ -137,7 +150,7 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
         n_tokens = distributed.all_sum(batch.response_mask.sum()).to(logp.dtype)
         loss = -(logp * batch.response_mask).sum() / n_tokens
         # 4. update (warm-up, gradient clip); a non-finite loss or gradient skips the step
-        if not guarded_step(optimizer, loss * distributed.loss_scale(), lm.parameters(), step, lr=cfg.lr):
+        if not guarded_step(optimizer, loss * distributed.loss_scale(), trainable.values(), step, lr=cfg.lr):
             skipped += 1
         step += 1
         loss_value = distributed.all_sum(loss.detach()).item()
@@ -148,14 +161,15 @@ def train(cfg: SFTConfig, plan: SFTPlan | None = None) -> dict:
             run.log(step, {"loss": sum(run.window) / len(run.window), "lr": optimizer.param_groups[0]["lr"],
                            "skipped_nonfinite": skipped})
         if run.checkpoint_due(step):
-            run.save(step, dict(lm.named_parameters()), {"skipped_nonfinite": skipped})
+            run.save(step, trainable, {"skipped_nonfinite": skipped})
 
     if not run.finish(step):
         return {"stopped_at": step}
     state_bytes = distributed.state_bytes_summary(lm, optimizer)  # this rank's parameters, gradients, optimizer
     # 6. final model (one Hugging Face directory, written by rank 0), summary, plot
-    distributed.export(lm, lambda: empty_copy(lm), lambda m: save_model_dir(
-        m, tokenizer, stage_dir / "final", lineage=plan.model.lineage(cfg.data)))
+    build = lambda: with_lora(empty_copy(lm), cfg.lora_rank, cfg.lora_alpha) if cfg.lora_rank else empty_copy(lm)  # noqa: E731
+    distributed.export(lm, build, lambda m: save_trained(m, tokenizer, stage_dir / "final",
+                                                         lineage=plan.model.lineage(cfg.data)))
     logged = run.rows()
     summary = {"loss_final": logged[-1]["loss"] if logged else None, "steps": step,
                "skipped_nonfinite": skipped, "seconds": run.seconds, "model_dir": str(stage_dir / "final"),
