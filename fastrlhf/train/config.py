@@ -480,7 +480,9 @@ class PipelineConfig:
     """Under torchrun, the collective timeout of every stage; overrides the stages' own `dist_timeout_s`."""
     qlora: bool = False
     """Every stage trains LoRA adapters on a 4-bit NF4 base (the stages' `--qlora`; the distillation's
-    student, not its teacher); a stage whose lora_rank is 0 gets rank 16. False: each stage's own `qlora`."""
+    student, not its teacher); a stage whose lora_rank is 0 gets rank 16. An SFT (or student SFT) from a
+    built-in config's random weights trains whole (nothing pretrained to keep in 4 bits; the log says so).
+    False: each stage's own `qlora`."""
     resume: bool = False
     """Skip finished stages and resume the unfinished one from its latest checkpoint (the
     configuration must match the recorded one)."""
