@@ -70,6 +70,8 @@ class RunConfig:
     is the LoRA merged into the dequantised base (a plain model directory) with the adapters alone in
     final/adapter/; checkpoints hold the adapters and heads, the base reloads from its source. Distillation:
     the student's base; the teacher stays unquantised."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
     shard: str = "full"
     """Under torchrun, FSDP2 sharding over the ranks: `full` (parameters, gradients and optimizer
     states; ZeRO-3), `grad_op` (gradients and optimizer states; parameters stay gathered from
@@ -115,8 +117,6 @@ class SFTConfig(RunConfig):
     """Built-in task only: number of (prompt, response) pairs to make."""
     lora_rank: int = 0
     """LoRA rank (adapters on every linear but the lm_head); 0 = full fine-tuning. --qlora needs > 0."""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (scale = alpha / rank)."""
 
 
 @dataclass
@@ -156,8 +156,6 @@ class RMConfig(RunConfig):
     lora_rank: int = 0
     """LoRA rank of the trunk (adapters on every linear; the score head trains whole); 0 = full fine-tuning.
     --qlora needs > 0."""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (scale = alpha / rank)."""
 
 
 @dataclass
@@ -210,8 +208,6 @@ class PPOConfig(RunConfig):
     """AdamW learning rate of the trainable parameters (LoRA adapters or all weights, and the value head)."""
     lora_rank: int = 16
     """LoRA rank; 0 = full fine-tuning with a frozen reference copy."""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (scale = alpha / rank)."""
     max_new_tokens: int = 0
     """Longest sampled response, EOS included; 0 = auto: 12 on the built-in task, else
     max_position_embeddings - max_prompt_len, at most 512 (verl's and TRL's default); generation
@@ -384,8 +380,6 @@ class DPOConfig(RunConfig):
     lora_rank: int = 0
     """LoRA rank, the reference being the model with the adapter disabled; 0 = full fine-tuning with a
     frozen reference copy."""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (scale = alpha / rank)."""
     max_response_len: int = 0
     """Response tokens kept, EOS included (with a warning and a count); 0 = auto: 16 on the built-in
     task, else the longest response, within max_position_embeddings."""
@@ -448,8 +442,6 @@ class DistillConfig(RunConfig):
     """Softmax temperature of both models in the divergence (and of the student's sampling on-policy)."""
     lora_rank: int = 0
     """LoRA rank of the student's adapters; 0 = full fine-tuning of the student."""
-    lora_alpha: float = 32.0
-    """LoRA scaling numerator (scale = alpha / rank)."""
     max_response_len: int = 0
     """Offline: response tokens kept, EOS included; 0 = auto: 16 on the built-in task, else the longest
     response in the data. On-policy: the longest sampled response; 0 = auto: 12 on the built-in task, else
