@@ -36,6 +36,8 @@ def apply(peer: str, via: str) -> bool:
     head = f"fastrlhf: pid {os.getpid()} ({fastrlhf_hook.role()})"
     try:
         integration = importlib.import_module(f"fastrlhf.integrations.{peer}")
+        if integration._PATCHER.active:  # patched already (another way in, or the script): said once
+            return True
         integration.patch()
     except Exception as e:  # the peer keeps its own functions; the run goes on, loudly
         logger.warning("%s: %s NOT patched (%s): %s: %s%s", head, peer, via, type(e).__name__, e, _where(e, peer))

@@ -91,6 +91,21 @@ def test_without_the_switch_nothing_is_patched_and_fastrlhf_not_imported(python)
     assert "fastrlhf: pid" not in proc.stderr
 
 
+def test_a_scripts_patch_call_under_the_switch_patches_once(python):
+    """patch() importing the peer runs the hook, which patches first: patch() then finds it patched."""
+    code = ("from fastrlhf.integrations import trl; trl.patch(); import trl.trainer.utils as u; "
+            "print(u.selective_log_softmax.__wrapped__.__module__, len(trl._PATCHER.adapters()))")
+    proc = _run(python, code, FASTRLHF_PATCH="trl")
+    assert proc.stdout.split() == ["trl.trainer.utils", "7"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_verls_external_module_hook_patches_without_the_switch(python):
+    code = "import verl.utils.torch_functional as F; print(F.entropy_from_logits.__module__)"
+    proc = _run(python, code, VERL_USE_EXTERNAL_MODULES="fastrlhf_hook.patch_verl")
+    assert proc.stdout.strip() == "fastrlhf.integrations.verl", proc.stdout + proc.stderr[-2000:]
+    assert proc.stderr.count("(main): patched verl: 19 functions (external module)") == 1, proc.stderr[-2000:]
+
+
 def test_a_process_that_never_imports_a_named_peer_says_so_at_exit(python):
     code = "import logging; logging.basicConfig(level=logging.INFO)"
     err = _run(python, code, FASTRLHF_PATCH="verl,trl").stderr
