@@ -23,7 +23,10 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # verl 0.9.1 pins tensordict <= 0.10.0. pip then lists the peers' other (deliberately skipped)
 # dependencies as missing: expected, and filtered from the log; a failing install still fails.
 log="$(mktemp)"
-if ! "${PIP[@]}" "tensordict==0.10.0" omegaconf codetiming pylatexenc "trl==1.16.0" >"$log" 2>&1; then
+# ray (CPU wheel, with its own light dependencies): tests/integrations/test_switch_ray.py starts a local
+# ray.init(num_cpus=2) whose actors import verl and OpenRLHF. Tested with 2.60.0 (OpenRLHF 0.11.2 declares
+# ray[default]==2.55.0: pip's complaint about it is filtered below with the others; the tests use no [default] part)
+if ! "${PIP[@]}" "tensordict==0.10.0" omegaconf codetiming pylatexenc "trl==1.16.0" "ray==2.60.0" >"$log" 2>&1; then
   cat "$log"
   exit 1
 fi
@@ -33,5 +36,5 @@ rm -f "$log"
 "$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-deps "trl==1.12.0" -d .whl/trl-1.12
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "liger-kernel", "tensordict")))
+print("peers:", ", ".join(f"{d} {md.version(d)}" for d in ("verl", "openrlhf", "trl", "liger-kernel", "tensordict", "ray")))
 PY

@@ -67,10 +67,18 @@ class Patcher:
         self._functions: list[tuple[object, object]] = []  # (original, adapter)
         self._slots: list[tuple[object, str, object, object]] = []  # (owner, key, original, adapter)
         self._labels: list[str] | None = None  # inside patching(): module.name of each function() so far
+        self.replaced: list[str] = []  # what is patched now: module.name, mapping[key] or Class.name of each
 
     @property
     def active(self) -> bool:
         return bool(self._functions or self._slots)
+
+    def adapters(self) -> list:
+        """The distinct adapters in place now (one adapter may fill a module attribute and a registry slot)."""
+        seen = {}
+        for adapter in [a for _, a in self._functions] + [s[3] for s in self._slots]:
+            seen.setdefault(id(adapter), adapter)
+        return list(seen.values())
 
     @contextlib.contextmanager
     def patching(self):
@@ -85,6 +93,7 @@ class Patcher:
             self._labels = None
             self.undo()
             raise
+        self.replaced += self._labels
         for (_, adapter), label in zip(pairs, self._labels):
             logger.info("fastrlhf patched %s: %s", self.peer, ", ".join([label] + where[id(adapter)]))
         self._labels = None
@@ -118,6 +127,7 @@ class Patcher:
         original = mapping[key]
         mapping[key] = adapter
         self._slots.append((mapping, key, original, adapter))
+        self.replaced.append(f"{label}[{key!r}]")
         logger.info("fastrlhf patched %s: %s[%r]", self.peer, label, key)
 
     def attribute(self, owner, name: str, adapter) -> None:
@@ -125,6 +135,7 @@ class Patcher:
         adapter.__wrapped__ = original
         setattr(owner, name, adapter)
         self._slots.append((owner, name, original, adapter))
+        self.replaced.append(f"{owner.__module__}.{owner.__qualname__}.{name}")
         logger.info("fastrlhf patched %s: %s.%s.%s", self.peer, owner.__module__, owner.__qualname__, name)
 
     def undo(self) -> None:
@@ -137,6 +148,7 @@ class Patcher:
         self._rebind((adapter, original) for original, adapter in self._functions)
         self._slots.clear()
         self._functions.clear()
+        self.replaced.clear()
         logger.info("fastrlhf unpatched %s", self.peer)
 
 

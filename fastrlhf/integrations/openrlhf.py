@@ -94,6 +94,9 @@ def patch() -> None:
     import openrlhf.models.loss as loss
     import openrlhf.models.utils as utils
 
+    if _PATCHER.active:
+        return  # importing the peer ran the FASTRLHF_PATCH hook (fastrlhf_hook), which patched it
+
     aggregate_loss = loss.aggregate_loss
     with _PATCHER.patching() as p:  # undone if any of it raises: never a half-patched peer
         p.function(utils, "log_probs_from_logits", _log_probs_from_logits(utils.log_probs_from_logits,

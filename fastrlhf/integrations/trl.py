@@ -103,6 +103,9 @@ def patch() -> None:
     peer_version("trl", supported=SUPPORTED, minimum="1.12")
     import trl.trainer.utils as utils
 
+    if _PATCHER.active:
+        return  # importing the peer ran the FASTRLHF_PATCH hook (fastrlhf_hook), which patched it
+
     out_dtype = _output_dtype(utils)
     with _PATCHER.patching() as p:  # undone if any of it raises: never a half-patched peer
         p.function(utils, "selective_log_softmax", _selective_log_softmax(utils.selective_log_softmax, out_dtype))

@@ -106,6 +106,9 @@ def patch() -> None:
     import verl.trainer.ppo.core_algos as core_algos
     import verl.utils.torch_functional as verl_F
 
+    if _PATCHER.active:
+        return  # importing the peer ran the FASTRLHF_PATCH hook (fastrlhf_hook), which patched it
+
     agg_loss = core_algos.agg_loss
     with _PATCHER.patching() as p:  # undone if any of it raises: never a half-patched peer
         p.function(verl_F, "logprobs_from_logits", _logprobs_from_logits(verl_F.logprobs_from_logits, verl_F))
