@@ -1,7 +1,8 @@
 """The project's names never shadow a dependency's: every folder the project puts on `sys.path` (the repository
 root for `python -m fastrlhf` and pytest, tests/ for the tests' own imports, bench/ for its scripts) holds no
 module or regular package under a top-level name that an installed distribution provides (Hugging Face's
-`kernels`, which transformers imports, was one). The wheel holds `fastrlhf` alone."""
+`kernels`, which transformers imports, was one). The wheel holds `fastrlhf`, and beside it only the
+FASTRLHF_PATCH switch: the stdlib-only `fastrlhf_hook` and its `fastrlhf-patch.pth`."""
 
 import importlib.metadata
 import importlib.util
@@ -27,7 +28,8 @@ def _importable(folder: Path) -> set[str]:
 @pytest.mark.parametrize("folder", SEARCHED, ids=lambda p: str(p.relative_to(ROOT)) or ".")
 def test_no_top_level_name_a_dependency_uses(folder):
     theirs = importlib.metadata.packages_distributions()
-    clashes = {name: theirs[name] for name in _importable(folder) - {"fastrlhf"} if name in theirs}
+    ours = {"fastrlhf", "fastrlhf_hook"}  # what this project's own distribution installs
+    clashes = {name: theirs[name] for name in _importable(folder) - ours if name in theirs}
     assert not clashes, f"{folder} shadows the installed distributions' top-level names: {clashes}"
 
 
@@ -44,14 +46,15 @@ def test_hf_kernels_and_the_cli_from_the_repository_root(tmp_path):
     assert (tmp_path / "sft" / "final").is_dir()
 
 
-def test_wheel_holds_fastrlhf_alone_with_its_kernels_and_data(tmp_path):
-    """`pip wheel .`: one top-level package, the kernels inside it, the planner's data files shipped."""
+def test_wheel_holds_fastrlhf_and_the_switch_with_its_kernels_and_data(tmp_path):
+    """`pip wheel .`: fastrlhf and the FASTRLHF_PATCH switch (fastrlhf_hook and the .pth that starts it) at the
+    top, the kernels inside fastrlhf, the planner's data files shipped."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path), str(ROOT)], check=True, capture_output=True, text=True)
     (wheel,) = tmp_path.glob("fastrlhf-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
     tops = {f.split("/")[0] for f in files if not f.split("/")[0].endswith((".dist-info", ".data"))}
-    assert tops == {"fastrlhf"}, tops
+    assert tops == {"fastrlhf", "fastrlhf_hook", "fastrlhf-patch.pth"}, tops
     kernels = {Path(f).name for f in files if f.startswith("fastrlhf/kernels/")}
     assert {p.name for p in (ROOT / "fastrlhf" / "kernels").glob("*.py")} <= kernels
     assert any(f.startswith("fastrlhf/estimate/data/") and f.endswith(".json") for f in files)
