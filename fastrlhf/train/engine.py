@@ -726,7 +726,6 @@ class DecodeEngine:
         self.state = None
         self.weights = None
         self.shared, self.copied = [], []
-        self._poll_snapshot = None
         self.stats["releases"] += 1
 
     # ------------------------------------------------------------ weights

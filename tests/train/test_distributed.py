@@ -100,6 +100,18 @@ def test_ppo_update_gives_the_same_gradients_on_1_and_2_ranks(case, one_rank, tw
         assert two["stats"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
 
 
+def _assert_run_close_to_ref(run: dict, ref: dict, baseline: dict, label: str) -> None:
+    """Every gradient and update stat of `run` (float32) within `assert_close_to_ref` of the float64 `ref`,
+    against the float32 `baseline`'s own error; `label` % the tensor's name names a failure."""
+    assert set(run["grads"]) == set(ref["grads"]) and len(ref["grads"]) > 0
+    for name in ref["grads"]:
+        assert_close_to_ref(run["grads"][name], ref["grads"][name], baseline["grads"][name], atol=1e-6,
+                            name=label % name)
+    for k in ("pg_loss", "clipfrac", "approx_kl", "entropy", "grad_norm"):
+        stat = (torch.tensor(r["stats"][k], dtype=torch.float64) for r in (run, ref, baseline))
+        assert_close_to_ref(*stat, atol=1e-6, name=label % k)
+
+
 @pytest.mark.parametrize("agg", dist_worker.AGGS)
 @pytest.mark.parametrize("case", dist_worker.PACKED)
 def test_packed_micro_batches_give_the_padded_gradients_on_1_and_2_ranks(case, agg, one_rank, two_ranks):
@@ -113,13 +125,7 @@ def test_packed_micro_batches_give_the_padded_gradients_on_1_and_2_ranks(case, a
     ref, padded = one_rank[f"{case}/{agg}/padded/float64"], one_rank[f"{case}/{agg}/padded/float32"]
     for where, packed in (("1 rank", one_rank[f"{case}/{agg}/packed/float32"]),
                           ("2 ranks", two_ranks["runs"][f"{case}/{agg}/packed/float32"])):
-        assert set(packed["grads"]) == set(ref["grads"]) and len(ref["grads"]) > 0
-        for name in ref["grads"]:
-            assert_close_to_ref(packed["grads"][name], ref["grads"][name], padded["grads"][name], atol=1e-6,
-                                name=f"{where} {name}, packed")
-        for k in ("pg_loss", "clipfrac", "approx_kl", "entropy", "grad_norm"):
-            stat = (torch.tensor(run["stats"][k], dtype=torch.float64) for run in (packed, ref, padded))
-            assert_close_to_ref(*stat, atol=1e-6, name=f"{where} {k}, packed")
+        _assert_run_close_to_ref(packed, ref, padded, f"{where} %s, packed")
     # the two aggregations are different losses (the check above is not comparing one loss twice)
     other = one_rank[f"{case}/{[a for a in dist_worker.AGGS if a != agg][0]}/padded/float64"]
     assert abs(other["stats"]["pg_loss"] - ref["stats"]["pg_loss"]) > 1e-4
@@ -135,13 +141,7 @@ def test_shared_prompt_packs_give_the_unshared_gradients_on_1_and_2_ranks(tokens
     ref, unshared = one_rank[f"{case}/shared_off/float64"], one_rank[f"{case}/shared_off/float32"]
     for where, shared in (("1 rank", one_rank[f"{case}/shared_on/{tokens}/float32"]),
                           ("2 ranks", two_ranks["runs"][f"{case}/shared_on/{tokens}/float32"])):
-        assert set(shared["grads"]) == set(ref["grads"]) and len(ref["grads"]) > 0
-        for name in ref["grads"]:
-            assert_close_to_ref(shared["grads"][name], ref["grads"][name], unshared["grads"][name], atol=1e-6,
-                                name=f"{where} {name}, shared prompt")
-        for k in ("pg_loss", "clipfrac", "approx_kl", "entropy", "grad_norm"):
-            stat = (torch.tensor(run["stats"][k], dtype=torch.float64) for run in (shared, ref, unshared))
-            assert_close_to_ref(*stat, atol=1e-6, name=f"{where} {k}, shared prompt")
+        _assert_run_close_to_ref(shared, ref, unshared, f"{where} %s, shared prompt")
 
 
 def test_whitening_and_loss_normalisation_are_global(one_rank, two_ranks):
